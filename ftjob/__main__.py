@@ -1,0 +1,8 @@
+"""``python -m ftjob [hydra overrides]``: see README.md."""
+
+import sys
+
+from ftjob.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The Hydra application: compose -> validate -> runner.run, once per job (or per sweep job)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from ftjob.config import ConfigError, load_job
+
+_failed_jobs: list[str] = []
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ftjob.conf", config_name="config")
+def _job(cfg: DictConfig) -> str:
+    from ftjob import runner
+
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    multirun = hc.mode == RunMode.MULTIRUN
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    try:
+        job = load_job(cfg)
+        result = runner.run(job, run_dir)
+    except (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError) as exc:
+        if not multirun:
+            print(f"ftjob: error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        # A sweep goes on: the job is recorded as failed and reported with the others.
+        runner.write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
+        _failed_jobs.append(run_dir)
+        return "failed"
+    if not result.ok:
+        _failed_jobs.append(run_dir)
+        if not multirun:
+            sys.exit(1)
+    return result.status
+
+
+def run_hydra(argv: list[str]) -> int:
+    sys.argv = [sys.argv[0] or "ftjob", *argv]
+    _job()
+    return 1 if _failed_jobs else 0

@@ -1,0 +1,263 @@
+"""Chaos: a kill schedule, the killer actor that carries it out, and the local multi-node
+cluster that lets node kills run on one machine.
+
+The schedule's clock starts at the run's first training step. Kill ``k`` lands at a random
+point of its window ``[start_delay + k*interval, start_delay + (k+1)*interval)`` (as Ray's
+release-test chaos does), or at the window's end with ``chaos.jitter=false``; the same seed
+gives the same times. A kill waits, if needed, until the current attempt is training, so each
+kill causes one real failure rather than hitting workers that are already gone.
+
+Targets are only nodes or processes that host training workers, never the head node or the
+driver's node. A node kill SIGKILLs the node's raylet (the parent of every Ray worker on it),
+which takes the whole node down; a worker kill SIGKILLs one training worker process. Both run
+as a zero-CPU task pinned to the target node, so they work on real multi-node clusters too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftjob.config import ChaosConfig
+
+logger = logging.getLogger("ftjob.chaos")
+
+
+@dataclass(frozen=True)
+class KillSchedule:
+    interval: float
+    max_kills: int
+    start_delay: float = 0.0
+    jitter: bool = True
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, chaos: ChaosConfig) -> KillSchedule:
+        return cls(chaos.interval, chaos.max_kills, chaos.start_delay, chaos.jitter, chaos.seed)
+
+    def times(self) -> list[float]:
+        """Seconds after the first training step at which each kill is due."""
+        rng = random.Random(self.seed)
+        out = []
+        for k in range(self.max_kills):
+            window = self.start_delay + k * self.interval
+            out.append(window + (rng.uniform(0, self.interval) if self.jitter else self.interval))
+        return out
+
+
+def eligible_targets(
+    workers: list[dict[str, Any]], protected_nodes: set[str]
+) -> list[dict[str, Any]]:
+    """Training workers that may be killed: not on a protected (head/driver) node."""
+    return [w for w in workers if w.get("node_id") not in protected_nodes]
+
+
+def choose_target(kind: str, workers: list[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
+    """A node (all its training workers die) or one training worker process."""
+    if kind == "node":
+        nodes = sorted({w["node_id"] for w in workers})
+        node = rng.choice(nodes)
+        ranks = [w["rank"] for w in workers if w["node_id"] == node]
+        return {"node_id": node, "ranks": ranks}
+    worker = rng.choice(sorted(workers, key=lambda w: w["rank"]))
+    return {"node_id": worker["node_id"], "pid": worker["pid"], "rank": worker["rank"]}
+
+
+def _kill_on_node(kind: str, pid: int | None) -> int:
+    """Runs on the target node. A Ray worker's parent process is its node's raylet."""
+    victim = os.getppid() if kind == "node" else int(pid or 0)
+    os.kill(victim, signal.SIGKILL)
+    return victim
+
+
+class ChaosKiller:
+    """Carries out a :class:`KillSchedule` against the run's training workers.
+
+    ``ledger`` is the run ledger (training workers, attempts, kill records); ``execute`` does a
+    kill and ``clock``/``wait`` are injectable so the logic is tested without Ray or sleeping.
+    """
+
+    def __init__(
+        self,
+        schedule: KillSchedule,
+        kind: str,
+        ledger: Any,
+        protected_nodes: set[str],
+        *,
+        execute: Callable[[str, dict[str, Any]], int] | None = None,
+        clock: Callable[[], float] = time.time,
+        wait: Callable[[float], bool] | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.schedule, self.kind, self.ledger = schedule, kind, ledger
+        self.protected = set(protected_nodes)
+        self.execute = execute or _ray_kill
+        self.clock = clock
+        self._stop = threading.Event()
+        self.wait = wait or self._stop.wait
+        self.poll_s = poll_s
+        self.rng = random.Random(schedule.seed + 1)
+        self.kills: list[dict[str, Any]] = []
+        self.last_attempt = -1
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.ledger.chaos_view()
+
+    def _training_start(self) -> float | None:
+        return self._snapshot()["training_started"]
+
+    def _ready_targets(self) -> tuple[int, list[dict[str, Any]]] | None:
+        view = self._snapshot()
+        attempt = view["attempt"]
+        if attempt is None or attempt <= self.last_attempt or not view["training"]:
+            return None
+        targets = eligible_targets(view["workers"], self.protected)
+        return (attempt, targets) if targets else None
+
+    def run(self) -> list[dict[str, Any]]:
+        start = None
+        while start is None:
+            start = self._training_start()
+            if start is None and self.wait(self.poll_s):
+                return self.kills
+        for due in self.schedule.times():
+            while self.clock() < start + due:
+                if self.wait(min(self.poll_s, start + due - self.clock())):
+                    return self.kills
+            ready = self._ready_targets()
+            while ready is None:
+                if self.wait(self.poll_s):
+                    return self.kills
+                ready = self._ready_targets()
+            attempt, targets = ready
+            target = choose_target(self.kind, targets, self.rng)
+            record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
+            try:
+                record["killed_pid"] = self.execute(self.kind, target)
+            except Exception as exc:  # a target that vanished on its own is not a kill
+                logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
+                continue
+            self.last_attempt = attempt
+            self.kills.append(record)
+            self.ledger.record_kill(record)
+        return self.kills
+
+
+def _ray_kill(kind: str, target: dict[str, Any]) -> int:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
+    task = ray.remote(num_cpus=0, max_retries=0)(_kill_on_node).options(
+        scheduling_strategy=strategy
+    )
+    ref = task.remote(kind, target.get("pid"))
+    if kind == "node":
+        return -1  # the task dies with its raylet; its answer never comes
+    return int(ray.get(ref, timeout=30))
+
+
+class _LedgerView:
+    """Synchronous view of the ledger actor for the killer."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def chaos_view(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.chaos_view.remote())
+
+    def record_kill(self, record: dict[str, Any]) -> None:
+        self.handle.kill.remote(record)
+
+
+class KillerActor:
+    """Ray actor wrapper: runs a ChaosKiller on a thread until the schedule ends or stop()."""
+
+    def __init__(self, chaos: ChaosConfig, ledger: Any, protected_nodes: list[str]) -> None:
+        self.killer = ChaosKiller(
+            KillSchedule.from_config(chaos), chaos.kind, _LedgerView(ledger), set(protected_nodes)
+        )
+        self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.killer.stop()
+        self.thread.join(timeout=10)
+        return self.killer.kills
+
+
+def protected_nodes() -> list[str]:
+    """The head node and the driver's node: never chaos targets."""
+    import ray
+
+    head = [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
+    ]
+    return sorted(set(head) | {ray.get_runtime_context().get_node_id()})
+
+
+def start_killer(chaos: ChaosConfig, ledger: Any) -> Any:
+    """Start the killer actor on the driver's node (the head node of a local cluster)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(KillerActor)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    return actor.options(scheduling_strategy=strategy).remote(chaos, ledger, protected_nodes())
+
+
+class LocalCluster:
+    """A simulated multi-node cluster on this machine (``ray.local_nodes=N``): a head node with
+    no CPUs (so training never lands on it) and N-1 worker nodes. Killed nodes are replaced
+    after ``replace_delay`` seconds, as an autoscaler would. ``Cluster.add_node`` must run on
+    the driver's main thread, so the runner calls :meth:`service` from there."""
+
+    def __init__(self, nodes: int, node_cpus: int, replace_delay: float) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.node_cpus, self.replace_delay = node_cpus, replace_delay
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(nodes - 1):
+            self.cluster.add_node(num_cpus=node_cpus)
+        self.replaced: set[int] = set()
+        self.replacements = 0
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def service(self, kills: list[dict[str, Any]], now: float) -> None:
+        """Add a node for every node kill older than replace_delay that was not replaced yet."""
+        for i, kill in enumerate(kills):
+            if (
+                kill["kind"] == "node"
+                and i not in self.replaced
+                and now - kill["time"] >= self.replace_delay
+            ):
+                self.replaced.add(i)
+                self.cluster.add_node(num_cpus=self.node_cpus)
+                self.replacements += 1
+                logger.info(
+                    "local cluster: replaced killed node %s", kill["target"]["node_id"][:12]
+                )
+
+    def shutdown(self) -> None:
+        try:
+            self.cluster.shutdown()
+        except Exception as exc:  # dead nodes may refuse a clean stop
+            logger.debug("local cluster shutdown: %s", exc)

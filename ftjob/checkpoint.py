@@ -1,0 +1,229 @@
+"""Atomic checkpoints on any fsspec storage: a checkpoint counts only when its manifest exists.
+
+A checkpoint is a directory ``{run}/checkpoints/step_{step:09d}/`` holding the files the
+training loop wrote plus ``manifest.json`` -- each file's size and SHA-256 -- uploaded *last*,
+after every file went up. Restoring downloads the newest checkpoint and verifies it against its
+manifest; an incomplete or corrupt one (missing manifest, missing or truncated file, checksum
+mismatch) is skipped, logged, and the next older one is tried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import posixpath
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec import AbstractFileSystem
+
+logger = logging.getLogger("ftjob.checkpoint")
+
+MANIFEST = "manifest.json"
+CHECKPOINTS_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+_CHUNK = 8 * 1024 * 1024
+
+
+def file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(local_dir: str, step: int) -> dict[str, Any]:
+    files = {}
+    for name in sorted(os.listdir(local_dir)):
+        full = os.path.join(local_dir, name)
+        if name == MANIFEST or not os.path.isfile(full):
+            continue
+        files[name] = {"size": os.path.getsize(full), "sha256": file_digest(full)}
+    return {"format": 1, "step": step, "created": time.time(), "files": files}
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that is incomplete or does not match its manifest."""
+
+
+@dataclass
+class RestoreResult:
+    step: int
+    path: str
+    local_dir: str
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+
+class CheckpointStore:
+    """Writes, lists, verifies and prunes the checkpoints of one run on ``fs``."""
+
+    def __init__(self, fs: AbstractFileSystem, run_path: str) -> None:
+        self.fs = fs
+        self.root = posixpath.join(run_path.rstrip("/"), CHECKPOINTS_DIR)
+
+    def dir_name(self, step: int) -> str:
+        return f"step_{step:09d}"
+
+    def path_for(self, step: int) -> str:
+        return posixpath.join(self.root, self.dir_name(step))
+
+    # -- write ----------------------------------------------------------------------------
+
+    def commit(self, local_dir: str, step: int) -> str:
+        """Upload ``local_dir`` as the checkpoint of ``step``: every file, then the manifest.
+        Raises when an upload fails after the retry policy gave up; the checkpoint then has
+        no manifest and never counts."""
+        manifest = build_manifest(local_dir, step)
+        remote = self.path_for(step)
+        self.fs.makedirs(remote, exist_ok=True)  # a no-op on object stores
+        for name in manifest["files"]:
+            self.fs.put_file(os.path.join(local_dir, name), posixpath.join(remote, name))
+        self.fs.pipe_file(posixpath.join(remote, MANIFEST), json.dumps(manifest, indent=1).encode())
+        return remote
+
+    # -- read -----------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """Steps of all checkpoint directories, committed or not, newest first."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        found = [_STEP_DIR.match(posixpath.basename(str(e).rstrip("/"))) for e in entries]
+        return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+    def read_manifest(self, step: int) -> dict[str, Any]:
+        try:
+            raw = self.fs.cat_file(posixpath.join(self.path_for(step), MANIFEST))
+        except FileNotFoundError:
+            raise CorruptCheckpoint("no manifest: the upload never completed") from None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"unreadable manifest ({exc})") from None
+
+    def read_file(self, step: int, name: str) -> bytes:
+        return self.fs.cat_file(posixpath.join(self.path_for(step), name))
+
+    def download(self, step: int, local_dir: str) -> dict[str, Any]:
+        """Download and verify the checkpoint of ``step`` into ``local_dir``."""
+        manifest = self.read_manifest(step)
+        os.makedirs(local_dir, exist_ok=True)
+        remote = self.path_for(step)
+        for name, meta in manifest["files"].items():
+            local = os.path.join(local_dir, name)
+            try:
+                self.fs.get_file(posixpath.join(remote, name), local)
+            except FileNotFoundError:
+                raise CorruptCheckpoint(f"{name} is missing") from None
+            size = os.path.getsize(local)
+            if size != meta["size"]:
+                raise CorruptCheckpoint(f"{name} has {size} bytes, manifest says {meta['size']}")
+            if file_digest(local) != meta["sha256"]:
+                raise CorruptCheckpoint(f"{name} does not match its checksum")
+        return manifest
+
+    def restore_latest(self, local_root: str, max_step: int | None = None) -> RestoreResult | None:
+        """The newest valid checkpoint, downloaded under ``local_root``; None if there is none.
+        Invalid newer ones are reported in ``skipped``."""
+        skipped: list[dict[str, Any]] = []
+        for step in self.steps():
+            if max_step is not None and step > max_step:
+                continue
+            local_dir = os.path.join(local_root, self.dir_name(step))
+            try:
+                self.download(step, local_dir)
+            except CorruptCheckpoint as exc:
+                logger.warning(
+                    "checkpoint %s is not usable (%s); trying an older one",
+                    self.path_for(step),
+                    exc,
+                )
+                skipped.append({"step": step, "path": self.path_for(step), "reason": str(exc)})
+                shutil.rmtree(local_dir, ignore_errors=True)
+                continue
+            return RestoreResult(
+                step=step, path=self.path_for(step), local_dir=local_dir, skipped=skipped
+            )
+        return None
+
+    def delete_newer_than(self, step: int) -> list[int]:
+        """Remove checkpoint directories past ``step`` (left by a failed attempt, never valid or
+        never restored), so a later restore cannot mistake them for progress."""
+        removed = [s for s in self.steps() if s > step]
+        for s in removed:
+            try:
+                self.fs.rm(self.path_for(s), recursive=True)
+            except FileNotFoundError:
+                pass
+        return removed
+
+
+@dataclass
+class UploadOutcome:
+    step: int
+    path: str | None
+    error: str | None
+    seconds: float
+
+
+class AsyncUploader:
+    """Uploads checkpoints on a background thread, one at a time, so training does not wait.
+
+    ``submit`` blocks only while the previous upload is still running (at most one pending
+    checkpoint is held locally). ``drain`` returns finished outcomes -- failures included, so
+    none is lost -- and ``close`` waits for the pending upload.
+    """
+
+    def __init__(self, upload: Callable[[str, int], str], cleanup: Callable[[str], None]) -> None:
+        self._upload, self._cleanup = upload, cleanup
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftjob-upload")
+        self._pending: Future[UploadOutcome] | None = None
+        self._done: list[UploadOutcome] = []
+        self._lock = threading.Lock()
+
+    def _run(self, local_dir: str, step: int) -> UploadOutcome:
+        start = time.perf_counter()
+        try:
+            path, error = self._upload(local_dir, step), None
+        except Exception as exc:
+            path, error = None, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._cleanup(local_dir)
+        return UploadOutcome(step, path, error, time.perf_counter() - start)
+
+    def wait(self) -> float:
+        """Wait for the pending upload; returns the seconds spent waiting."""
+        start = time.perf_counter()
+        if self._pending is not None:
+            outcome = self._pending.result()
+            with self._lock:
+                self._done.append(outcome)
+            self._pending = None
+        return time.perf_counter() - start
+
+    def submit(self, local_dir: str, step: int) -> float:
+        waited = self.wait()
+        self._pending = self._pool.submit(self._run, local_dir, step)
+        return waited
+
+    def drain(self) -> list[UploadOutcome]:
+        if self._pending is not None and self._pending.done():
+            self.wait()
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def close(self) -> list[UploadOutcome]:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        return self.drain()

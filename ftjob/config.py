@@ -1,0 +1,475 @@
+"""The job schema: one typed dataclass per config group, validated once before Ray starts.
+
+Hydra composes conf/ against these dataclasses (registered in the ConfigStore as
+``ftjob_schema``), so an unknown key or a wrong type is refused at composition. Value rules
+live in each dataclass's ``__post_init__`` and raise :class:`ConfigError`, whose message names
+the full key, the value and the rule. ``model`` and ``dataset`` are ``_target_`` groups: their
+keys are checked against the target's signature by :func:`check_target`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+# Keys whose missing value deserves more than "set it": what a user actually types.
+_MISSING_HINTS = {
+    "dataset.path": "set dataset.path=/data/imagenet (or s3://bucket/imagenet): a folder with "
+    "train/ and val/ class subfolders",
+    "name": "set name=RUN_NAME",
+}
+
+
+class ConfigError(ValueError):
+    """A config value breaks a rule. ``str()`` is one line: key, value, rule."""
+
+    def __init__(self, key: str, value: Any, rule: str) -> None:
+        self.key, self.value, self.rule = key, value, rule
+        super().__init__(f"{key}={value!r}: {rule}")
+
+
+def _require(ok: bool, group: str, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{group}.{key}" if group else key, value, rule)
+
+
+@dataclass
+class RetryConfig:
+    """How storage requests are retried (see ftjob.storage.RetryPolicy)."""
+
+    _group: ClassVar[str] = "checkpoint.retry"
+    max_attempts: int = 5
+    initial_backoff: float = 0.5
+    multiplier: float = 2.0
+    max_backoff: float = 20.0
+    jitter: float = 0.25
+    deadline: float | None = 300.0
+    retry_on: list[str] = field(default_factory=list)
+    give_up_on: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(
+            self.max_attempts >= 1,
+            g,
+            "max_attempts",
+            self.max_attempts,
+            "must be >= 1 (1 = no retries)",
+        )
+        _require(
+            self.initial_backoff >= 0,
+            g,
+            "initial_backoff",
+            self.initial_backoff,
+            "must be >= 0 seconds",
+        )
+        _require(self.multiplier >= 1, g, "multiplier", self.multiplier, "must be >= 1")
+        _require(
+            self.max_backoff >= self.initial_backoff,
+            g,
+            "max_backoff",
+            self.max_backoff,
+            f"must be >= initial_backoff ({self.initial_backoff})",
+        )
+        _require(0 <= self.jitter <= 1, g, "jitter", self.jitter, "must be a fraction in [0, 1]")
+        _require(
+            self.deadline is None or self.deadline > 0,
+            g,
+            "deadline",
+            self.deadline,
+            "must be > 0 seconds, or null for no deadline",
+        )
+
+
+UPLOAD_MODES = ("sync", "async")
+
+
+@dataclass
+class CheckpointConfig:
+    _group: ClassVar[str] = "checkpoint"
+    storage_path: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    num_to_keep: int = 2
+    upload_mode: str = "sync"
+    max_consecutive_upload_failures: int = 0
+    retry: RetryConfig = field(default_factory=RetryConfig)
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(self.num_to_keep >= 1, g, "num_to_keep", self.num_to_keep, "must be >= 1")
+        _require(
+            self.upload_mode in UPLOAD_MODES,
+            g,
+            "upload_mode",
+            self.upload_mode,
+            f"must be one of {list(UPLOAD_MODES)}",
+        )
+        _require(
+            self.max_consecutive_upload_failures >= 0,
+            g,
+            "max_consecutive_upload_failures",
+            self.max_consecutive_upload_failures,
+            "must be >= 0 (0 = the first upload that fails after all retries fails the job)",
+        )
+        _require(
+            self.storage_path is None or self.storage_path.strip() != "",
+            g,
+            "storage_path",
+            self.storage_path,
+            "must be an fsspec URL or path, or null for <run dir>/checkpoints",
+        )
+
+
+CHAOS_KINDS = ("none", "node", "worker")
+STORAGE_ERRORS = ("throttle", "reset", "timeout", "permanent")
+
+
+@dataclass
+class StorageChaosConfig:
+    _group: ClassVar[str] = "chaos.storage"
+    failure_rate: float = 0.0
+    errors: list[str] = field(default_factory=lambda: ["throttle", "reset", "timeout"])
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(
+            0 <= self.failure_rate < 1,
+            g,
+            "failure_rate",
+            self.failure_rate,
+            "must be a fraction in [0, 1)",
+        )
+        bad = [e for e in self.errors if e not in STORAGE_ERRORS]
+        _require(not bad, g, "errors", self.errors, f"each must be one of {list(STORAGE_ERRORS)}")
+        _require(bool(self.errors), g, "errors", self.errors, "must name at least one error kind")
+
+
+@dataclass
+class ChaosConfig:
+    _group: ClassVar[str] = "chaos"
+    kind: str = "none"
+    interval: float = 480.0
+    max_kills: int = 0
+    start_delay: float = 0.0
+    jitter: bool = True
+    seed: int = 0
+    fail_at_steps: list[int] = field(default_factory=list)
+    storage: StorageChaosConfig = field(default_factory=StorageChaosConfig)
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(
+            self.kind in CHAOS_KINDS, g, "kind", self.kind, f"must be one of {list(CHAOS_KINDS)}"
+        )
+        _require(self.interval > 0, g, "interval", self.interval, "must be > 0 seconds")
+        _require(self.max_kills >= 0, g, "max_kills", self.max_kills, "must be >= 0")
+        _require(self.start_delay >= 0, g, "start_delay", self.start_delay, "must be >= 0 seconds")
+        _require(
+            all(s > 0 for s in self.fail_at_steps),
+            g,
+            "fail_at_steps",
+            self.fail_at_steps,
+            "steps are 1-based: each must be >= 1",
+        )
+
+
+@dataclass
+class FailureConfig:
+    _group: ClassVar[str] = "failure"
+    max_failures: int = 3
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_failures >= -1,
+            self._group,
+            "max_failures",
+            self.max_failures,
+            "must be >= 0, or -1 for unlimited",
+        )
+
+
+@dataclass
+class RayConfig:
+    _group: ClassVar[str] = "ray"
+    address: str | None = None
+    local_nodes: int = 1
+    num_cpus: int | None = None
+    node_cpus: int = 2
+    replace_delay: float = 5.0
+    log_to_driver: bool = False
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(
+            self.local_nodes >= 1,
+            g,
+            "local_nodes",
+            self.local_nodes,
+            "must be >= 1 (1 = one local node)",
+        )
+        _require(
+            self.num_cpus is None or self.num_cpus >= 1,
+            g,
+            "num_cpus",
+            self.num_cpus,
+            "must be >= 1 or null",
+        )
+        _require(self.node_cpus >= 1, g, "node_cpus", self.node_cpus, "must be >= 1")
+        _require(
+            self.replace_delay >= 0, g, "replace_delay", self.replace_delay, "must be >= 0 seconds"
+        )
+        _require(
+            self.address is None or self.local_nodes == 1,
+            g,
+            "local_nodes",
+            self.local_nodes,
+            "a simulated cluster (local_nodes > 1) cannot be combined with ray.address",
+        )
+
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class TrainerConfig:
+    _group: ClassVar[str] = "trainer"
+    num_workers: int = 2
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    epochs: int = 3
+    batch_size: int = 32
+    val_batch_size: int | None = None
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    validate_every_n_steps: int = 0
+    checkpoint_every_n_steps: int = 0
+    log_every_n_steps: int = 10
+    seed: int = 0
+    audit_samples: bool = False
+    prefetch_batches: int = 2
+    decode_cpus: float = 1.0
+    precision: str = "fp32"
+    channels_last: bool = False
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _require(self.num_workers >= 1, g, "num_workers", self.num_workers, "must be >= 1")
+        _require(self.epochs >= 1, g, "epochs", self.epochs, "must be >= 1")
+        _require(
+            self.batch_size >= 1, g, "batch_size", self.batch_size, "must be >= 1 (per worker)"
+        )
+        _require(
+            self.val_batch_size is None or self.val_batch_size >= 1,
+            g,
+            "val_batch_size",
+            self.val_batch_size,
+            "must be >= 1, or null for batch_size",
+        )
+        _require(
+            self.optimizer in OPTIMIZERS,
+            g,
+            "optimizer",
+            self.optimizer,
+            f"must be one of {list(OPTIMIZERS)}",
+        )
+        _require(
+            self.lr > 0 and math.isfinite(self.lr), g, "lr", self.lr, "must be a finite number > 0"
+        )
+        _require(self.weight_decay >= 0, g, "weight_decay", self.weight_decay, "must be >= 0")
+        _require(
+            self.lr_schedule in LR_SCHEDULES,
+            g,
+            "lr_schedule",
+            self.lr_schedule,
+            f"must be one of {list(LR_SCHEDULES)}",
+        )
+        _require(self.warmup_steps >= 0, g, "warmup_steps", self.warmup_steps, "must be >= 0")
+        for key in ("validate_every_n_steps", "checkpoint_every_n_steps"):
+            value = getattr(self, key)
+            _require(value >= 0, g, key, value, "must be >= 0 (0 = at the end of each epoch only)")
+        _require(
+            self.log_every_n_steps >= 1,
+            g,
+            "log_every_n_steps",
+            self.log_every_n_steps,
+            "must be >= 1",
+        )
+        _require(
+            self.prefetch_batches >= 0, g, "prefetch_batches", self.prefetch_batches, "must be >= 0"
+        )
+        _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
+        _require(
+            self.precision in PRECISIONS,
+            g,
+            "precision",
+            self.precision,
+            f"must be one of {list(PRECISIONS)}",
+        )
+        bad = {k: v for k, v in self.resources_per_worker.items() if v < 0}
+        _require(
+            not bad, g, "resources_per_worker", self.resources_per_worker, "amounts must be >= 0"
+        )
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate for 0-based ``step``: linear warmup, then constant or cosine to 0.
+        A pure function of the step, so a resumed run follows the same curve."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_workers
+
+    @property
+    def worker_cpus(self) -> float:
+        return float(self.resources_per_worker.get("CPU", 1.0))
+
+
+@dataclass
+class JobConfig:
+    """The whole job. ``model`` and ``dataset`` are ``_target_`` nodes built by the runner."""
+
+    model: dict[str, Any] = MISSING
+    dataset: dict[str, Any] = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    name: str | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            not self.resume or bool(self.name),
+            "",
+            "resume",
+            self.resume,
+            "resume=true continues the run called `name`: set name=RUN_NAME too",
+        )
+        _require(
+            self.name is None or (self.name.strip() != "" and "/" not in self.name),
+            "",
+            "name",
+            self.name,
+            "must be a non-empty run name without '/'",
+        )
+        if self.chaos.kind == "node" and self.chaos.max_kills > 0:
+            _require(
+                self.ray.local_nodes > 1 or self.ray.address is not None,
+                "chaos",
+                "kind",
+                self.chaos.kind,
+                "node kills need a multi-node cluster: set ray.local_nodes=3 (simulated) or ray.address",
+            )
+        check_target(self.model, "model", skip=("num_classes",))
+        check_target(self.dataset, "dataset")
+
+
+def check_target(
+    node: dict[str, Any], group: str, skip: tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    """Import ``node['_target_']`` and bind the node's other keys to its signature."""
+    target = node.get("_target_")
+    if not isinstance(target, str) or not target:
+        raise ConfigError(
+            f"{group}._target_", target, "must name the class or function that builds the " + group
+        )
+    obj = import_target(target, f"{group}._target_")
+    kwargs = {k: v for k, v in node.items() if k != "_target_" and k not in skip}
+    try:
+        inspect.signature(obj).bind_partial(**kwargs)
+    except TypeError as exc:
+        params = [p for p in inspect.signature(obj).parameters if p not in skip]
+        raise ConfigError(
+            group, sorted(kwargs), f"{target} does not accept these keys ({exc}); it takes {params}"
+        ) from None
+    return obj
+
+
+def import_target(path: str, key: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(
+            key, path, f"cannot be imported ({exc}); is the module installed or on PYTHONPATH?"
+        ) from None
+
+
+def _check_known_keys(node: Any, schema: type, prefix: str = "") -> None:
+    """Keys added with ``+group.key=...`` pass Hydra's struct mode; refuse them here."""
+    known = {f.name: f for f in fields(schema)}
+    for key in node:
+        full = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(
+                full,
+                OmegaConf.select(node, str(key), throw_on_missing=False),
+                f"unknown key: {schema.__name__} has {sorted(known)}",
+            )
+        child = node[key] if not OmegaConf.is_missing(node, key) else None
+        sub = known[key].type
+        sub_type = globals().get(sub) if isinstance(sub, str) else sub
+        if isinstance(child, DictConfig) and is_dataclass(sub_type):
+            _check_known_keys(child, sub_type, f"{full}.")
+
+
+def load_job(cfg: DictConfig) -> JobConfig:
+    """Turn a composed config into a validated JobConfig, or raise ConfigError (one line)."""
+    _check_known_keys(cfg, JobConfig)
+    try:
+        job = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except MissingMandatoryValue as exc:
+        key = exc.full_key or "?"
+        raise ConfigError(
+            key, "???", _MISSING_HINTS.get(key, f"is required: set {key}=VALUE")
+        ) from None
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ConfigError) else None
+        if cause is not None:
+            raise cause from None
+        key = getattr(exc, "full_key", None) or "config"
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(key, getattr(exc, "value", None), message) from None
+    assert isinstance(job, JobConfig)
+    return job
+
+
+def to_plain(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists (JSON-safe): what workers and checkpoints carry."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def register_schema() -> None:
+    """Register the schema so conf/config.yaml can extend it (defaults: - ftjob_schema)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ftjob_schema", node=JobConfig)

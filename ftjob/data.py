@@ -1,0 +1,212 @@
+"""The resumable data iterator: deterministic epoch order, exact-once, constant-cost resume.
+
+An epoch's sample order is a pure function of ``(seed, epoch, number of samples)``
+(:func:`epoch_order`). Training position is counted in *global samples*: after ``k`` steps of
+global batch ``B`` the position is ``k * B``. Resuming slices the order at that position, so
+the skipped samples are never read or decoded, and the samples trained are exactly the ones the
+previous attempts did not train -- whatever the number of attempts or workers, as long as the
+global batch size stays the same.
+
+Global batch ``k`` is ``order[k*B:(k+1)*B]``; rank ``r`` of ``W`` trains the ``r``-th slice of
+``B/W`` samples of it. Reading and decoding run in Ray Data (``map_batches`` with streaming and
+prefetching); each worker streams its own slice with ``preserve_order`` so batch ``k`` on every
+rank belongs to global batch ``k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from ftjob.datasets import TRAIN, VAL, ImageDataset
+
+ORDER_STREAM = 0x0DE5  # keeps the order's random stream apart from augmentation streams
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The order of sample ids in ``epoch``: the same in every attempt and on every worker."""
+    return np.random.default_rng([seed, epoch, ORDER_STREAM]).permutation(num_samples)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How one epoch's samples map to steps and ranks (``drop_last``: the tail that does not
+    fill a global batch is the same in every attempt and is not trained)."""
+
+    num_samples: int
+    global_batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size > self.num_samples:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} (trainer.batch_size x trainer.num_workers) "
+                f"is larger than the {self.num_samples} training samples: lower trainer.batch_size"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.global_batch_size
+
+    def check_position(self, position: int) -> None:
+        if position % self.global_batch_size or not 0 <= position <= self.samples_per_epoch:
+            raise ValueError(
+                f"position {position} is not a step boundary of global batch {self.global_batch_size} "
+                f"in an epoch of {self.samples_per_epoch} samples"
+            )
+
+    def shard(self, epoch: int, position: int, rank: int, world_size: int) -> np.ndarray:
+        """Ids that ``rank`` trains in ``epoch`` from global sample ``position`` on, in order."""
+        if self.global_batch_size % world_size:
+            raise ValueError(
+                f"global batch {self.global_batch_size} does not split over {world_size} workers"
+            )
+        self.check_position(position)
+        order = epoch_order(self.num_samples, self.seed, epoch)[position : self.samples_per_epoch]
+        per_rank = self.global_batch_size // world_size
+        return order.reshape(-1, world_size, per_rank)[:, rank, :].reshape(-1)
+
+
+@dataclass
+class Batch:
+    images: Any  # torch.Tensor, NCHW float32 on the training device
+    labels: Any  # torch.Tensor, int64
+    ids: np.ndarray  # catalog ids, for the sample audit
+
+
+class BatchSource(Protocol):
+    """What the training loop iterates: one epoch's batches from a position on."""
+
+    def epoch(self, epoch: int, position: int) -> Iterator[Batch]: ...
+
+
+class _Decode:
+    """Ray Data map_batches callable: catalog rows -> image/label/id columns."""
+
+    def __init__(self, dataset: ImageDataset, split: str, epoch: int, seed: int) -> None:
+        self.dataset, self.split, self.epoch, self.seed = dataset, split, epoch, seed
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images = self.dataset.decode(rows, self.split, self.epoch, self.seed)
+        return {
+            "image": images,
+            "label": rows["label"].astype(np.int64),
+            "id": rows["id"].astype(np.int64),
+        }
+
+
+def configure_ray_data() -> None:
+    """Per-process Ray Data settings the iterator relies on (order) and the console wants."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+
+
+class RayDataStream:
+    """Streams catalog rows through ``dataset.decode`` in Ray Data, in the given order."""
+
+    def __init__(
+        self,
+        dataset: ImageDataset,
+        catalog: pa.Table,
+        split: str,
+        *,
+        seed: int,
+        device: Any = "cpu",
+        prefetch_batches: int = 2,
+        decode_cpus: float = 1.0,
+        pin_memory: bool = False,
+        channels_last: bool = False,
+    ) -> None:
+        self.dataset, self.catalog, self.split = dataset, catalog, split
+        self.seed, self.device = seed, device
+        self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
+        self.pin_memory, self.channels_last = pin_memory, channels_last
+
+    def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]:
+        import ray.data
+        import torch
+
+        if len(ids) == 0:
+            return
+        configure_ray_data()
+        rows = self.catalog.take(pa.array(ids))
+        # Blocks of whole batches: batch boundaries never straddle blocks, and several
+        # blocks decode in parallel ahead of the training step.
+        block = batch_size * max(1, 128 // batch_size)
+        blocks = [rows.slice(i, block) for i in range(0, rows.num_rows, block)]
+        ds = ray.data.from_arrow(blocks).map_batches(
+            _Decode(self.dataset, self.split, epoch, self.seed),
+            batch_size=None,
+            batch_format="numpy",
+            num_cpus=self.decode_cpus,
+        )
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        for b in ds.iter_torch_batches(
+            batch_size=batch_size,
+            prefetch_batches=self.prefetch_batches,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            dtypes={"image": torch.float32, "label": torch.int64, "id": torch.int64},
+        ):
+            yield Batch(
+                images=b["image"].contiguous(memory_format=memory_format),
+                labels=b["label"],
+                ids=b["id"].cpu().numpy(),
+            )
+
+
+class ResumableIterator:
+    """Exact-once, constant-cost resumable training batches for one rank."""
+
+    def __init__(self, stream: RayDataStream, plan: EpochPlan, rank: int, world_size: int) -> None:
+        self.stream, self.plan, self.rank, self.world_size = stream, plan, rank, world_size
+        self.batch_size = plan.global_batch_size // world_size
+
+    def epoch(self, epoch: int, position: int) -> Iterator[Batch]:
+        ids = self.plan.shard(epoch, position, self.rank, self.world_size)
+        return self.stream.batches(ids, self.batch_size, epoch)
+
+
+class SkipByIterationIterator:
+    """The replay method (Ray's release benchmark): iterate the epoch from its start and drop
+    the batches before ``position``. Kept for comparison in benchmarks/resume_skip.py."""
+
+    def __init__(self, stream: RayDataStream, plan: EpochPlan, rank: int, world_size: int) -> None:
+        self.inner = ResumableIterator(stream, plan, rank, world_size)
+
+    def epoch(self, epoch: int, position: int) -> Iterator[Batch]:
+        to_skip = position // self.inner.plan.global_batch_size
+        for i, batch in enumerate(self.inner.epoch(epoch, 0)):
+            if i >= to_skip:
+                yield batch
+
+
+def validation_ids(num_samples: int, rank: int, world_size: int) -> np.ndarray:
+    """Each rank's contiguous share of the validation set; together they cover it once."""
+    return np.array_split(np.arange(num_samples), world_size)[rank]
+
+
+__all__ = [
+    "TRAIN",
+    "VAL",
+    "Batch",
+    "BatchSource",
+    "EpochPlan",
+    "RayDataStream",
+    "ResumableIterator",
+    "SkipByIterationIterator",
+    "epoch_order",
+    "validation_ids",
+]

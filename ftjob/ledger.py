@@ -1,0 +1,217 @@
+"""The run ledger: a Ray actor on the driver's node that records what happens to a run.
+
+Workers, the chaos killer and the Ray Train controller send it events (attempt starts, restore
+timings, first step after a restore, validations, checkpoints, kills, failures). It lives
+outside the training workers and outside the model checkpoint, so recovery records survive any
+number of kills -- including kills that land while a worker is still restoring. The driver
+polls it for progress lines and builds summary.json from :meth:`RunLedger.snapshot`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from ftjob.metrics import json_safe
+
+
+class RunLedger:
+    """Plain class; :func:`start_ledger` runs it as a Ray actor."""
+
+    def __init__(self, plan: dict[str, Any], fail_at_steps: list[int] | None = None) -> None:
+        self.plan = dict(plan)
+        self.started = time.time()
+        self.attempts: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+        self.kills: list[dict[str, Any]] = []
+        self.injected: list[dict[str, Any]] = []
+        self.validations: dict[int, dict[str, Any]] = {}
+        self.replaced_validations = 0
+        self.checkpoints: list[dict[str, Any]] = []
+        self.storage: dict[str, dict[str, Any]] = {}
+        self.audit: dict[tuple[int, int], dict[str, Any]] = defaultdict(lambda: {"ids": []})
+        self.metrics: dict[str, float] = {}
+        self.progress: dict[str, Any] = {}
+        self.fatal: str | None = None
+        self.finished: float | None = None
+        self.pending_failures = set(fail_at_steps or [])
+        self.lines: list[str] = []
+
+    def _log(self, line: str) -> None:
+        self.lines.append(line)
+
+    # -- attempts ---------------------------------------------------------------------------
+
+    def begin_attempt(self, now: float) -> int:
+        index = len(self.attempts)
+        self.attempts.append(
+            {
+                "index": index,
+                "started": now,
+                "workers": {},
+                "restored": None,
+                "first_step": None,
+                "max_step": 0,
+            }
+        )
+        if index:
+            self._log(f"attempt {index + 1}: training workers restarted")
+        return index
+
+    def register_worker(self, attempt: int, rank: int, info: dict[str, Any]) -> None:
+        self.attempts[attempt]["workers"][rank] = info
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Training workers of the latest attempt (for the chaos killer's targets)."""
+        if not self.attempts:
+            return []
+        return [dict(w, rank=r) for r, w in sorted(self.attempts[-1]["workers"].items())]
+
+    def chaos_view(self) -> dict[str, Any]:
+        """What the chaos killer needs: when training began, and the current attempt."""
+        if not self.attempts:
+            return {"training_started": None, "attempt": None, "training": False, "workers": []}
+        first = self.attempts[0]["first_step"]
+        latest = self.attempts[-1]
+        return {
+            "training_started": first["time"] if first else None,
+            "attempt": latest["index"],
+            "training": latest["first_step"] is not None and self.finished is None,
+            "workers": self.workers(),
+        }
+
+    def log(self, line: str) -> None:
+        self._log(line)
+
+    def restored(self, attempt: int, info: dict[str, Any]) -> None:
+        self.attempts[attempt]["restored"] = info
+        self.attempts[attempt]["max_step"] = max(self.attempts[attempt]["max_step"], info["step"])
+        for bad in info.get("skipped", []):
+            self._log(
+                f"checkpoint at step {bad['step']} is not usable ({bad['reason']}): fell back"
+            )
+        self._log(
+            f"restored step {info['step']} (epoch {info['epoch']}, sample {info['position']}) from "
+            f"{info['path']}: download {info['download']:.2f}s, load {info['load']:.2f}s, "
+            f"skip {info['skip']:.3f}s"
+        )
+
+    def first_step(self, attempt: int, step: int, now: float) -> None:
+        if self.attempts[attempt]["first_step"] is None:
+            self.attempts[attempt]["first_step"] = {"step": step, "time": now}
+
+    def progress_update(
+        self, attempt: int, progress: dict[str, Any], metrics: dict[str, float]
+    ) -> None:
+        self.progress = dict(progress, attempt=attempt)
+        self.metrics = dict(metrics)
+        self.attempts[attempt]["max_step"] = max(
+            self.attempts[attempt]["max_step"], progress["step"]
+        )
+        p = progress
+        self._log(
+            f"epoch {p['epoch'] + 1}/{p['epochs']} step {p['step']}/{p['total_steps']} "
+            f"loss {p['loss']:.4f} | {p['throughput']:.0f} img/s"
+        )
+
+    # -- events -----------------------------------------------------------------------------
+
+    def validation(self, attempt: int, step: int, result: dict[str, Any]) -> None:
+        if step in self.validations:
+            self.replaced_validations += 1  # the step was trained again after a restore
+        self.validations[step] = dict(result, step=step, attempt=attempt)
+        self._log(
+            f"validation at step {step}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
+        )
+
+    def checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
+        self.checkpoints.append(dict(record, attempt=attempt))
+        if record.get("path"):
+            self._log(f"checkpoint step {record['step']} committed ({record['seconds']:.2f}s)")
+        else:
+            self._log(f"checkpoint step {record['step']} upload FAILED: {record.get('error')}")
+
+    def storage_stats(self, attempt: int, rank: int, stats: dict[str, Any]) -> None:
+        self.storage[f"{attempt}/{rank}"] = stats
+
+    def audit_step(self, attempt: int, step: int, epoch: int, ids: list[int]) -> None:
+        entry = self.audit[(attempt, step)]
+        entry["epoch"] = epoch
+        entry["ids"].extend(ids)
+
+    def claim_injected_failure(self, step: int, now: float) -> bool:
+        """True once per step in chaos.fail_at_steps: that worker then raises."""
+        if step not in self.pending_failures:
+            return False
+        self.pending_failures.discard(step)
+        self.injected.append({"time": now, "step": step})
+        self._log(f"chaos: injected failure at step {step}")
+        return True
+
+    def kill(self, record: dict[str, Any]) -> None:
+        self.kills.append(record)
+        target = record.get("target", {})
+        what = (
+            f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+            if record["kind"] == "node"
+            else (f"worker rank {target.get('rank')} (pid {target.get('pid')})")
+        )
+        self._log(f"chaos: kill {len(self.kills)}: {what}")
+
+    def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
+        self.failures.append({"noticed": now, "errors": errors})
+        first = next(iter(errors.values()), "")
+        self._log(f"failure noticed ({len(errors)} worker(s)): {first[:200]}")
+
+    def set_fatal(self, error: str) -> None:
+        if self.fatal is None:
+            self.fatal = error
+            self._log(f"fatal: {error}")
+
+    def finish(self, now: float) -> None:
+        self.finished = now
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def snapshot_kills(self) -> list[dict[str, Any]]:
+        return list(self.kills)
+
+    def poll(self, cursor: int) -> tuple[list[str], int]:
+        return self.lines[cursor:], len(self.lines)
+
+    def snapshot(self) -> dict[str, Any]:
+        return json_safe(
+            {
+                "plan": self.plan,
+                "started": self.started,
+                "finished": self.finished,
+                "attempts": self.attempts,
+                "failures": self.failures,
+                "kills": self.kills,
+                "injected": self.injected,
+                "validations": [self.validations[s] for s in sorted(self.validations)],
+                "replaced_validations": self.replaced_validations,
+                "checkpoints": self.checkpoints,
+                "storage": self.storage,
+                "audit": [
+                    {"attempt": a, "step": s, "epoch": e["epoch"], "ids": e["ids"]}
+                    for (a, s), e in sorted(self.audit.items())
+                ],
+                "metrics": self.metrics,
+                "progress": self.progress,
+                "fatal": self.fatal,
+            }
+        )
+
+
+def start_ledger(plan: dict[str, Any], fail_at_steps: list[int]) -> Any:
+    """Start the ledger actor on this (the driver's) node; it never moves off it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(num_cpus=0, max_restarts=0)(RunLedger)
+    strategy = NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False
+    )
+    return actor.options(scheduling_strategy=strategy).remote(plan, fail_at_steps)

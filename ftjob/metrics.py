@@ -1,0 +1,122 @@
+"""Metric keys, a Timer, and the metric set that rides in every checkpoint.
+
+Every key in :data:`METRIC_KEYS` is always present (0 when unused) and JSON-safe, so summary
+files from different runs always line up column for column.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+# Timers: total seconds spent.
+TRAIN_STEP = "train/step"
+TRAIN_ITER_BATCH = "train/iter_batch"
+TRAIN_ITER_FIRST_BATCH = "train/iter_first_batch"
+TRAIN_ITER_SKIP_BATCH = "train/iter_skip_batch"
+VALIDATION_STEP = "validation/step"
+CHECKPOINT_SAVE = "checkpoint/save"
+CHECKPOINT_UPLOAD = "checkpoint/upload"
+CHECKPOINT_REPORT = "checkpoint/report"
+CHECKPOINT_DOWNLOAD = "checkpoint/download"
+CHECKPOINT_LOAD = "checkpoint/load"
+CHECKPOINT_RESTORATION_TIME = "checkpoint/restoration_time"
+CHECKPOINT_RETRY_WAIT = "checkpoint/retry_wait_s"
+# Rates, counts and last values.
+TRAIN_GLOBAL_THROUGHPUT = "train/global_throughput"
+TRAIN_ROWS_PROCESSED = "train/rows_processed"
+TRAIN_STEPS_COMPLETED = "train/steps_completed"
+TRAIN_LOSS = "train/loss"
+VALIDATION_LOSS = "validation/loss"
+VALIDATION_ACCURACY = "validation/accuracy"
+CHECKPOINT_UPLOAD_ATTEMPTS = "checkpoint/upload_attempts"
+CHECKPOINT_UPLOAD_RETRIES = "checkpoint/upload_retries"
+CHECKPOINT_UPLOAD_FAILURES = "checkpoint/upload_failures"
+CHAOS_KILLS = "chaos/kills"
+FAILURES_COUNT = "failures/count"
+RECOVERY_TIME_TO_RECOVER = "recovery/time_to_recover"
+RECOVERY_LOST_STEPS = "recovery/lost_steps"
+
+METRIC_KEYS: tuple[str, ...] = (
+    TRAIN_STEP,
+    TRAIN_ITER_BATCH,
+    TRAIN_ITER_FIRST_BATCH,
+    TRAIN_ITER_SKIP_BATCH,
+    TRAIN_GLOBAL_THROUGHPUT,
+    TRAIN_ROWS_PROCESSED,
+    TRAIN_STEPS_COMPLETED,
+    TRAIN_LOSS,
+    VALIDATION_STEP,
+    VALIDATION_LOSS,
+    VALIDATION_ACCURACY,
+    CHECKPOINT_SAVE,
+    CHECKPOINT_UPLOAD,
+    CHECKPOINT_REPORT,
+    CHECKPOINT_DOWNLOAD,
+    CHECKPOINT_LOAD,
+    CHECKPOINT_RESTORATION_TIME,
+    CHECKPOINT_UPLOAD_ATTEMPTS,
+    CHECKPOINT_UPLOAD_RETRIES,
+    CHECKPOINT_UPLOAD_FAILURES,
+    CHECKPOINT_RETRY_WAIT,
+    CHAOS_KILLS,
+    FAILURES_COUNT,
+    RECOVERY_TIME_TO_RECOVER,
+    RECOVERY_LOST_STEPS,
+)
+
+
+def json_safe(value: Any) -> Any:
+    """Numbers as finite floats/ints (inf and NaN become 0.0), recursively."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else 0.0
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return json_safe(value.item())
+    return value
+
+
+class MetricSet:
+    """Named float accumulators. Timers add elapsed seconds; gauges are set."""
+
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self._clock = clock
+        self._values: dict[str, float] = dict.fromkeys(METRIC_KEYS, 0.0)
+
+    def add(self, key: str, amount: float) -> None:
+        self._values[key] = self._values.get(key, 0.0) + float(amount)
+
+    def set(self, key: str, value: float) -> None:
+        self._values[key] = float(value)
+
+    def get(self, key: str) -> float:
+        return self._values.get(key, 0.0)
+
+    @contextmanager
+    def timer(self, key: str) -> Iterator[None]:
+        """Add the time spent in the block to ``key``, also when the block raises."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self.add(key, self._clock() - start)
+
+    def as_dict(self) -> dict[str, float]:
+        return json_safe(dict(self._values))
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self._values)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self._values = dict.fromkeys(METRIC_KEYS, 0.0)
+        self._values.update({k: float(v) for k, v in state.items()})

@@ -1,0 +1,561 @@
+"""Retrying storage: one retry policy (tenacity) over any fsspec filesystem.
+
+Layers, outermost first::
+
+    RetryingFileSystem(policy)        what Ray Train and ftjob's checkpoint store call
+      FaultInjectingFileSystem(rate)  only when chaos.storage.failure_rate > 0
+        fsspec filesystem             local, memory, s3 (s3fs), gcs (gcsfs), ...
+
+The retrying layer is handed to Ray Train as a ``pyarrow.fs.PyFileSystem``, so every write,
+read and listing of the run's storage goes through the same policy, and it pickles to workers
+with that policy. s3fs/botocore retries are switched off by default so the policy users
+configure is the one that acts (``checkpoint.storage_options`` can turn them back on).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import logging
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import tenacity
+from fsspec import AbstractFileSystem
+
+from ftjob.config import RetryConfig, StorageChaosConfig
+
+logger = logging.getLogger("ftjob.storage")
+
+# -- classification ------------------------------------------------------------------------
+
+TRANSIENT_PATTERNS = (
+    r"slow ?down",
+    r"throttl",
+    r"too ?many ?requests",
+    r"\b429\b",
+    r"\b50[0234]\b",
+    r"service ?unavailable",
+    r"internal ?(server )?error",
+    r"bad gateway",
+    r"gateway time-?out",
+    r"request ?time-?out",
+    r"timed out",
+    r"time-?out",
+    r"connection (was )?(reset|refused|aborted|closed)",
+    r"reset by peer",
+    r"broken pipe",
+    r"server ?disconnected",
+    r"incomplete ?read",
+    r"truncated",
+    r"response ?ended prematurely",
+    r"payload",
+)
+PERMANENT_PATTERNS = (
+    r"access ?denied",
+    r"forbidden",
+    r"\b403\b",
+    r"no ?such ?bucket",
+    r"bucket does not exist",
+    r"invalid ?access ?key",
+    r"signature ?does ?not ?match",
+    r"expired ?token",
+    r"invalid ?credentials",
+    r"not ?authori[sz]ed",
+)
+TRANSIENT_ERRNOS = {
+    errno.EBUSY,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    errno.EAGAIN,
+}
+TRANSIENT_TYPES = (ConnectionError, TimeoutError)
+# Bad paths and bad permissions do not heal by waiting.
+PERMANENT_TYPES = (
+    PermissionError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
+TRANSIENT_TYPE_NAMES = (
+    "IncompleteRead",
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ClientConnectionError",
+    "ClientOSError",
+    "ReadTimeoutError",
+    "ConnectTimeoutError",
+    "EndpointConnectionError",
+    "ResponseStreamingError",
+    "FSTimeoutError",
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 8:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+@dataclass(frozen=True)
+class ErrorClassifier:
+    """Transient or permanent? User rules (``give_up_on`` then ``retry_on``: exception type
+    names or case-insensitive regexes of the message) come before the defaults; anything
+    unrecognised is permanent, so surprises fail fast instead of spinning."""
+
+    retry_on: tuple[str, ...] = ()
+    give_up_on: tuple[str, ...] = ()
+
+    @staticmethod
+    def _matches(rules: tuple[str, ...], exc: BaseException) -> bool:
+        text = f"{type(exc).__name__}: {exc}"
+        return any(rule in _names(exc) or re.search(rule, text, re.IGNORECASE) for rule in rules)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        chain = _chain(exc)
+        if any(self._matches(self.give_up_on, e) for e in chain):
+            return False
+        if any(self._matches(self.retry_on, e) for e in chain):
+            return True
+        for e in chain:
+            if self._matches(PERMANENT_PATTERNS, e):
+                return False
+            if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+                return True
+            if isinstance(e, PERMANENT_TYPES):
+                return False
+            if isinstance(e, TRANSIENT_TYPES) or _names(e) & set(TRANSIENT_TYPE_NAMES):
+                return True
+            if self._matches(TRANSIENT_PATTERNS, e):
+                return True
+        return False
+
+
+# -- policy ---------------------------------------------------------------------------------
+
+
+class wait_backoff(tenacity.wait.wait_base):
+    """initial * multiplier**(retry-1), capped at max, then scaled by 1 +- jitter (from rng)."""
+
+    def __init__(
+        self, initial: float, multiplier: float, maximum: float, jitter: float, rng: random.Random
+    ) -> None:
+        self.initial, self.multiplier, self.maximum = initial, multiplier, maximum
+        self.jitter, self.rng = jitter, rng
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        base = min(self.maximum, self.initial * self.multiplier ** (retry_state.attempt_number - 1))
+        return max(0.0, base * (1 + self.rng.uniform(-self.jitter, self.jitter)))
+
+
+class stop_after_deadline(tenacity.stop.stop_base):
+    """Stop when the next wait would end more than ``deadline`` seconds after the call began
+    (one instance per call: it remembers when that call started)."""
+
+    def __init__(self, deadline: float | None, clock: Callable[[], float]) -> None:
+        self.deadline, self.clock = deadline, clock
+        self.start = clock()
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        if self.deadline is None:
+            return False
+        upcoming = retry_state.upcoming_sleep or 0.0
+        return self.clock() - self.start + upcoming > self.deadline
+
+
+@dataclass
+class OpStats:
+    """Counts for one kind of storage operation."""
+
+    calls: int = 0
+    attempts: int = 0
+    retries: int = 0
+    failures: int = 0
+    retry_wait_s: float = 0.0
+
+    def merge(self, other: OpStats) -> None:
+        self.calls += other.calls
+        self.attempts += other.attempts
+        self.retries += other.retries
+        self.failures += other.failures
+        self.retry_wait_s += other.retry_wait_s
+
+    def as_dict(self) -> dict[str, float]:
+        ok = self.calls - self.failures
+        return {
+            "calls": self.calls,
+            "attempts": self.attempts,
+            "retries": self.retries,
+            "failures": self.failures,
+            "retry_wait_s": round(self.retry_wait_s, 4),
+            "success_rate": round(ok / self.calls, 6) if self.calls else 1.0,
+        }
+
+
+@dataclass
+class StorageStats:
+    by_kind: dict[str, OpStats] = field(default_factory=dict)
+
+    def kind(self, name: str) -> OpStats:
+        return self.by_kind.setdefault(name, OpStats())
+
+    def merge(self, other: StorageStats) -> None:
+        for name, stats in other.by_kind.items():
+            self.kind(name).merge(stats)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {name: self.by_kind[name].as_dict() for name in sorted(self.by_kind)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, float]]) -> StorageStats:
+        stats = cls()
+        for name, d in data.items():
+            stats.by_kind[name] = OpStats(
+                calls=int(d.get("calls", 0)),
+                attempts=int(d.get("attempts", 0)),
+                retries=int(d.get("retries", 0)),
+                failures=int(d.get("failures", 0)),
+                retry_wait_s=float(d.get("retry_wait_s", 0.0)),
+            )
+        return stats
+
+
+class RetryPolicy:
+    """Runs a storage call, retrying transient errors with exponential backoff and jitter.
+
+    ``sleep``, ``clock`` and ``rng`` are injectable, so tests run the policy without waiting.
+    """
+
+    def __init__(
+        self,
+        config: RetryConfig | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or RetryConfig()
+        self.sleep, self.clock = sleep, clock
+        self.rng = rng or random.Random()
+        self.classifier = ErrorClassifier(
+            tuple(self.config.retry_on), tuple(self.config.give_up_on)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    def call(
+        self, fn: Callable[[], Any], *, op: str, target: str, stats: OpStats | None = None
+    ) -> Any:
+        c = self.config
+        stats = stats if stats is not None else OpStats()
+        stats.calls += 1
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            wait = state.upcoming_sleep or 0.0
+            stats.retries += 1
+            stats.retry_wait_s += wait
+            exc = state.outcome.exception() if state.outcome else None
+            logger.warning(
+                "storage retry: %s %s failed on attempt %d/%d (%s: %s); next try in %.2fs",
+                op,
+                target,
+                state.attempt_number,
+                c.max_attempts,
+                type(exc).__name__,
+                _one_line(exc),
+                wait,
+            )
+
+        def counted() -> Any:
+            stats.attempts += 1
+            return fn()
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(c.max_attempts)
+            | stop_after_deadline(c.deadline, self.clock),
+            wait=wait_backoff(c.initial_backoff, c.multiplier, c.max_backoff, c.jitter, self.rng),
+            retry=tenacity.retry_if_exception(self.classifier.is_transient),
+            before_sleep=before_sleep,
+            sleep=self.sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(counted)
+        except Exception as exc:
+            stats.failures += 1
+            transient = self.classifier.is_transient(exc)
+            if transient:  # permanent errors (a missing file, say) are often expected by callers
+                logger.error(
+                    "storage %s %s failed after %d attempts: %s: %s",
+                    op,
+                    target,
+                    stats.attempts,
+                    type(exc).__name__,
+                    _one_line(exc),
+                )
+            raise _with_context(exc, op, target, transient, stats.attempts) from exc
+
+
+def _one_line(exc: BaseException | None) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def bucket_of(target: str) -> str | None:
+    """The bucket of an object-store URL (``s3://bucket/key`` -> ``bucket``), else None."""
+    match = re.match(r"^([a-z0-9]+)://([^/]+)", target)
+    return match.group(2) if match and match.group(1) not in ("file", "local", "memory") else None
+
+
+def _with_context(
+    exc: BaseException, op: str, target: str, transient: bool, attempts: int
+) -> BaseException:
+    """The same exception type, with the operation, path and bucket in its message."""
+    bucket = bucket_of(target)
+    where = f"{op} {target}" + (f" (bucket {bucket!r})" if bucket else "")
+    verdict = f"gave up after {attempts} attempts" if transient else "permanent error, not retried"
+    message = f"{_one_line(exc) or type(exc).__name__} [storage {where}: {verdict}]"
+    try:
+        new = type(exc)(message)
+    except Exception:
+        return exc
+    return new
+
+
+# -- filesystem wrappers ----------------------------------------------------------------------
+
+# Operation name -> kind (for stats). Anything not listed is inherited from AbstractFileSystem
+# and ends up in one of these.
+OPERATIONS: dict[str, str] = {
+    "pipe_file": "upload",
+    "put_file": "upload",
+    "cat_file": "download",
+    "get_file": "download",
+    "ls": "list",
+    "find": "list",
+    "info": "list",
+    "mkdir": "other",
+    "makedirs": "other",
+    "rmdir": "delete",
+    "rm_file": "delete",
+    "rm": "delete",
+    "mv": "other",
+    "cp_file": "other",
+    "copy": "other",
+}
+
+
+class _DelegatingFileSystem(AbstractFileSystem):
+    """An fsspec filesystem that forwards every operation in OPERATIONS to ``self.fs``
+    through :meth:`_call`. Subclasses decide what happens around the call."""
+
+    cachable = False
+
+    def __init__(self, fs: AbstractFileSystem, **kwargs: Any) -> None:
+        super().__init__()
+        self.fs = fs
+        self.protocol = fs.protocol
+
+    def unstrip_protocol(self, name: str) -> str:
+        return self.fs.unstrip_protocol(name)
+
+    def _strip_protocol(self, path: Any) -> Any:  # type: ignore[override]
+        return self.fs._strip_protocol(path)
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        raise NotImplementedError
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "r" in mode:
+            data = self._call("cat_file", path, lambda: self.fs.cat_file(path))
+            return io.BytesIO(data)
+        if "a" in mode:
+            raise NotImplementedError(f"append mode is not supported on {type(self).__name__}")
+        return _UploadOnClose(
+            lambda data: self._call("pipe_file", path, lambda: self.fs.pipe_file(path, data))
+        )
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: _DelegatingFileSystem, path: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = getattr(self.fs, name)
+        # put_file(local, remote): the storage path is the second argument.
+        target = args[0] if name == "put_file" and args else path
+        return self._call(name, str(target), lambda: inner(path, *args, **kwargs))
+
+    method.__name__ = name
+    return method
+
+
+for _name in OPERATIONS:
+    setattr(_DelegatingFileSystem, _name, _forward(_name))
+
+
+class _UploadOnClose(io.BytesIO):
+    """A write handle that uploads its whole content in one (retryable) request on close."""
+
+    def __init__(self, upload: Callable[[bytes], Any]) -> None:
+        super().__init__()
+        self._upload = upload
+
+    def close(self) -> None:
+        if not self.closed:
+            data = self.getvalue()
+            super().close()
+            self._upload(data)
+
+
+class RetryingFileSystem(_DelegatingFileSystem):
+    """Every operation on ``fs`` runs under ``policy``; counts land in ``stats``."""
+
+    def __init__(self, fs: AbstractFileSystem, policy: RetryPolicy, **kwargs: Any) -> None:
+        super().__init__(fs)
+        self.policy = policy
+        self.stats = StorageStats()
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        kind = OPERATIONS.get(op, "other")
+        local = OpStats()
+        try:
+            return self.policy.call(fn, op=op, target=self.fs.unstrip_protocol(path), stats=local)
+        finally:
+            with self._lock:
+                self.stats.kind(kind).merge(local)
+
+    def snapshot_stats(self) -> StorageStats:
+        with self._lock:
+            copy = StorageStats()
+            copy.merge(self.stats)
+            return copy
+
+
+INJECTED_ERRORS: dict[str, Callable[[str], Exception]] = {
+    "throttle": lambda p: OSError(
+        errno.EBUSY, f"SlowDown: Please reduce your request rate (injected, {p})"
+    ),
+    "reset": lambda p: ConnectionResetError(
+        errno.ECONNRESET, f"Connection reset by peer (injected, {p})"
+    ),
+    "timeout": lambda p: TimeoutError(errno.ETIMEDOUT, f"Read timed out (injected, {p})"),
+    "permanent": lambda p: PermissionError(errno.EACCES, f"AccessDenied (injected, {p})"),
+}
+
+
+class FaultInjectingFileSystem(_DelegatingFileSystem):
+    """Fails a seeded fraction of requests before they reach ``fs`` (chaos.storage)."""
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        failure_rate: float,
+        errors: list[str],
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(fs)
+        self.failure_rate, self.errors, self.seed = failure_rate, list(errors), seed
+        self.rng = random.Random(seed)
+        self.injected = 0
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            fail = self.rng.random() < self.failure_rate
+            kind = self.rng.choice(self.errors) if fail else None
+            self.injected += fail
+        if kind is not None:
+            raise INJECTED_ERRORS[kind](f"{op} {path}")
+        return fn()
+
+
+# -- construction -----------------------------------------------------------------------------
+
+
+class StorageError(RuntimeError):
+    """Checkpoint storage is unusable; the message names the path, bucket and what to do."""
+
+
+def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(options)
+    if protocol in ("s3", "s3a"):
+        # ftjob's policy is the one that retries: turn off the retries below it.
+        merged.setdefault("retries", 1)
+        config = dict(merged.get("config_kwargs") or {})
+        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        merged["config_kwargs"] = config
+    return merged
+
+
+def build_filesystem(
+    url: str,
+    options: dict[str, Any],
+    retry: RetryConfig,
+    chaos: StorageChaosConfig | None = None,
+    seed: int = 0,
+) -> tuple[RetryingFileSystem, str]:
+    """The retrying filesystem for ``url`` and the path within it."""
+    protocol = fsspec.utils.get_protocol(url)
+    inner, path = fsspec.core.url_to_fs(url, **_default_options(protocol, options))
+    fs: AbstractFileSystem = inner
+    if chaos is not None and chaos.failure_rate > 0:
+        fs = FaultInjectingFileSystem(inner, chaos.failure_rate, chaos.errors, seed=seed)
+    return RetryingFileSystem(fs, RetryPolicy(retry)), path
+
+
+def to_pyarrow(fs: AbstractFileSystem) -> Any:
+    """Wrap for Ray Train's ``RunConfig(storage_filesystem=...)``."""
+    import pyarrow.fs
+
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))
+
+
+def preflight(fs: RetryingFileSystem, path: str, key: str = "checkpoint.storage_path") -> None:
+    """Write, read back and delete a probe object under ``path``, so a missing bucket, bad
+    credentials or a read-only path fail now, in seconds, before Ray starts."""
+    url = fs.unstrip_protocol(path)
+    bucket = bucket_of(url)
+    probe = f"{path.rstrip('/')}/.ftjob-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        if bucket is None:
+            fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(probe, b"ftjob storage probe")
+        if fs.cat_file(probe) != b"ftjob storage probe":
+            raise StorageError(f"{key}={url!r}: a probe object read back different bytes")
+        fs.rm_file(probe)
+    except StorageError:
+        raise
+    except Exception as exc:
+        where = f"bucket {bucket!r} of {url!r}" if bucket else repr(url)
+        if bucket and isinstance(exc, FileNotFoundError):
+            hint = f"bucket {bucket!r} does not exist: create it or fix {key}"
+        elif isinstance(exc, PermissionError):
+            hint = f"no permission to write to {where}: check credentials (AWS_* variables, {key.split('.')[0]}.storage_options)"
+        else:
+            hint = f"cannot write to {where}"
+        raise StorageError(
+            f"{key}={url!r}: {hint} ({type(exc).__name__}: {_one_line(exc)})"
+        ) from exc
