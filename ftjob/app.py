@@ -26,11 +26,19 @@ def _job(cfg: DictConfig) -> str:
     try:
         job = load_job(cfg)
         result = runner.run(job, run_dir)
-    except (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError) as exc:
+    except Exception as exc:
+        bad_input = isinstance(
+            exc, (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError)
+        )
         if not multirun:
+            if not bad_input:
+                raise
             print(f"ftjob: error: {exc}", file=sys.stderr)
             sys.exit(2)
-        # A sweep goes on: the job is recorded as failed and reported with the others.
+        # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
+        # recorded as failed and reported with the others.
+        if not bad_input:
+            logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
         runner.write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
         _failed_jobs.append(run_dir)
         return "failed"

@@ -396,12 +396,21 @@ def check_target(
         )
     obj = import_target(target, f"{group}._target_")
     kwargs = {k: v for k, v in node.items() if k != "_target_" and k not in skip}
-    try:
-        inspect.signature(obj).bind_partial(**kwargs)
-    except TypeError as exc:
-        params = [p for p in inspect.signature(obj).parameters if p not in skip]
+    signature = inspect.signature(obj)
+    params = [p for p in signature.parameters if p not in skip and p != "self"]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    unknown = [k for k in kwargs if k not in signature.parameters]
+    if unknown and not takes_any:
         raise ConfigError(
-            group, sorted(kwargs), f"{target} does not accept these keys ({exc}); it takes {params}"
+            f"{group}.{unknown[0]}",
+            kwargs[unknown[0]],
+            f"{target} takes no such argument; it takes {params}",
+        )
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            group, sorted(kwargs), f"{target} cannot take these keys ({exc}); it takes {params}"
         ) from None
     return obj
 

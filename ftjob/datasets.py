@@ -269,7 +269,7 @@ class ImageFolderDataset(ImageDataset):
 
     @property
     def num_classes(self) -> int:
-        return self.declared_classes if self.declared_classes is not None else len(self.classes)
+        return len(self.classes)  # checked against dataset.num_classes when that is set
 
     def catalog(self, split: str) -> pa.Table:
         index = {name: i for i, name in enumerate(self.classes)}

@@ -97,6 +97,10 @@ class RunLedger:
             f"skip {info['skip']:.3f}s"
         )
 
+    def step_done(self, attempt: int, step: int) -> None:
+        """Rank 0 after every step: the exact high-water mark, for lost-work accounting."""
+        self.attempts[attempt]["max_step"] = max(self.attempts[attempt]["max_step"], step)
+
     def first_step(self, attempt: int, step: int, now: float) -> None:
         if self.attempts[attempt]["first_step"] is None:
             self.attempts[attempt]["first_step"] = {"step": step, "time": now}

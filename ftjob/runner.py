@@ -13,7 +13,9 @@ import logging
 import math
 import os
 import posixpath
+import re
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -94,37 +96,103 @@ def prepare(job: JobConfig, run_dir: str) -> Prepared:
 # -- cluster --------------------------------------------------------------------------------
 
 
+class _RayNoiseFilter:
+    """A stdout wrapper that turns Ray's raylet-death reports (a header plus the dead raylet's
+    last 20 log lines, printed straight to stdout by the driver) into one short line. The
+    ledger already reports every kill and failure; the log dump stays in Ray's log files."""
+
+    _DUMP_LINE = re.compile(r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\))|^\s*$")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.buffer = ""
+        self.in_dump = False
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            self._line(line)
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if "Raylet is terminated" in line:
+            self.in_dump = True
+            self.stream.write(
+                "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs\n"
+            )
+            return
+        if self.in_dump and self._DUMP_LINE.match(line):
+            return
+        self.in_dump = False
+        self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def _quiet_ray_console(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    original = sys.stdout
+    sys.stdout = _RayNoiseFilter(original)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = original
+
+
+def _use_token_if_available() -> None:
+    """Connect with token authentication when this machine has a Ray token, as `ray start`
+    does (Ray 2.60 enables token auth for clusters it starts; a driver joining one must send
+    the token, and Ray only does that when RAY_AUTH_MODE=token)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 @contextmanager
 def cluster(job: JobConfig) -> Iterator[Any]:
     """Connect to or start the cluster ``job.ray`` describes; yields the LocalCluster (or None).
     Stops only what it started."""
+    r = job.ray
+    if r.address is not None:
+        _use_token_if_available()  # before Ray is imported: it reads RAY_AUTH_MODE once
     import ray
 
     from ftjob.chaos import LocalCluster
 
-    r = job.ray
     common: dict[str, Any] = {
         "log_to_driver": r.log_to_driver,
         "logging_level": logging.WARNING if r.log_to_driver else logging.ERROR,
         "runtime_env": dict(r.runtime_env) or None,
     }
     local: LocalCluster | None = None
-    try:
-        if r.address is not None:
-            ray.init(address=r.address, **common)
-        elif r.local_nodes > 1:
-            local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay)
-            ray.init(address=local.address, **common)
-        else:
-            train_cpus = job.trainer.num_workers * job.trainer.worker_cpus
-            # Training workers hold their CPUs for the whole run; data decoding needs its own.
-            num_cpus = r.num_cpus or (os.cpu_count() or 1) + math.ceil(train_cpus)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
-        yield local
-    finally:
-        ray.shutdown()
-        if local is not None:
-            local.shutdown()
+    with _quiet_ray_console(not r.log_to_driver):
+        try:
+            if r.address is not None:
+                ray.init(address=r.address, **common)
+            elif r.local_nodes > 1:
+                local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay)
+                ray.init(address=local.address, **common)
+            else:
+                train_cpus = job.trainer.num_workers * job.trainer.worker_cpus
+                # Training workers hold their CPUs for the whole run; data decoding needs its own.
+                num_cpus = r.num_cpus or (os.cpu_count() or 1) + math.ceil(train_cpus)
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
+            yield local
+        finally:
+            ray.shutdown()
+            if local is not None:
+                local.shutdown()
 
 
 def check_resources(job: JobConfig) -> None:

@@ -421,6 +421,8 @@ class Worker:
                     self.ledger.audit_step.remote(
                         self.attempt, self.state.step, epoch, batch.ids.tolist()
                     )
+                if self.rank == 0:
+                    self.ledger.step_done.remote(self.attempt, self.state.step)
                 if not first_step_done:
                     first_step_done = True
                     if self.rank == 0:

@@ -1,0 +1,43 @@
+"""Shared fixtures. Ray-backed tests are marked ``ray``; S3 tests ``s3`` (see s3_fixtures.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["tests.s3_fixtures"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_env() -> None:
+    # Ray's token-auth banner and usage stats are noise in test logs.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def run_ftjob(
+    args: list[str], tmp_path: Path, timeout: float = 600, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    """Run ``python -m ftjob`` in a subprocess with its run dir under tmp_path; returns the
+    process and the parsed summary.json (None if it was not written)."""
+    run_dir = tmp_path / "run"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return proc, summary

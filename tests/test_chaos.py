@@ -1,0 +1,140 @@
+"""Kill schedule and killer logic with an injected clock: no Ray, no sleeping."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from ftjob.chaos import ChaosKiller, KillSchedule, choose_target, eligible_targets
+from ftjob.config import ChaosConfig
+
+
+def test_schedule_same_seed_same_times_and_one_kill_per_window():
+    s = KillSchedule(interval=10, max_kills=3, start_delay=5, jitter=True, seed=4)
+    times = s.times()
+    assert times == KillSchedule(10, 3, 5, True, 4).times()
+    assert times != KillSchedule(10, 3, 5, True, 5).times()
+    for k, t in enumerate(times):
+        assert 5 + 10 * k <= t < 5 + 10 * (k + 1)
+
+
+def test_schedule_without_jitter_kills_at_window_ends():
+    assert KillSchedule(interval=480, max_kills=2, jitter=False).times() == [480, 960]
+    assert KillSchedule.from_config(ChaosConfig(kind="node", interval=3, max_kills=0)).times() == []
+
+
+WORKERS = [
+    {"rank": 0, "node_id": "head", "pid": 10},
+    {"rank": 1, "node_id": "n1", "pid": 11},
+    {"rank": 2, "node_id": "n1", "pid": 12},
+    {"rank": 3, "node_id": "n2", "pid": 13},
+]
+
+
+def test_targets_never_include_protected_nodes():
+    targets = eligible_targets(WORKERS, {"head"})
+    assert {w["node_id"] for w in targets} == {"n1", "n2"}
+    node = choose_target("node", targets, random.Random(0))
+    assert node["node_id"] in {"n1", "n2"}
+    assert node["ranks"] == ([1, 2] if node["node_id"] == "n1" else [3])
+    worker = choose_target("worker", targets, random.Random(0))
+    assert worker["node_id"] != "head" and worker["pid"] in {11, 12, 13}
+
+
+class FakeLedger:
+    """The ledger as the killer sees it, driven by the test."""
+
+    def __init__(self) -> None:
+        self.view: dict[str, Any] = {
+            "training_started": None,
+            "attempt": None,
+            "training": False,
+            "workers": [],
+        }
+        self.recorded: list[dict[str, Any]] = []
+
+    def chaos_view(self) -> dict[str, Any]:
+        return dict(self.view)
+
+    def record_kill(self, record: dict[str, Any]) -> None:
+        self.recorded.append(record)
+
+
+class FakeTime:
+    """A clock that only moves when the killer waits; a hook runs at each wait."""
+
+    def __init__(self, hook: Any) -> None:
+        self.now, self.hook = 1000.0, hook
+
+    def clock(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.now += max(seconds, 0.01)
+        self.hook(self.now)
+        return False
+
+
+def test_killer_waits_for_training_then_kills_once_per_attempt():
+    ledger = FakeLedger()
+    kills: list[tuple[str, dict[str, Any]]] = []
+
+    def world(now: float) -> None:
+        if now >= 1003 and ledger.view["training_started"] is None:  # first step at t=1003
+            ledger.view.update(training_started=1003.0, attempt=0, training=True, workers=WORKERS)
+        if kills and ledger.view["attempt"] == 0 and now >= kills[-1][1]["time"] + 20:
+            ledger.view.update(attempt=1, training=True)  # recovered 20 s after the kill
+
+    t = FakeTime(world)
+
+    def execute(kind: str, target: dict[str, Any]) -> int:
+        target = dict(target, time=t.now)
+        kills.append((kind, target))
+        ledger.view["training"] = False  # the attempt dies
+        return 99
+
+    schedule = KillSchedule(interval=10, max_kills=2, jitter=False)
+    killer = ChaosKiller(
+        schedule, "node", ledger, {"head"}, execute=execute, clock=t.clock, wait=t.wait, poll_s=0.5
+    )
+    records = killer.run()
+    assert len(records) == 2 == len(ledger.recorded)
+    assert records[0]["time"] == pytest.approx(1013, abs=0.6)  # 10 s after the first step
+    assert records[1]["attempt"] == 1  # the second kill waited for the recovered attempt
+    assert records[1]["time"] >= records[0]["time"] + 20
+    assert all(r["target"]["node_id"] != "head" for r in records)
+
+
+def test_killer_stops_when_told():
+    ledger = FakeLedger()
+    killer = ChaosKiller(
+        KillSchedule(10, 2), "worker", ledger, set(), execute=lambda k, t: 0, wait=lambda s: True
+    )
+    assert killer.run() == []
+
+
+def test_failed_kill_is_not_counted():
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS[1:2])
+    calls = []
+
+    def execute(kind: str, target: dict[str, Any]) -> int:
+        calls.append(target)
+        if len(calls) == 1:
+            raise ProcessLookupError("gone")
+        ledger.view["attempt"] += 1
+        return 1
+
+    clock = iter(range(0, 10_000)).__next__
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "worker",
+        ledger,
+        set(),
+        execute=execute,
+        clock=lambda: float(clock()),
+        wait=lambda s: False,
+    )
+    assert len(killer.run()) == 0 and len(calls) == 1

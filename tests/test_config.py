@@ -1,0 +1,193 @@
+"""Schema rules and composition (no Ray): every rule names the key, the value and the rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+
+from ftjob.cli import _compose, precheck
+from ftjob.config import (
+    ChaosConfig,
+    ConfigError,
+    JobConfig,
+    RetryConfig,
+    TrainerConfig,
+    load_job,
+    register_schema,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _schema():
+    register_schema()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def compose_job(*overrides: str) -> JobConfig:
+    return load_job(_compose(list(overrides), "config"))
+
+
+def test_default_config_composes_to_a_runnable_job():
+    job = compose_job()
+    assert job.model["_target_"] == "ftjob.models.SmallCNN"
+    assert job.dataset["_target_"] == "ftjob.datasets.DigitsDataset"
+    assert job.chaos.kind == "none" and job.ray.address is None and job.name is None
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    overrides = [f"+experiment={experiment}"]
+    if experiment == "imagenet_ft":  # needs a path and a cluster; everything else is shipped
+        overrides += ["dataset.path=/data/imagenet", "ray.address=auto"]
+    job = compose_job(*overrides)
+    assert job.trainer.num_workers >= 1
+    assert job.failure.max_failures == 4
+
+
+def test_imagenet_ft_is_the_seed_benchmark_job():
+    job = compose_job("+experiment=imagenet_ft", "dataset.path=s3://b/imagenet", "ray.address=auto")
+    assert job.model["_target_"] == "torchvision.models.resnet50"
+    assert job.dataset["num_classes"] == 1000
+    assert job.trainer.use_gpu and job.trainer.validate_every_n_steps > 0
+    assert (job.chaos.kind, job.chaos.interval, job.chaos.max_kills) == ("node", 480.0, 2)
+
+
+def test_imagenet_ft_without_path_names_dataset_path():
+    with pytest.raises(ConfigError) as err:
+        compose_job("+experiment=imagenet_ft")
+    assert err.value.key == "dataset.path"
+    assert "dataset.path=" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("chaos.interval=-5", "chaos.interval"),
+        ("trainer.num_workers=-1", "trainer.num_workers"),
+        ("checkpoint.retry.max_attempts=0", "checkpoint.retry.max_attempts"),
+        ("trainer.num_wrkers=2", "trainer.num_wrkers"),
+        ("trainer.num_workers=abc", "trainer.num_workers"),
+        ("+trainer.extra=1", "trainer.extra"),
+        ("chaos.storage.failure_rate=1.5", "chaos.storage.failure_rate"),
+        ("chaos.storage.errors=[flood]", "chaos.storage.errors"),
+        ("checkpoint.upload_mode=later", "checkpoint.upload_mode"),
+        ("trainer.optimizer=lbfgs", "trainer.optimizer"),
+        ("model=nope", "model"),
+        ("resume=true", "resume"),
+        ("chaos=node_killer", "chaos.kind"),
+        ("model.widht=8", "model.widht"),
+        ("+model.widht=8", "model.widht"),
+        ("+dataset.path=/x", "dataset.path"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        precheck([override])
+    assert err.value.key == key
+    assert "\n" not in str(err.value)
+
+
+def test_sweep_values_are_all_checked_before_any_job():
+    precheck(["-m", "chaos.interval=10,20"])
+    with pytest.raises(ConfigError) as err:
+        precheck(["-m", "chaos.interval=10,-1"])
+    assert err.value.key == "chaos.interval" and err.value.value == -1.0
+
+
+def test_value_rules_in_dataclasses():
+    with pytest.raises(ConfigError, match="checkpoint.retry.max_backoff"):
+        RetryConfig(initial_backoff=5, max_backoff=1)
+    with pytest.raises(ConfigError, match="chaos.fail_at_steps"):
+        ChaosConfig(fail_at_steps=[0])
+    with pytest.raises(ConfigError, match="trainer.lr"):
+        TrainerConfig(lr=float("nan"))
+
+
+def test_lr_schedule_is_a_function_of_the_step():
+    t = TrainerConfig(lr=0.1, lr_schedule="cosine", warmup_steps=10)
+    assert t.lr_at(0, 110) == pytest.approx(0.01)
+    assert t.lr_at(10, 110) == pytest.approx(0.1)
+    assert t.lr_at(60, 110) == pytest.approx(0.05)
+    assert t.lr_at(110, 110) == pytest.approx(0.0, abs=1e-12)
+    assert TrainerConfig(lr=0.1, lr_schedule="constant").lr_at(99, 100) == 0.1
+
+
+def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob", "trainer.num_wrkers=2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert time.monotonic() - start < 10
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "trainer.num_wrkers" in lines[0]
+    assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run dir
+
+
+def test_config_dir_from_an_installed_wheel_elsewhere(tmp_path):
+    """conf/ ships inside the package: Hydra finds it from any directory, without the repo."""
+    wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+    )
+    wheel = next(wheel_dir.glob("ftjob-*.whl"))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(target),
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob", "+experiment=digits_ft", "--cfg", "job"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint_every_n_steps: 10" in proc.stdout
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import ftjob, sys; print(ftjob.__file__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert loaded.stdout.startswith(str(target))

@@ -1,0 +1,140 @@
+"""The order function and exact-once slicing (no Ray)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ftjob.data import EpochPlan, epoch_order, validation_ids
+from ftjob.datasets import (
+    TRAIN,
+    VAL,
+    DigitsDataset,
+    ImageFolderDataset,
+    SyntheticDataset,
+    sample_rng,
+)
+
+
+def test_epoch_order_is_a_pure_function_of_seed_and_epoch():
+    a = epoch_order(1000, seed=3, epoch=2)
+    assert np.array_equal(a, epoch_order(1000, seed=3, epoch=2))
+    assert sorted(a.tolist()) == list(range(1000))
+    assert not np.array_equal(a, epoch_order(1000, seed=3, epoch=3))
+    assert not np.array_equal(a, epoch_order(1000, seed=4, epoch=2))
+
+
+def _trained(plan: EpochPlan, epoch: int, world: int, stops: list[int]) -> list[int]:
+    """Ids trained in an epoch interrupted at each position in ``stops`` (each attempt resumes
+    at the previous stop), with ``world`` workers."""
+    out: list[int] = []
+    bounds = [0, *stops, plan.samples_per_epoch]
+    b = plan.global_batch_size // world
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        shards = [plan.shard(epoch, start, r, world) for r in range(world)]
+        for k in range((stop - start) // plan.global_batch_size):
+            for r in range(world):
+                out.extend(shards[r][k * b : (k + 1) * b].tolist())
+    return out
+
+
+@pytest.mark.parametrize("stops", [[], [64], [64, 320], [0, 576]])
+def test_resuming_anywhere_trains_every_sample_once(stops):
+    plan = EpochPlan(num_samples=650, global_batch_size=64, seed=0)
+    ids = _trained(plan, epoch=1, world=2, stops=stops)
+    expected = epoch_order(650, 0, 1)[: plan.samples_per_epoch]
+    assert len(ids) == len(set(ids)) == plan.samples_per_epoch == 640
+    assert sorted(ids) == sorted(expected.tolist())
+
+
+def test_global_batch_k_is_the_same_whatever_the_world_size():
+    plan = EpochPlan(num_samples=512, global_batch_size=64, seed=7)
+    two = _trained(plan, 0, world=2, stops=[128])
+    four = _trained(plan, 0, world=4, stops=[256])
+    for k in range(plan.steps_per_epoch):  # same samples per global batch, any split
+        assert sorted(two[k * 64 : (k + 1) * 64]) == sorted(four[k * 64 : (k + 1) * 64])
+
+
+def test_dropped_tail_is_the_same_in_every_attempt():
+    plan = EpochPlan(num_samples=100, global_batch_size=32, seed=1)
+    tail = set(epoch_order(100, 1, 0)[96:].tolist())
+    assert tail.isdisjoint(_trained(plan, 0, 1, [32])) and tail.isdisjoint(_trained(plan, 0, 2, []))
+
+
+def test_bad_positions_and_sizes_are_refused():
+    plan = EpochPlan(num_samples=100, global_batch_size=32, seed=0)
+    with pytest.raises(ValueError, match="step boundary"):
+        plan.shard(0, 33, 0, 1)
+    with pytest.raises(ValueError, match="does not split"):
+        plan.shard(0, 0, 0, 3)
+    with pytest.raises(ValueError, match="trainer.batch_size"):
+        EpochPlan(num_samples=10, global_batch_size=64, seed=0)
+
+
+def test_validation_shards_cover_the_set_once():
+    parts = [validation_ids(359, r, 4) for r in range(4)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(359))
+
+
+def _rows(table, n):
+    return {
+        name: table.column(name).to_numpy(zero_copy_only=False)[:n] for name in table.column_names
+    }
+
+
+def test_digits_catalog_split_is_fixed_and_disjoint():
+    ds = DigitsDataset()
+    train, val = ds.catalog(TRAIN), ds.catalog(VAL)
+    assert train.num_rows + val.num_rows == 1797
+    assert train.column("id").to_pylist() == list(range(train.num_rows))
+    assert ds.catalog(VAL).equals(val)
+    labels = val.column("label").to_numpy()
+    assert set(np.bincount(labels).tolist()) <= {35, 36, 37}  # stratified: ~20% of each class
+    images = ds.decode(_rows(train, 4), TRAIN, epoch=0, seed=0)
+    assert images.shape == (4, 3, 32, 32) and images.dtype == np.float32
+    assert -1.0 <= images.min() and images.max() <= 1.0
+
+
+def test_synthetic_images_depend_only_on_the_sample():
+    ds = SyntheticDataset(num_samples=16, num_val_samples=4, image_size=8, num_classes=3)
+    cat = ds.catalog(TRAIN)
+    a = ds.decode(_rows(cat, 4), TRAIN, epoch=0, seed=0)
+    b = ds.decode(_rows(cat, 4), TRAIN, epoch=5, seed=9)
+    assert a.shape == (4, 3, 8, 8) and np.array_equal(a, b)
+    assert not np.array_equal(
+        ds.catalog(VAL).column("key").to_numpy(), cat.column("key").to_numpy()[:4]
+    )
+
+
+def test_imagefolder_lists_decodes_and_augments_per_sample(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(
+                    tmp_path / split / cls / f"{i}.png"
+                )
+    (tmp_path / "train" / "cat" / "notes.txt").write_text("not an image")
+    ds = ImageFolderDataset(path=str(tmp_path), image_size=16, resize_size=20)
+    train = ds.catalog(TRAIN)
+    assert ds.num_classes == 2 and train.num_rows == 6
+    assert train.column("label").to_pylist() == [0, 0, 0, 1, 1, 1]
+    rows = _rows(train, 6)
+    first = ds.decode(rows, TRAIN, epoch=0, seed=0)
+    assert first.shape == (6, 3, 16, 16)
+    assert np.array_equal(first, ds.decode(rows, TRAIN, epoch=0, seed=0))  # same (seed, epoch, id)
+    assert not np.array_equal(first, ds.decode(rows, TRAIN, epoch=1, seed=0))
+    val = ds.decode(_rows(ds.catalog(VAL), 2), VAL, epoch=3, seed=1)
+    assert np.array_equal(val, ds.decode(_rows(ds.catalog(VAL), 2), VAL, epoch=0, seed=0))
+    with pytest.raises(ValueError, match="num_classes"):
+        _ = ImageFolderDataset(path=str(tmp_path), num_classes=1000).num_classes
+    with pytest.raises(FileNotFoundError, match="no images"):
+        ImageFolderDataset(path=str(tmp_path / "missing")).catalog(TRAIN)
+
+
+def test_sample_rng_does_not_depend_on_batching():
+    assert sample_rng(1, 2, 3).random() == sample_rng(1, 2, 3).random()
+    assert sample_rng(1, 2, 3).random() != sample_rng(1, 2, 4).random()

@@ -1,0 +1,140 @@
+"""End-to-end runs on a real local Ray: restore, mid-epoch resume, exact-once, resume=true,
+an existing cluster started with `ray start --head`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ftjob import metrics as M
+from tests.conftest import run_ftjob
+
+pytestmark = pytest.mark.ray
+
+QUICK = ["+experiment=digits_ft", "trainer.epochs=4"]
+
+
+def test_forced_failures_restore_mid_epoch_and_train_every_sample_once(tmp_path):
+    # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 fails right
+    # after the checkpoint of step 40.
+    proc, s = run_ftjob(
+        [*QUICK, "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"], tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert s["status"] == "succeeded" and s["error"] is None
+    m = s["metrics"]
+    assert set(M.METRIC_KEYS) <= set(m)
+    assert m[M.VALIDATION_ACCURACY] >= 0.85
+    assert m[M.TRAIN_STEPS_COMPLETED] == 4 * 22
+    assert m[M.FAILURES_COUNT] == 2
+    assert m[M.CHECKPOINT_DOWNLOAD] > 0 and m[M.CHECKPOINT_LOAD] > 0
+    assert m[M.CHECKPOINT_RESTORATION_TIME] >= m[M.CHECKPOINT_DOWNLOAD] + m[M.CHECKPOINT_LOAD]
+    assert m[M.RECOVERY_TIME_TO_RECOVER] > 0
+    first, second = s["failures"]
+    assert (first["kind"], first["restored_step"], first["lost_steps"]) == ("injected", 22, 3)
+    assert (second["restored_step"], second["lost_steps"]) == (40, 1)
+    assert all(f["recovered"] and f["time_to_recover_s"] > 0 for f in s["failures"])
+    # Validation results after a restore replace the lost attempt's, never duplicate them.
+    steps = [v["step"] for v in s["validation"]]
+    assert steps == sorted(set(steps)) and 40 in steps and steps[-1] == 88
+    assert [a["epoch"] for a in s["audit"]] == [0, 1, 2, 3]
+    assert all(
+        a["duplicates"] == 0 and a["missing"] == 0 and a["unique"] == 1408 for a in s["audit"]
+    )
+    assert "failure 1: injected" in proc.stdout
+
+
+def test_resume_by_name_with_fewer_workers_continues_exactly(tmp_path):
+    storage = tmp_path / "store"
+    common = [
+        "+experiment=digits_ft",
+        "trainer.epochs=2",
+        "name=shared",
+        f"checkpoint.storage_path={storage}",
+    ]
+    first, s1 = run_ftjob(
+        [*common, "chaos.fail_at_steps=[17]", "failure.max_failures=0"], tmp_path / "a"
+    )
+    assert first.returncode == 1 and s1["status"] == "failed"
+    assert "failure.max_failures=0" in s1["error"]
+    # A new run with the same name must not silently continue it...
+    again, _ = run_ftjob(common, tmp_path / "b")
+    assert again.returncode == 2 and "resume=true" in again.stderr
+    # ...nor resume with a config that breaks the checkpoint (the diff is shown, Ray never starts).
+    changed, _ = run_ftjob([*common, "resume=true", "model=resnet18"], tmp_path / "c")
+    assert (
+        changed.returncode == 2
+        and "model._target_" in changed.stderr
+        and "resnet18" in changed.stderr
+    )
+    # Same global batch (1 x 64 instead of 2 x 32): resumes right after sample 10 x 64.
+    resumed, s2 = run_ftjob(
+        [
+            *common,
+            "resume=true",
+            "trainer.num_workers=1",
+            "trainer.batch_size=64",
+            "trainer.audit_samples=true",
+        ],
+        tmp_path / "d",
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert s2["status"] == "succeeded"
+    epoch0, epoch1 = s2["audit"]
+    assert epoch0["duplicates"] == 0 and epoch0["unexpected"] == 0
+    assert epoch0["unique"] == 12 * 64 and epoch0["missing"] == 10 * 64  # trained by the first run
+    assert epoch1["unique"] == 1408 and epoch1["missing"] == 0 and epoch1["duplicates"] == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_existing_cluster_started_with_ray_start_cli(tmp_path):
+    port = _free_port()
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    head = subprocess.Popen(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if (
+                    probe.connect_ex(("127.0.0.1", port)) == 0
+                    or probe.connect_ex((address.split(":")[0], port)) == 0
+                ):
+                    break
+            time.sleep(0.5)
+        proc, s = run_ftjob(
+            ["+experiment=digits_ft", "trainer.epochs=1", f"ray.address=127.0.0.1:{port}"], tmp_path
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert s["status"] == "succeeded" and s["metrics"][M.TRAIN_STEPS_COMPLETED] == 22
+        # The driver only disconnected: the cluster it joined is still up.
+        assert head.poll() is None
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
+        head.wait(timeout=30)

@@ -1,0 +1,127 @@
+"""summary.json figures from a ledger, built by hand (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftjob import metrics as M
+from ftjob.data import EpochPlan
+from ftjob.ledger import RunLedger
+from ftjob.report import build_summary, failure_records, write_summary
+
+PLAN = EpochPlan(num_samples=40, global_batch_size=8, seed=0)
+
+
+def make_ledger() -> RunLedger:
+    return RunLedger(
+        {
+            "num_samples": PLAN.num_samples,
+            "global_batch_size": 8,
+            "samples_per_epoch": PLAN.samples_per_epoch,
+            "steps_per_epoch": PLAN.steps_per_epoch,
+            "seed": 0,
+            "epochs": 1,
+        },
+        fail_at_steps=[3],
+    )
+
+
+def train(ledger: RunLedger, attempt: int, steps: range, audit: bool = True) -> None:
+    for step in steps:
+        ledger.step_done(attempt, step)
+        if audit:
+            ids = PLAN.shard(0, (step - 1) * 8, 0, 1)[:8]
+            ledger.audit_step(attempt, step, 0, ids.tolist())
+
+
+def restored(step: int) -> dict:
+    return {
+        "step": step,
+        "epoch": 0,
+        "position": step * 8,
+        "path": f"/ck/step_{step}",
+        "download": 0.5,
+        "load": 0.25,
+        "skip": 0.01,
+    }
+
+
+def test_failure_records_measure_each_part_of_recovery():
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(100.0)
+    ledger.first_step(a0, 1, 110.0)
+    train(ledger, a0, range(1, 5))
+    ledger.kill({"time": 120.0, "kind": "node", "target": {"node_id": "n1", "ranks": [0]}})
+    ledger.failure_noticed(125.0, {0: "ActorDiedError: node died"})
+    a1 = ledger.begin_attempt(130.0)
+    ledger.restored(a1, restored(2))
+    ledger.first_step(a1, 3, 134.0)
+    train(ledger, a1, range(3, 6))
+    ledger.finish(140.0)
+    [f] = failure_records(ledger.snapshot())
+    assert f["kind"] == "node_kill" and f["recovered"]
+    assert f["detection_s"] == pytest.approx(5.0)
+    assert f["restart_s"] == pytest.approx(5.0)
+    assert f["time_to_recover_s"] == pytest.approx(14.0)
+    assert f["restoration_s"] == pytest.approx(0.76)
+    assert f["lost_steps"] == 2  # trained to step 4, restored step 2
+
+
+def test_budget_exhausted_failure_is_not_recovered():
+    ledger = make_ledger()
+    ledger.begin_attempt(0.0)
+    ledger.claim_injected_failure(3, 5.0)
+    ledger.failure_noticed(6.0, {0: "InjectedFailure: step 3"})
+    [f] = failure_records(ledger.snapshot())
+    assert f["kind"] == "injected" and not f["recovered"] and f["detection_s"] == pytest.approx(1.0)
+    assert not ledger.claim_injected_failure(3, 7.0)  # each injected failure fires once
+
+
+def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp_path):
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    ledger.first_step(a0, 1, 1.0)
+    train(ledger, a0, range(1, 5))  # steps 3-4 are lost: the next attempt restores step 2
+    ledger.failure_noticed(5.0, {0: "boom"})
+    a1 = ledger.begin_attempt(6.0)
+    ledger.restored(a1, restored(2))
+    ledger.first_step(a1, 3, 7.0)
+    train(ledger, a1, range(3, 6))
+    ledger.validation(a0, 4, {"epoch": 0, "loss": 1.0, "accuracy": 0.5})
+    ledger.validation(
+        a1, 4, {"epoch": 0, "loss": 0.5, "accuracy": 0.75}
+    )  # replaces, not duplicates
+    ledger.progress_update(
+        a1,
+        {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "loss": 0.1, "throughput": 9.0},
+        {M.TRAIN_ROWS_PROCESSED: 40, M.TRAIN_STEP: 2.0, M.TRAIN_ITER_BATCH: float("inf")},
+    )
+    ledger.checkpoint(a1, {"step": 5, "path": "/ck/step_5", "error": None, "seconds": 0.1})
+    ledger.finish(9.0)
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=9.0, config={}
+    )
+    assert set(M.METRIC_KEYS) <= set(summary["metrics"])
+    assert summary["metrics"][M.VALIDATION_ACCURACY] == 0.75 and summary["validation_replaced"] == 1
+    assert [v["step"] for v in summary["validation"]] == [4]
+    assert summary["metrics"][M.CHECKPOINT_RESTORATION_TIME] == pytest.approx(0.76)
+    assert summary["checkpoints"]["committed"] == 1
+    assert summary["audit"] == [
+        {"epoch": 0, "trained": 40, "unique": 40, "duplicates": 0, "missing": 0, "unexpected": 0}
+    ]
+    text = open(write_summary(summary, str(tmp_path))).read()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text)["status"] == "succeeded"
+
+
+def test_audit_catches_a_replayed_batch():
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 6))
+    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist())  # step 5 saw batch 0 again
+    [a] = build_summary(
+        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
+    )["audit"]
+    assert a["duplicates"] == 8 and a["missing"] == 0
