@@ -7,8 +7,8 @@ release-test chaos does), or at the window's end with ``chaos.jitter=false``; th
 gives the same times. A kill waits, if needed, until the current attempt is training, so each
 kill causes one real failure rather than hitting workers that are already gone.
 
-Targets are only nodes or processes that host training workers, never the head node or the
-driver's node. A node kill SIGKILLs the node's raylet (the parent of every Ray worker on it),
+Targets are only nodes or processes that host training workers: a node kill never hits the head
+node or the driver's node; a worker kill hits a training worker process wherever it runs. A node kill SIGKILLs the node's raylet (the parent of every Ray worker on it),
 which takes the whole node down; a worker kill SIGKILLs one training worker process. Both run
 as a zero-CPU task pinned to the target node, so they work on real multi-node clusters too.
 """
@@ -53,9 +53,12 @@ class KillSchedule:
 
 
 def eligible_targets(
-    workers: list[dict[str, Any]], protected_nodes: set[str]
+    kind: str, workers: list[dict[str, Any]], protected_nodes: set[str]
 ) -> list[dict[str, Any]]:
-    """Training workers that may be killed: not on a protected (head/driver) node."""
+    """Training workers that may be hit. A node kill never takes down a protected (head or
+    driver) node; a worker kill only ever hits a training worker process, wherever it runs."""
+    if kind == "worker":
+        return list(workers)
     return [w for w in workers if w.get("node_id") not in protected_nodes]
 
 
@@ -121,10 +124,18 @@ class ChaosKiller:
         attempt = view["attempt"]
         if attempt is None or attempt <= self.last_attempt or not view["training"]:
             return None
-        targets = eligible_targets(view["workers"], self.protected)
+        targets = eligible_targets(self.kind, view["workers"], self.protected)
         return (attempt, targets) if targets else None
 
     def run(self) -> list[dict[str, Any]]:
+        try:
+            return self._run()
+        except Exception as exc:  # a broken killer must be seen, not silently stop the chaos
+            logger.exception("chaos killer stopped")
+            self.ledger.report_error(f"chaos killer stopped: {type(exc).__name__}: {exc}")
+            return self.kills
+
+    def _run(self) -> list[dict[str, Any]]:
         start = None
         while start is None:
             start = self._training_start()
@@ -180,6 +191,9 @@ class _LedgerView:
 
     def record_kill(self, record: dict[str, Any]) -> None:
         self.handle.kill.remote(record)
+
+    def report_error(self, message: str) -> None:
+        self.handle.log.remote(message)
 
 
 class KillerActor:

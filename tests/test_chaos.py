@@ -34,7 +34,8 @@ WORKERS = [
 
 
 def test_targets_never_include_protected_nodes():
-    targets = eligible_targets(WORKERS, {"head"})
+    assert len(eligible_targets("worker", WORKERS, {"head"})) == 4  # processes, not nodes
+    targets = eligible_targets("node", WORKERS, {"head"})
     assert {w["node_id"] for w in targets} == {"n1", "n2"}
     node = choose_target("node", targets, random.Random(0))
     assert node["node_id"] in {"n1", "n2"}
@@ -54,12 +55,16 @@ class FakeLedger:
             "workers": [],
         }
         self.recorded: list[dict[str, Any]] = []
+        self.errors: list[str] = []
 
     def chaos_view(self) -> dict[str, Any]:
         return dict(self.view)
 
     def record_kill(self, record: dict[str, Any]) -> None:
         self.recorded.append(record)
+
+    def report_error(self, message: str) -> None:
+        self.errors.append(message)
 
 
 class FakeTime:
@@ -138,3 +143,20 @@ def test_failed_kill_is_not_counted():
         wait=lambda s: False,
     )
     assert len(killer.run()) == 0 and len(calls) == 1
+
+
+def test_a_broken_killer_reports_instead_of_dying_silently():
+    ledger = FakeLedger()
+    ledger.view.update(
+        training_started=0.0, attempt=0, training=True, workers=[{"rank": 0}]
+    )  # no node_id
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "node",
+        ledger,
+        set(),
+        clock=lambda: 5.0,
+        wait=lambda s: False,
+    )
+    assert killer.run() == []
+    assert ledger.errors and "chaos killer stopped" in ledger.errors[0]
