@@ -41,3 +41,24 @@ def run_ftjob(
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return proc, summary
+
+
+def make_image_tree(
+    root: Path, classes: int = 3, train_per_class: int = 24, val_per_class: int = 6, size: int = 20
+) -> Path:
+    """A real class-per-folder tree of PNG files: each class a colour, plus noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    colours = rng.integers(40, 215, size=(classes, 3))
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class_{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = np.clip(colours[c] + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(
+                    np.uint8
+                )
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+    return root
