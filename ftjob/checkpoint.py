@@ -55,6 +55,31 @@ class CorruptCheckpoint(Exception):
     """A checkpoint that is incomplete or does not match its manifest."""
 
 
+def _check_manifest(manifest: Any, step: int) -> None:
+    """A manifest names plain files (no paths: they are joined to local directories) with a
+    size and a checksum, for the step of the directory it is in."""
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CorruptCheckpoint("malformed manifest: no file table")
+    if manifest.get("step") != step:
+        raise CorruptCheckpoint(f"manifest is for step {manifest.get('step')}, not {step}")
+    for name, meta in files.items():
+        plain = name not in ("", ".", "..", MANIFEST) and "/" not in name and "\\" not in name
+        if not plain or not isinstance(meta, dict):
+            raise CorruptCheckpoint(f"malformed manifest entry {name!r}")
+        if not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
+            raise CorruptCheckpoint(f"manifest entry {name!r} lacks a size or a checksum")
+
+
+# Object stores have no directories to create before writing a key.
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
+
+
+def _has_directories(fs: AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return not _OBJECT_STORES & set(protocol)
+
+
 @dataclass
 class RestoreResult:
     step: int
@@ -84,7 +109,10 @@ class CheckpointStore:
         no manifest and never counts."""
         manifest = build_manifest(local_dir, step)
         remote = self.path_for(step)
-        self.fs.makedirs(remote, exist_ok=True)  # a no-op on object stores
+        if _has_directories(self.fs):
+            # Not on object stores: there s3fs's makedirs costs requests and would even
+            # re-create a bucket deleted under a running job.
+            self.fs.makedirs(remote, exist_ok=True)
         for name in manifest["files"]:
             self.fs.put_file(os.path.join(local_dir, name), posixpath.join(remote, name))
         self.fs.pipe_file(posixpath.join(remote, MANIFEST), json.dumps(manifest, indent=1).encode())
@@ -95,7 +123,9 @@ class CheckpointStore:
     def steps(self) -> list[int]:
         """Steps of all checkpoint directories, committed or not, newest first."""
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            # refresh: s3fs caches listings, and another process (the previous attempt, the
+            # driver) may have written or pruned checkpoints since this one last looked.
+            entries = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         found = [_STEP_DIR.match(posixpath.basename(str(e).rstrip("/"))) for e in entries]
@@ -107,9 +137,11 @@ class CheckpointStore:
         except FileNotFoundError:
             raise CorruptCheckpoint("no manifest: the upload never completed") from None
         try:
-            return json.loads(raw)
+            manifest = json.loads(raw)
         except ValueError as exc:
             raise CorruptCheckpoint(f"unreadable manifest ({exc})") from None
+        _check_manifest(manifest, step)
+        return manifest
 
     def read_file(self, step: int, name: str) -> bytes:
         return self.fs.cat_file(posixpath.join(self.path_for(step), name))
@@ -134,7 +166,9 @@ class CheckpointStore:
 
     def restore_latest(self, local_root: str, max_step: int | None = None) -> RestoreResult | None:
         """The newest valid checkpoint, downloaded under ``local_root``; None if there is none.
-        Invalid newer ones are reported in ``skipped``."""
+        Invalid newer ones are reported in ``skipped``. Storage errors that outlast the retry
+        policy propagate: an unreachable store must not pass for a corrupt checkpoint (that
+        would restart training from an older one)."""
         skipped: list[dict[str, Any]] = []
         for step in self.steps():
             if max_step is not None and step > max_step:

@@ -13,16 +13,16 @@ import re
 import sys
 from typing import Any
 
-from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ftjob.check import PRIMARY_CONFIG, Composer, Target, swept_values
 from ftjob.config import ConfigError, load_job, register_schema
 
-CONFIG_MODULE = "ftjob.conf"
-CONFIG_NAME = "config"
 # Flags after which Hydra does not run the job: nothing to precheck.
 _NO_RUN_FLAGS = {
     "--help",
@@ -74,12 +74,6 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return flags, overrides
 
 
-def _compose(overrides: list[str], config_name: str) -> Any:
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
-
-
 def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
     """One ConfigError (key, value, rule) from a Hydra/OmegaConf composition error."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
@@ -108,41 +102,55 @@ def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
     return ConfigError(key, given.get(key), rule)
 
 
-def _check_one(overrides: list[str], config_name: str) -> None:
-    try:
-        cfg = _compose(overrides, config_name)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise _explain(exc, overrides) from None
-    load_job(cfg)
-
-
 def precheck(argv: list[str]) -> None:
-    """Raise ConfigError (one line) if the command's config, or any swept value, is invalid."""
+    """Raise ConfigError (one line) if the command's config, or any value it sweeps -- on the
+    command line or in a ``+sweep=`` preset's ``hydra.sweeper.params`` -- is invalid."""
     flags, overrides = split_args(argv)
     if any(flag in _NO_RUN_FLAGS for flag in flags) or "--config-path" in flags or "-cp" in flags:
         return
     config_dir = flags.get("--config-dir") or flags.get("-cd")
-    config_name = flags.get("--config-name") or flags.get("-cn") or CONFIG_NAME
-    job_overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
-    if config_dir:
-        job_overrides.append(f"hydra.searchpath=[file://{os.path.abspath(config_dir)}]")
-    multirun = "-m" in flags or "--multirun" in flags
-    parsed = OverridesParser.create().parse_overrides(job_overrides)
+    config_name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
+    composer = Composer(config_dir)
+    user_primary = bool(config_dir) and os.path.exists(
+        os.path.join(config_dir, f"{config_name}.yaml")
+    )
+    target = Target("command line", config_name=config_name, user_primary=user_primary)
+    parsed = OverridesParser.create().parse_overrides(overrides)
     sweeps = {
-        i: list(o.sweep_string_iterator())
-        for i, o in enumerate(parsed)
-        if multirun and o.is_sweep_override()
+        o.get_key_element(): [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+        for o in parsed
+        if o.is_discrete_sweep()
     }
     first = [
-        f"{o.get_key_element()}={sweeps[i][0]}" if i in sweeps else job_overrides[i]
-        for i, o in enumerate(parsed)
+        sweeps[o.get_key_element()][0] if o.get_key_element() in sweeps else raw
+        for o, raw in zip(parsed, overrides, strict=True)
     ]
-    _check_one(first, config_name)
-    for i, values in sweeps.items():
-        for value in values[1:]:
-            combo = list(first)
-            combo[i] = f"{parsed[i].get_key_element()}={value}"
-            _check_one(combo, config_name)
+
+    def check(combo: list[str], hydra: bool = False) -> DictConfig:
+        try:
+            cfg = composer.compose(target, combo, hydra=hydra)
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise _explain(exc, combo) from None
+        job = cfg.copy()
+        if hydra:
+            with open_dict(job):
+                del job["hydra"]
+        load_job(job)
+        return cfg
+
+    cfg = check(first, hydra=True)
+    if "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN:
+        node = cfg.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
+        listed, _ = swept_values({k: v for k, v in params.items() if k not in sweeps})  # type: ignore[union-attr]
+        preset = [values for values in listed if len(values) > 1]
+        for values in [*(v[1:] for v in sweeps.values()), *preset]:
+            for value in values:
+                key = value.split("=", 1)[0]
+                check(
+                    [o for o in first if o.split("=", 1)[0].lstrip("+~") != key.lstrip("+~")]
+                    + [value]
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,6 +131,10 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
+    return snap["attempts"][0]["first_step"] if snap["attempts"] else None
+
+
 def build_summary(
     snap: dict[str, Any],
     *,
@@ -197,6 +201,11 @@ def build_summary(
             "fallbacks": fallbacks,
         },
         "storage": {**totals, "total": all_ops.as_dict()["all"]},
+        "timing": {
+            "started": snap["started"],
+            "first_step": first["time"] if (first := _first_step(snap)) else None,
+            "finished": snap["finished"],
+        },
         "validation": snap["validations"],
         "validation_replaced": snap["replaced_validations"],
         "attempts": len(snap["attempts"]),
@@ -245,3 +254,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"
         )
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ftjob.sweep import main
+
+    sys.exit(main())

@@ -8,8 +8,11 @@ Layers, outermost first::
 
 The retrying layer is handed to Ray Train as a ``pyarrow.fs.PyFileSystem``, so every write,
 read and listing of the run's storage goes through the same policy, and it pickles to workers
-with that policy. s3fs/botocore retries are switched off by default so the policy users
-configure is the one that acts (``checkpoint.storage_options`` can turn them back on).
+with that policy. The retry loops below it are switched off by default so that the policy users
+configure is the one that acts: s3fs's ``retries`` and botocore's ``total_max_attempts`` are 1
+(``checkpoint.storage_options`` can set ``retries`` and ``config_kwargs.retries`` again).
+aiohttp still re-sends an idempotent request once when a reused keep-alive connection turns
+out closed (RFC 9112); that is connection upkeep, not a retry policy.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ import fsspec
 import tenacity
 from fsspec import AbstractFileSystem
 
-from ftjob.config import RetryConfig, StorageChaosConfig
+from ftjob.config import ConfigError, RetryConfig, StorageChaosConfig
 
 logger = logging.getLogger("ftjob.storage")
 
 # -- classification ------------------------------------------------------------------------
 
+# Message patterns, matched case-insensitively against "TypeName: message" of each exception in
+# the chain (s3fs translates S3 error codes into OSErrors whose message is S3's own text).
 TRANSIENT_PATTERNS = (
     r"slow ?down",
+    r"reduce your request rate",
     r"throttl",
     r"too ?many ?requests",
     r"\b429\b",
@@ -56,7 +62,7 @@ TRANSIENT_PATTERNS = (
     r"incomplete ?read",
     r"truncated",
     r"response ?ended prematurely",
-    r"payload",
+    r"payload is not completed",
 )
 PERMANENT_PATTERNS = (
     r"access ?denied",
@@ -68,8 +74,10 @@ PERMANENT_PATTERNS = (
     r"signature ?does ?not ?match",
     r"expired ?token",
     r"invalid ?credentials",
+    r"unable to locate credentials",
     r"not ?authori[sz]ed",
 )
+# s3fs maps SlowDown/ServiceUnavailable/503 to EBUSY and InternalError/500 to EREMOTEIO.
 TRANSIENT_ERRNOS = {
     errno.EBUSY,
     getattr(errno, "EREMOTEIO", errno.EIO),
@@ -89,16 +97,27 @@ PERMANENT_TYPES = (
     NotADirectoryError,
     IsADirectoryError,
 )
+# By name, so neither botocore nor aiohttp has to be importable; matched against the whole MRO.
 TRANSIENT_TYPE_NAMES = (
-    "IncompleteRead",
+    # botocore: HTTPClientError is the base of ConnectionClosedError, ReadTimeoutError and
+    # ResponseStreamingError; the connection errors below derive from botocore's own
+    # ConnectionError (so does SSLError, a certificate problem, deliberately left out).
+    "HTTPClientError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ProxyConnectionError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ResponseParserError",  # s3fs: throttling responses sometimes carry broken XML
+    # aiohttp
     "ClientPayloadError",
     "ServerDisconnectedError",
+    "ServerTimeoutError",
     "ClientConnectionError",
     "ClientOSError",
-    "ReadTimeoutError",
-    "ConnectTimeoutError",
-    "EndpointConnectionError",
-    "ResponseStreamingError",
+    # http.client / urllib3 / fsspec
+    "IncompleteRead",
+    "ProtocolError",
     "FSTimeoutError",
 )
 
@@ -114,6 +133,17 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def check_rules(rules: tuple[str, ...] | list[str], key: str) -> None:
+    """A bad regex in ``retry_on``/``give_up_on`` fails at startup, not at the first error."""
+    for rule in rules:
+        try:
+            re.compile(rule)
+        except re.error as exc:
+            raise ConfigError(
+                key, list(rules), f"{rule!r} is neither an exception type name nor a regex ({exc})"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -137,14 +167,15 @@ class ErrorClassifier:
         if any(self._matches(self.retry_on, e) for e in chain):
             return True
         for e in chain:
-            if self._matches(PERMANENT_PATTERNS, e):
-                return False
+            # Structured signals first: a message may quote a path ("exp-403/...").
             if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
                 return True
             if isinstance(e, PERMANENT_TYPES):
                 return False
             if isinstance(e, TRANSIENT_TYPES) or _names(e) & set(TRANSIENT_TYPE_NAMES):
                 return True
+            if self._matches(PERMANENT_PATTERNS, e):
+                return False
             if self._matches(TRANSIENT_PATTERNS, e):
                 return True
         return False
@@ -154,7 +185,8 @@ class ErrorClassifier:
 
 
 class wait_backoff(tenacity.wait.wait_base):
-    """initial * multiplier**(retry-1), capped at max, then scaled by 1 +- jitter (from rng)."""
+    """initial * multiplier**(retry-1), scaled by 1 +- jitter (from rng), capped at maximum:
+    ``max_backoff`` is the longest any one wait lasts, jitter included."""
 
     def __init__(
         self, initial: float, multiplier: float, maximum: float, jitter: float, rng: random.Random
@@ -163,8 +195,14 @@ class wait_backoff(tenacity.wait.wait_base):
         self.jitter, self.rng = jitter, rng
 
     def __call__(self, retry_state: tenacity.RetryCallState) -> float:
-        base = min(self.maximum, self.initial * self.multiplier ** (retry_state.attempt_number - 1))
-        return max(0.0, base * (1 + self.rng.uniform(-self.jitter, self.jitter)))
+        try:
+            base = min(
+                self.maximum, self.initial * self.multiplier ** (retry_state.attempt_number - 1)
+            )
+        except OverflowError:
+            base = self.maximum
+        jittered = base * (1 + self.rng.uniform(-self.jitter, self.jitter))
+        return min(self.maximum, max(0.0, jittered))
 
 
 class stop_after_deadline(tenacity.stop.stop_base):
@@ -184,12 +222,15 @@ class stop_after_deadline(tenacity.stop.stop_base):
 
 @dataclass
 class OpStats:
-    """Counts for one kind of storage operation."""
+    """Counts for one kind of storage operation. ``failures`` are calls that failed after the
+    policy gave up (or at once, on a permanent error); ``not_found`` are reads answered "no
+    such file" -- an answer, not a failure (a fresh run lists checkpoints that do not exist)."""
 
     calls: int = 0
     attempts: int = 0
     retries: int = 0
     failures: int = 0
+    not_found: int = 0
     retry_wait_s: float = 0.0
 
     def merge(self, other: OpStats) -> None:
@@ -197,6 +238,7 @@ class OpStats:
         self.attempts += other.attempts
         self.retries += other.retries
         self.failures += other.failures
+        self.not_found += other.not_found
         self.retry_wait_s += other.retry_wait_s
 
     def as_dict(self) -> dict[str, float]:
@@ -206,6 +248,7 @@ class OpStats:
             "attempts": self.attempts,
             "retries": self.retries,
             "failures": self.failures,
+            "not_found": self.not_found,
             "retry_wait_s": round(self.retry_wait_s, 4),
             "success_rate": round(ok / self.calls, 6) if self.calls else 1.0,
         }
@@ -234,6 +277,7 @@ class StorageStats:
                 attempts=int(d.get("attempts", 0)),
                 retries=int(d.get("retries", 0)),
                 failures=int(d.get("failures", 0)),
+                not_found=int(d.get("not_found", 0)),
                 retry_wait_s=float(d.get("retry_wait_s", 0.0)),
             )
         return stats
@@ -243,6 +287,7 @@ class RetryPolicy:
     """Runs a storage call, retrying transient errors with exponential backoff and jitter.
 
     ``sleep``, ``clock`` and ``rng`` are injectable, so tests run the policy without waiting.
+    Pickling keeps the config only: an unpickled policy sleeps, times and draws jitter for real.
     """
 
     def __init__(
@@ -254,6 +299,8 @@ class RetryPolicy:
         rng: random.Random | None = None,
     ) -> None:
         self.config = config or RetryConfig()
+        check_rules(self.config.retry_on, f"{RetryConfig._group}.retry_on")
+        check_rules(self.config.give_up_on, f"{RetryConfig._group}.give_up_on")
         self.sleep, self.clock = sleep, clock
         self.rng = rng or random.Random()
         self.classifier = ErrorClassifier(
@@ -267,11 +314,22 @@ class RetryPolicy:
         self.__init__(state["config"])  # type: ignore[misc]
 
     def call(
-        self, fn: Callable[[], Any], *, op: str, target: str, stats: OpStats | None = None
+        self,
+        fn: Callable[[], Any],
+        *,
+        op: str,
+        target: str,
+        stats: OpStats | None = None,
+        answers: tuple[type[BaseException], ...] = (),
     ) -> Any:
+        """``fn()`` under the policy. Every retry is logged once (op, target, attempt, error,
+        next wait). The error that ends the call is re-raised as its own type, with the
+        operation, the target and its bucket added to the message; ``answers`` are errors
+        that count in ``stats.not_found`` instead of ``stats.failures``."""
         c = self.config
         stats = stats if stats is not None else OpStats()
         stats.calls += 1
+        attempts = 0
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             wait = state.upcoming_sleep or 0.0
@@ -290,6 +348,8 @@ class RetryPolicy:
             )
 
         def counted() -> Any:
+            nonlocal attempts
+            attempts += 1
             stats.attempts += 1
             return fn()
 
@@ -305,22 +365,28 @@ class RetryPolicy:
         try:
             return retrying(counted)
         except Exception as exc:
-            stats.failures += 1
+            if isinstance(exc, answers):
+                stats.not_found += 1
+            else:
+                stats.failures += 1
             transient = self.classifier.is_transient(exc)
             if transient:  # permanent errors (a missing file, say) are often expected by callers
                 logger.error(
                     "storage %s %s failed after %d attempts: %s: %s",
                     op,
                     target,
-                    stats.attempts,
+                    attempts,
                     type(exc).__name__,
                     _one_line(exc),
                 )
-            raise _with_context(exc, op, target, transient, stats.attempts) from exc
+            described = _with_context(exc, op, target, transient, attempts)
+            if described is exc:
+                raise
+            raise described from exc
 
 
-def _one_line(exc: BaseException | None) -> str:
-    text = str(exc).strip().splitlines()
+def _one_line(exc: object) -> str:
+    text = str(exc).strip().splitlines() if exc is not None else []
     return text[0][:300] if text else ""
 
 
@@ -333,16 +399,19 @@ def bucket_of(target: str) -> str | None:
 def _with_context(
     exc: BaseException, op: str, target: str, transient: bool, attempts: int
 ) -> BaseException:
-    """The same exception type, with the operation, path and bucket in its message."""
+    """The same exception type (errno kept), with the operation, path and bucket in its
+    message; the original exception itself when its type cannot be rebuilt from a message."""
     bucket = bucket_of(target)
     where = f"{op} {target}" + (f" (bucket {bucket!r})" if bucket else "")
     verdict = f"gave up after {attempts} attempts" if transient else "permanent error, not retried"
-    message = f"{_one_line(exc) or type(exc).__name__} [storage {where}: {verdict}]"
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    # OSError(errno, text) prints "[Errno N] text": keep the text, the errno is passed on.
+    text = _one_line(exc.strerror if errno_ is not None and exc.strerror else exc)  # type: ignore[union-attr]
+    message = f"{text or type(exc).__name__} [storage {where}: {verdict}]"
     try:
-        new = type(exc)(message)
+        return type(exc)(errno_, message) if errno_ is not None else type(exc)(message)
     except Exception:
         return exc
-    return new
 
 
 # -- filesystem wrappers ----------------------------------------------------------------------
@@ -415,7 +484,10 @@ for _name in OPERATIONS:
 
 
 class _UploadOnClose(io.BytesIO):
-    """A write handle that uploads its whole content in one (retryable) request on close."""
+    """A write handle that uploads its whole content in one (retryable) request on close.
+
+    Leaving a ``with`` block by an exception discards the content: a writer that failed half
+    way never publishes half a file."""
 
     def __init__(self, upload: Callable[[bytes], Any]) -> None:
         super().__init__()
@@ -427,21 +499,56 @@ class _UploadOnClose(io.BytesIO):
             super().close()
             self._upload(data)
 
+    def discard(self) -> None:
+        if not self.closed:
+            super().close()
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
+
+
+def innermost(fs: AbstractFileSystem) -> AbstractFileSystem:
+    """The filesystem under every ftjob wrapper."""
+    while isinstance(fs, _DelegatingFileSystem):
+        fs = fs.fs
+    return fs
+
 
 class RetryingFileSystem(_DelegatingFileSystem):
-    """Every operation on ``fs`` runs under ``policy``; counts land in ``stats``."""
+    """Every operation on ``fs`` runs under ``policy``; counts land in ``stats``.
 
-    def __init__(self, fs: AbstractFileSystem, policy: RetryPolicy, **kwargs: Any) -> None:
+    ``inner_retries`` sets the request retries of the filesystem underneath (s3fs's
+    ``retries`` attribute, which is no constructor argument and would be lost in pickling);
+    it is a constructor argument here so that it survives the trip to Ray workers."""
+
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        policy: RetryPolicy,
+        *,
+        inner_retries: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(fs)
         self.policy = policy
         self.stats = StorageStats()
         self._lock = threading.Lock()
+        base = innermost(fs)
+        if inner_retries is not None and hasattr(base, "retries"):
+            base.retries = inner_retries
 
     def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
         kind = OPERATIONS.get(op, "other")
         local = OpStats()
+        # A missing file is an answer to a read or a listing, but a failure of an upload (no
+        # such bucket).
+        answers = () if kind == "upload" else (FileNotFoundError,)
         try:
-            return self.policy.call(fn, op=op, target=self.fs.unstrip_protocol(path), stats=local)
+            target = self.fs.unstrip_protocol(path)
+            return self.policy.call(fn, op=op, target=target, stats=local, answers=answers)
         finally:
             with self._lock:
                 self.stats.kind(kind).merge(local)
@@ -465,8 +572,20 @@ INJECTED_ERRORS: dict[str, Callable[[str], Exception]] = {
 }
 
 
+def is_checkpoint_upload(op: str, path: str) -> bool:
+    """An upload of checkpoint data (``.../checkpoints/step_N/...``), not Ray Train's own
+    bookkeeping (storage marker, checkpoint manager snapshot)."""
+    return OPERATIONS.get(op) == "upload" and "/checkpoints/step_" in f"/{path}"
+
+
 class FaultInjectingFileSystem(_DelegatingFileSystem):
-    """Fails a seeded fraction of requests before they reach ``fs`` (chaos.storage)."""
+    """Fails a seeded fraction of requests before they reach ``fs`` (chaos.storage).
+
+    Transient kinds hit any request, Ray Train's included: the retry layer must absorb them
+    wherever they happen. A ``permanent`` fault hits only checkpoint uploads (a write that is
+    denied), which ftjob can survive (``checkpoint.max_consecutive_upload_failures``); drawn for
+    any other request it is not injected, since a permanent error there only ends the job.
+    """
 
     def __init__(
         self,
@@ -486,7 +605,9 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
         with self._lock:
             fail = self.rng.random() < self.failure_rate
             kind = self.rng.choice(self.errors) if fail else None
-            self.injected += fail
+            if kind == "permanent" and not is_checkpoint_upload(op, path):
+                kind = None
+            self.injected += kind is not None
         if kind is not None:
             raise INJECTED_ERRORS[kind](f"{op} {path}")
         return fn()
@@ -499,15 +620,24 @@ class StorageError(RuntimeError):
     """Checkpoint storage is unusable; the message names the path, bucket and what to do."""
 
 
-def _default_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+INNER_RETRIES_OPTION = "retries"
+
+
+def split_options(protocol: str, options: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """fsspec options for ``protocol``, and the retries of the filesystem's own retry loop.
+
+    ftjob's policy is the one that retries, so the loops below it are switched off unless
+    ``storage_options`` asks otherwise: s3fs's ``retries`` (an attribute, set on the instance;
+    1 = one try) and botocore's (``config_kwargs.retries.total_max_attempts``: 1 = one try;
+    botocore's ``max_attempts`` would count retries, not tries)."""
     merged = dict(options)
+    inner_retries = merged.pop(INNER_RETRIES_OPTION, None)
     if protocol in ("s3", "s3a"):
-        # ftjob's policy is the one that retries: turn off the retries below it.
-        merged.setdefault("retries", 1)
+        inner_retries = 1 if inner_retries is None else int(inner_retries)
         config = dict(merged.get("config_kwargs") or {})
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         merged["config_kwargs"] = config
-    return merged
+    return merged, inner_retries
 
 
 def build_filesystem(
@@ -519,11 +649,12 @@ def build_filesystem(
 ) -> tuple[RetryingFileSystem, str]:
     """The retrying filesystem for ``url`` and the path within it."""
     protocol = fsspec.utils.get_protocol(url)
-    inner, path = fsspec.core.url_to_fs(url, **_default_options(protocol, options))
+    fsspec_options, inner_retries = split_options(protocol, options)
+    inner, path = fsspec.core.url_to_fs(url, **fsspec_options)
     fs: AbstractFileSystem = inner
     if chaos is not None and chaos.failure_rate > 0:
         fs = FaultInjectingFileSystem(inner, chaos.failure_rate, chaos.errors, seed=seed)
-    return RetryingFileSystem(fs, RetryPolicy(retry)), path
+    return RetryingFileSystem(fs, RetryPolicy(retry), inner_retries=inner_retries), path
 
 
 def to_pyarrow(fs: AbstractFileSystem) -> Any:
@@ -541,6 +672,7 @@ def preflight(fs: RetryingFileSystem, path: str, key: str = "checkpoint.storage_
     probe = f"{path.rstrip('/')}/.ftjob-probe-{uuid.uuid4().hex[:12]}"
     try:
         if bucket is None:
+            # Object stores have no directories (and s3fs's makedirs would create the bucket).
             fs.makedirs(path, exist_ok=True)
         fs.pipe_file(probe, b"ftjob storage probe")
         if fs.cat_file(probe) != b"ftjob storage probe":
@@ -550,10 +682,20 @@ def preflight(fs: RetryingFileSystem, path: str, key: str = "checkpoint.storage_
         raise
     except Exception as exc:
         where = f"bucket {bucket!r} of {url!r}" if bucket else repr(url)
+        options = f"{key.split('.')[0]}.storage_options"
         if bucket and isinstance(exc, FileNotFoundError):
             hint = f"bucket {bucket!r} does not exist: create it or fix {key}"
-        elif isinstance(exc, PermissionError):
-            hint = f"no permission to write to {where}: check credentials (AWS_* variables, {key.split('.')[0]}.storage_options)"
+        elif isinstance(exc, PermissionError) or re.search(
+            "credential|access ?key|signature|token", str(exc), re.IGNORECASE
+        ):
+            hint = (
+                f"no permission to write to {where}: check credentials (AWS_* variables, {options})"
+            )
+        elif fs.policy.classifier.is_transient(exc):
+            hint = (
+                f"{where} did not answer after all retries: check the endpoint ({options}."
+                "endpoint_url or AWS_ENDPOINT_URL) and the network"
+            )
         else:
             hint = f"cannot write to {where}"
         raise StorageError(

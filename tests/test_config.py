@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob.cli import _compose, precheck
+from ftjob.check import Composer, Target
+from ftjob.cli import precheck
 from ftjob.config import (
     ChaosConfig,
     ConfigError,
@@ -33,7 +34,7 @@ def _schema():
 
 
 def compose_job(*overrides: str) -> JobConfig:
-    return load_job(_compose(list(overrides), "config"))
+    return load_job(Composer().compose(Target("test"), overrides))
 
 
 def test_default_config_composes_to_a_runnable_job():
@@ -47,14 +48,15 @@ def test_default_config_composes_to_a_runnable_job():
 def test_every_experiment_composes(experiment):
     overrides = [f"+experiment={experiment}"]
     if experiment == "imagenet_ft":  # needs a path and a cluster; everything else is shipped
-        overrides += ["dataset.path=/data/imagenet", "ray.address=auto"]
+        overrides += ["dataset.path=/data/imagenet"]
     job = compose_job(*overrides)
     assert job.trainer.num_workers >= 1
     assert job.failure.max_failures == 4
 
 
 def test_imagenet_ft_is_the_seed_benchmark_job():
-    job = compose_job("+experiment=imagenet_ft", "dataset.path=s3://b/imagenet", "ray.address=auto")
+    job = compose_job("+experiment=imagenet_ft", "dataset.path=s3://b/imagenet")
+    assert job.ray.address == "auto"
     assert job.model["_target_"] == "torchvision.models.resnet50"
     assert job.dataset["num_classes"] == 1000
     assert job.trainer.use_gpu and job.trainer.validate_every_n_steps > 0
@@ -191,3 +193,21 @@ def test_config_dir_from_an_installed_wheel_elsewhere(tmp_path):
         text=True,
     )
     assert loaded.stdout.startswith(str(target))
+
+
+def test_sweep_preset_values_are_checked_with_or_without_dash_m():
+    precheck(["+experiment=digits_ft", "+sweep=kill_interval"])
+    precheck(["+experiment=digits_ft", "+sweep=kill_interval", "chaos.interval=5,10"])
+    with pytest.raises(ConfigError) as err:
+        precheck(["+experiment=digits_ft", "+sweep=kill_interval", "chaos.interval=5,-3"])
+    assert err.value.key == "chaos.interval"
+
+
+def test_user_primary_config_in_config_dir(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - config\n  - _self_\ntrainer:\n  epochs: 2\n"
+    )
+    precheck(["--config-dir", str(tmp_path), "--config-name", "mine"])
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  epochs: 0\n")
+    with pytest.raises(ConfigError, match="trainer.epochs"):
+        precheck(["--config-dir", str(tmp_path), "--config-name", "bad"])

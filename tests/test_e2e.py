@@ -100,6 +100,7 @@ def test_gpu_job_on_a_cluster_without_gpus_stops_pointing_to_use_gpu_false(tmp_p
         f"dataset.path={images}",
         "dataset.num_classes=null",
         "chaos=disabled",
+        "ray.address=null",
         "trainer.num_workers=2",
         "trainer.batch_size=2",
     ]

@@ -1,0 +1,258 @@
+"""Training throughput: ftjob vs a hand-written Ray Train loop vs plain torch.
+
+The same model (small_cnn), data and hyperparameters through
+  (a) plain torch: one process, batches decoded in the loop, global batch size;
+  (b) a minimal hand-written Ray Train + Ray Data loop: TorchTrainer(datasets=...),
+      get_dataset_shard(...).iter_torch_batches(), no checkpoints, no validation;
+  (c) ftjob: the full runner, checkpointing and validating at its default frequencies
+      (every epoch end), with the ledger, retrying storage and the resumable iterator.
+Images/s = samples trained after the first step / seconds from the first step to the end of
+training (start-up costs, the same for (b) and (c), are excluded). Methods run interleaved,
+repeated; the table shows medians and the ratios.
+
+    python benchmarks/throughput.py [--repeats 3] [--datasets synthetic,digits]
+
+The last line is ``ftjob/raytrain = X`` (synthetic data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ftjob.datasets import TRAIN, build_dataset
+
+WORKERS = 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    dataset: dict[str, Any]
+    batch_size: int  # per worker
+    epochs: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * WORKERS
+
+
+WORKLOADS = {
+    "synthetic": Workload(
+        "synthetic 64px",
+        {
+            "_target_": "ftjob.datasets.SyntheticDataset",
+            "num_samples": 4096,
+            "num_val_samples": 512,
+            "image_size": 64,
+        },
+        batch_size=64,
+        epochs=3,
+    ),
+    "digits": Workload(
+        "digits", {"_target_": "ftjob.datasets.DigitsDataset"}, batch_size=32, epochs=6
+    ),
+}
+MODEL = {"_target_": "ftjob.models.SmallCNN", "width": 32}
+LR = 1e-3
+
+
+def _model(num_classes: int) -> Any:
+    import torch
+
+    from ftjob.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(MODEL, num_classes)
+
+
+def _rows(table: pa.Table) -> dict[str, np.ndarray]:
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+# -- (a) plain torch ----------------------------------------------------------------------------
+
+
+def plain_torch(w: Workload) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from ftjob.data import epoch_order
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    dataset = build_dataset(w.dataset)
+    catalog = dataset.catalog(TRAIN)
+    model = _model(dataset.num_classes)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    B, n = w.global_batch, catalog.num_rows
+    start, rows = None, 0
+    for epoch in range(w.epochs):
+        order = epoch_order(n, 0, epoch)
+        for k in range(n // B):
+            batch = _rows(catalog.take(pa.array(order[k * B : (k + 1) * B])))
+            images = torch.from_numpy(dataset.decode(batch, TRAIN, epoch, 0))
+            labels = torch.from_numpy(batch["label"].astype(np.int64))
+            loss = F.cross_entropy(model(images), labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if start is None:
+                start = time.perf_counter()
+            else:
+                rows += B
+    return rows / (time.perf_counter() - start)
+
+
+# -- (b) hand-written Ray Train + Ray Data ------------------------------------------------------
+
+
+def _raytrain_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import torch
+    import torch.nn.functional as F
+
+    w: Workload = config["workload"]
+    torch.set_num_threads(1)
+    model = ray.train.torch.prepare_model(_model(config["num_classes"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    shard = ray.train.get_dataset_shard("train")
+    start, rows = None, 0
+    for _ in range(w.epochs):
+        for batch in shard.iter_torch_batches(
+            batch_size=w.batch_size, prefetch_batches=2, drop_last=True
+        ):
+            loss = F.cross_entropy(model(batch["image"]), batch["label"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if start is None:
+                start = time.perf_counter()
+            else:
+                rows += w.global_batch
+    if (
+        ray.train.get_context().get_world_rank() == 0
+    ):  # Ray Train 2.60 keeps metrics only with checkpoints
+        with open(config["result_file"], "w") as f:
+            f.write(str(rows / (time.perf_counter() - start)))
+
+
+def raytrain(w: Workload) -> float:
+    import ray
+    import ray.data
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from ftjob.data import _Decode
+
+    dataset = build_dataset(w.dataset)
+    catalog = dataset.catalog(TRAIN)
+    ray.init(
+        address="local",
+        num_cpus=(os.cpu_count() or 1) + WORKERS,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
+    try:
+        blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
+        ds = ray.data.from_arrow(blocks).map_batches(
+            _Decode(dataset, TRAIN, 0, 0), batch_size=None, batch_format="numpy"
+        )
+        with tempfile.TemporaryDirectory() as storage:
+            result_file = os.path.join(storage, "images_per_s")
+            TorchTrainer(
+                _raytrain_loop,
+                train_loop_config={
+                    "workload": w,
+                    "num_classes": dataset.num_classes,
+                    "result_file": result_file,
+                },
+                scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
+                run_config=ray.train.RunConfig(storage_path=storage, name="raytrain"),
+                datasets={"train": ds},
+            ).fit()
+            with open(result_file) as f:
+                return float(f.read())
+    finally:
+        ray.shutdown()
+
+
+# -- (c) ftjob ----------------------------------------------------------------------------------
+
+
+def ftjob(w: Workload) -> float:
+    from ftjob import runner
+    from ftjob.config import JobConfig, TrainerConfig
+
+    job = JobConfig(
+        model=dict(MODEL),
+        dataset=dict(w.dataset),
+        trainer=TrainerConfig(
+            num_workers=WORKERS,
+            epochs=w.epochs,
+            batch_size=w.batch_size,
+            lr=LR,
+            lr_schedule="constant",
+        ),
+    )
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = runner.run(job, run_dir, echo=lambda line: None)
+    if not result.ok:
+        raise RuntimeError(f"ftjob run failed: {result.error}")
+    timing, metrics = result.summary["timing"], result.summary["metrics"]
+    rows = metrics["train/rows_processed"] - w.global_batch
+    return rows / (timing["finished"] - timing["first_step"])
+
+
+METHODS = {"plain torch": plain_torch, "raytrain": raytrain, "ftjob": ftjob}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--datasets", default="synthetic,digits")
+    args = parser.parse_args()
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    results: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.repeats):
+        for name in names:
+            for method, fn in METHODS.items():
+                value = fn(WORKLOADS[name])
+                results.setdefault((name, method), []).append(value)
+                print(
+                    f"[repeat {r + 1}/{args.repeats}] {name:<10} {method:<12} {value:8.1f} images/s",
+                    flush=True,
+                )
+
+    print(
+        f"\nimages/s, median of {args.repeats} (small_cnn, {WORKERS} workers for Ray; global batch for plain torch)"
+    )
+    print(
+        f"{'dataset':<16} {'plain torch':>12} {'raytrain':>10} {'ftjob':>10} {'ftjob/raytrain':>15} {'ftjob/plain':>12}"
+    )
+    ratio = None
+    for name in names:
+        med = {m: statistics.median(results[(name, m)]) for m in METHODS}
+        ratio_name = med["ftjob"] / med["raytrain"]
+        ratio = ratio_name if ratio is None else ratio
+        print(
+            f"{WORKLOADS[name].name:<16} {med['plain torch']:>12.1f} {med['raytrain']:>10.1f} {med['ftjob']:>10.1f} "
+            f"{ratio_name:>15.3f} {med['ftjob'] / med['plain torch']:>12.3f}"
+        )
+    print(f"ftjob/raytrain = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``python -m ftjob.check``: every shipped config composes and validates; a broken config dir
+fails, naming the file and the key. No Ray: composition and validation only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib.resources import files
+from pathlib import Path
+
+import pytest
+
+from ftjob.check import ERROR, NEEDS, OK, Verdict, check_all, exit_status, main
+
+CONF = Path(str(files("ftjob.conf")))
+
+
+def by_label(verdicts: list[Verdict]) -> dict[str, Verdict]:
+    return {v.target.label: v for v in verdicts}
+
+
+@pytest.fixture(scope="module")
+def shipped() -> dict[str, Verdict]:
+    return by_label(check_all())
+
+
+def test_every_shipped_experiment_and_sweep_preset_is_checked(shipped) -> None:
+    expected = {"config.yaml"} | {
+        f"{group}/{path.name}"
+        for group in ("experiment", "sweep")
+        for path in (CONF / group).glob("*.yaml")
+    }
+    assert expected <= set(shipped)
+    assert {
+        "sweep/retry_policy.yaml",
+        "sweep/kill_interval.yaml",
+        "sweep/checkpoint_vs_kill.yaml",
+    } <= set(shipped)
+
+
+def test_shipped_sweep_presets_pass_for_every_swept_value(shipped) -> None:
+    for label in (
+        "sweep/retry_policy.yaml",
+        "sweep/kill_interval.yaml",
+        "sweep/checkpoint_vs_kill.yaml",
+    ):
+        verdict = shipped[label]
+        assert verdict.status == OK, verdict.line()
+    assert shipped["sweep/retry_policy.yaml"].detail.startswith("6 combination(s)")
+
+
+def test_a_value_supplied_at_run_time_is_needs_not_an_error(shipped) -> None:
+    verdict = shipped["dataset/imagenet.yaml"]
+
+    assert verdict.status == NEEDS and "dataset.path" in verdict.detail
+    assert exit_status([verdict, shipped["config.yaml"]]) == 0
+
+
+def test_shipped_conf_passes(capsys) -> None:
+    assert main([]) == 0, capsys.readouterr().out
+
+
+# -- a user's config dir ---------------------------------------------------------------------
+
+BROKEN_FILES = {
+    "experiment/bad_value.yaml": "# @package _global_\ntrainer:\n  epochs: 0\n",
+    "experiment/unknown_key.yaml": "# @package _global_\ntrainer:\n  epochz: 3\n",
+    "experiment/bad_target.yaml": "# @package _global_\nmodel:\n  _target_: no_such_module.Net\n",
+    "experiment/not_global.yaml": "trainer:\n  epochs: 2\n",
+    "experiment/bad_yaml.yaml": "# @package _global_\ntrainer: [1\n",
+    "sweep/bad_value.yaml": "# @package _global_\nhydra:\n  sweeper:\n    params:\n      chaos.interval: 5,-1\n",
+    "sweep/bad_key.yaml": "# @package _global_\nhydra:\n  sweeper:\n    params:\n      chaos.intervall: 5,10\n",
+    "sweep/no_params.yaml": "# @package _global_\ntrainer:\n  epochs: 1\n",
+    "dataset/typo.yaml": "_target_: ftjob.datasets.DigitsDataset\nimage_sise: 16\n",
+    "trainer/zero_workers.yaml": "num_workers: 0\n",
+}
+# What the ERROR line must name: the rule's key (and, for sweeps, the swept value).
+EXPECTED_KEYS = {
+    "experiment/bad_value.yaml": "trainer.epochs=0",
+    "experiment/unknown_key.yaml": "trainer.epochz",
+    "experiment/bad_target.yaml": "model._target_='no_such_module.Net'",
+    "experiment/not_global.yaml": "# @package _global_",
+    "experiment/bad_yaml.yaml": "line 2",
+    "sweep/bad_value.yaml": "chaos.interval=-1",
+    "sweep/bad_key.yaml": "chaos.intervall",
+    "sweep/no_params.yaml": "hydra.sweeper.params",
+    "dataset/typo.yaml": "dataset.image_sise",
+    "trainer/zero_workers.yaml": "trainer.num_workers=0",
+}
+GOOD_FILES = {
+    "experiment/tiny.yaml": "# @package _global_\ndefaults:\n  - override /chaos: worker_killer\ntrainer:\n  epochs: 1\n",
+    "experiment/on_imagenet.yaml": "# @package _global_\ndefaults:\n  - override /dataset: imagenet\n",
+    "sweep/seeds.yaml": "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.seed: 0,1,2\n",
+    "my_config.yaml": "defaults:\n  - config\n  - _self_\ntrainer:\n  epochs: 1\n",
+}
+
+
+def write_config_dir(root: Path, contents: dict[str, str]) -> Path:
+    for name, text in contents.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def user_verdicts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Verdict]]:
+    root = write_config_dir(tmp_path_factory.mktemp("user_conf"), {**BROKEN_FILES, **GOOD_FILES})
+    return root, by_label(check_all(str(root)))
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_FILES))
+def test_a_broken_file_is_an_error_naming_file_and_key(user_verdicts, name: str) -> None:
+    root, verdicts = user_verdicts
+    verdict = verdicts[f"{root}/{name}"]
+
+    assert verdict.status == ERROR
+    assert EXPECTED_KEYS[name] in verdict.detail, verdict.line()
+
+
+def test_a_users_good_files_pass(user_verdicts) -> None:
+    root, verdicts = user_verdicts
+
+    assert verdicts[f"{root}/experiment/tiny.yaml"].status == OK
+    assert verdicts[f"{root}/sweep/seeds.yaml"].status == OK
+    assert verdicts[f"{root}/sweep/seeds.yaml"].detail.startswith("3 combination(s)")
+    assert verdicts[f"{root}/my_config.yaml"].status == OK  # a primary config in the user's dir
+    needs = verdicts[f"{root}/experiment/on_imagenet.yaml"]
+    assert needs.status == NEEDS and needs.detail.startswith("dataset.path: set dataset.path=")
+
+
+def test_command_exits_non_zero_with_one_line_per_file(tmp_path: Path) -> None:
+    # The CI contract, as a subprocess: exit status and the ERROR line.
+    write_config_dir(
+        tmp_path, {"experiment/broken.yaml": BROKEN_FILES["experiment/bad_value.yaml"]}
+    )
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob.check", "--config-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert f"ERROR  {tmp_path}/experiment/broken.yaml: trainer.epochs=0: must be >= 1" in lines
+    assert "ok     experiment/digits_ft.yaml" in lines
+    assert "ok     config.yaml" in lines
+    assert lines[-1].startswith("ftjob.check: ")
+
+
+def test_missing_config_dir_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    assert main(["--config-dir", str(tmp_path / "nope")]) == 2
+    assert "no such directory" in capsys.readouterr().err

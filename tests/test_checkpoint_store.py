@@ -1,0 +1,364 @@
+"""Atomic checkpoints: manifest last, verified restore with fallback, pruning of newer
+directories, and the background uploader. Local disk and an in-memory object-store stand-in;
+no Ray, no sleeping."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+from ftjob.checkpoint import MANIFEST, AsyncUploader, CheckpointStore, CorruptCheckpoint
+from ftjob.config import RetryConfig
+from ftjob.storage import RetryingFileSystem, RetryPolicy, _DelegatingFileSystem
+
+
+class RecordingFileSystem(_DelegatingFileSystem):
+    """Records every operation; ``fail`` decides, per (op, path), to raise instead."""
+
+    def __init__(
+        self, fs: AbstractFileSystem, fail: Callable[[str, str], BaseException | None] | None = None
+    ) -> None:
+        super().__init__(fs)
+        self.fail = fail or (lambda op, path: None)
+        self.calls: list[tuple[str, str]] = []
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        self.calls.append((op, path))
+        error = self.fail(op, path)
+        if error is not None:
+            raise error
+        return fn()
+
+
+def no_sleep_policy(max_attempts: int = 3) -> RetryPolicy:
+    return RetryPolicy(
+        RetryConfig(max_attempts=max_attempts, initial_backoff=0.0, jitter=0.0),
+        sleep=lambda s: None,
+    )
+
+
+@pytest.fixture(params=["local", "memory"])
+def storage(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[AbstractFileSystem, str]]:
+    """(base filesystem, run path): a local directory, or the in-memory filesystem (no
+    directories, like an object store)."""
+    if request.param == "local":
+        yield LocalFileSystem(), str(tmp_path / "storage" / "run-1")
+        return
+    saved_store, saved_dirs = dict(MemoryFileSystem.store), list(MemoryFileSystem.pseudo_dirs)
+    MemoryFileSystem.store.clear()
+    MemoryFileSystem.pseudo_dirs[:] = [""]
+    try:
+        yield MemoryFileSystem(), "/bucket/run-1"
+    finally:
+        MemoryFileSystem.store.clear()
+        MemoryFileSystem.store.update(saved_store)
+        MemoryFileSystem.pseudo_dirs[:] = saved_dirs
+
+
+def write_checkpoint(root: Path, step: int) -> str:
+    """A local checkpoint directory like the training loop's (model, optimizer, state)."""
+    local = root / f"out_{step}"
+    local.mkdir(parents=True, exist_ok=True)
+    (local / "model.pt").write_bytes(os.urandom(4096) + step.to_bytes(4, "big"))
+    (local / "optimizer.pt").write_bytes(os.urandom(1024))
+    (local / "state.json").write_text(json.dumps({"step": step}))
+    return str(local)
+
+
+def committed_store(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path, steps: list[int]
+) -> CheckpointStore:
+    base, run_path = storage
+    store = CheckpointStore(RetryingFileSystem(base, no_sleep_policy()), run_path)
+    for step in steps:
+        store.commit(write_checkpoint(tmp_path / "local", step), step)
+    return store
+
+
+def remote(store: CheckpointStore, step: int, name: str) -> str:
+    return f"{store.path_for(step)}/{name}"
+
+
+# -- commit ---------------------------------------------------------------------------------
+
+
+def test_commit_uploads_every_file_then_the_manifest_last(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    base, run_path = storage
+    recorder = RecordingFileSystem(base)
+    store = CheckpointStore(RetryingFileSystem(recorder, no_sleep_policy()), run_path)
+    path = store.commit(write_checkpoint(tmp_path, 10), 10)
+    assert path == store.path_for(10) and path.endswith("checkpoints/step_000000010")
+    uploads = [p for op, p in recorder.calls if op in ("put_file", "pipe_file")]
+    assert uploads[-1] == remote(store, 10, MANIFEST)
+    assert sorted(uploads[:-1]) == [
+        remote(store, 10, n) for n in ("model.pt", "optimizer.pt", "state.json")
+    ]
+    manifest = store.read_manifest(10)
+    assert manifest["step"] == 10
+    assert manifest["files"]["model.pt"]["size"] == 4100
+    assert len(manifest["files"]["model.pt"]["sha256"]) == 64
+
+
+def test_steps_lists_newest_first_and_ignores_other_entries(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 30, 20])
+    store.fs.pipe_file(f"{store.root}/notes.txt", b"not a checkpoint")
+    assert store.steps() == [30, 20, 10]
+
+
+def test_steps_of_a_run_without_checkpoints_is_empty(
+    storage: tuple[AbstractFileSystem, str],
+) -> None:
+    base, run_path = storage
+    assert CheckpointStore(RetryingFileSystem(base, no_sleep_policy()), run_path).steps() == []
+
+
+def test_download_verifies_the_files_against_the_manifest(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10])
+    source = Path(tmp_path / "local" / "out_10")
+    store.download(10, str(tmp_path / "restored"))
+    for name in ("model.pt", "optimizer.pt", "state.json"):
+        assert (tmp_path / "restored" / name).read_bytes() == (source / name).read_bytes()
+
+
+# -- restore and fallback -------------------------------------------------------------------
+
+
+def test_restore_latest_picks_the_newest_valid_checkpoint(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20])
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None
+    assert (result.step, result.path, result.skipped) == (20, store.path_for(20), [])
+    assert json.loads(Path(result.local_dir, "state.json").read_text()) == {"step": 20}
+
+
+def _truncate(store: CheckpointStore, step: int) -> None:
+    data = store.fs.cat_file(remote(store, step, "model.pt"))
+    store.fs.pipe_file(remote(store, step, "model.pt"), data[: len(data) // 2])
+
+
+def _remove(store: CheckpointStore, step: int) -> None:
+    store.fs.rm_file(remote(store, step, "optimizer.pt"))
+
+
+def _flip_bytes(store: CheckpointStore, step: int) -> None:
+    data = store.fs.cat_file(remote(store, step, "model.pt"))
+    store.fs.pipe_file(remote(store, step, "model.pt"), bytes(b ^ 0xFF for b in data))
+
+
+def _drop_manifest(store: CheckpointStore, step: int) -> None:
+    store.fs.rm_file(remote(store, step, MANIFEST))
+
+
+def _garble_manifest(store: CheckpointStore, step: int) -> None:
+    store.fs.pipe_file(remote(store, step, MANIFEST), b'{"format": 1, "files": {"model.pt"')
+
+
+def _manifest_of_another_step(store: CheckpointStore, step: int) -> None:
+    manifest = store.read_manifest(step)
+    manifest["step"] = step - 10
+    store.fs.pipe_file(remote(store, step, MANIFEST), json.dumps(manifest).encode())
+
+
+def _manifest_with_a_path(store: CheckpointStore, step: int) -> None:
+    manifest = store.read_manifest(step)
+    manifest["files"]["../../outside"] = manifest["files"].pop("model.pt")
+    store.fs.pipe_file(remote(store, step, MANIFEST), json.dumps(manifest).encode())
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_truncate, "model.pt has 2050 bytes, manifest says 4100"),
+        (_remove, "optimizer.pt is missing"),
+        (_flip_bytes, "model.pt does not match its checksum"),
+        (_drop_manifest, "no manifest"),
+        (_garble_manifest, "unreadable manifest"),
+        (_manifest_of_another_step, "manifest is for step 10, not 20"),
+        (_manifest_with_a_path, "malformed manifest entry '../../outside'"),
+    ],
+    ids=[
+        "truncated",
+        "missing-file",
+        "checksum",
+        "no-manifest",
+        "garbled-manifest",
+        "wrong-step",
+        "path-in-manifest",
+    ],
+)
+def test_restore_falls_back_past_a_damaged_latest_checkpoint(
+    storage: tuple[AbstractFileSystem, str],
+    tmp_path: Path,
+    damage: Callable[[CheckpointStore, int], None],
+    reason: str,
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20])
+    damage(store, 20)
+    restore_root = tmp_path / "restore"
+    result = store.restore_latest(str(restore_root))
+    assert result is not None and result.step == 10
+    assert [s["step"] for s in result.skipped] == [20]
+    assert reason in result.skipped[0]["reason"]
+    assert result.skipped[0]["path"] == store.path_for(20)
+    assert sorted(os.listdir(restore_root)) == ["step_000000010"]  # the bad download is gone
+    assert not (tmp_path / "outside").exists()
+
+
+def test_restore_returns_none_when_no_checkpoint_is_valid(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10])
+    _drop_manifest(store, 10)
+    with pytest.raises(CorruptCheckpoint, match="no manifest"):
+        store.read_manifest(10)  # what `resume=true` checks before it starts
+    assert store.restore_latest(str(tmp_path / "restore")) is None
+
+
+def test_restore_respects_max_step(storage: tuple[AbstractFileSystem, str], tmp_path: Path) -> None:
+    store = committed_store(storage, tmp_path, [10, 20, 30])
+    result = store.restore_latest(str(tmp_path / "restore"), max_step=25)
+    assert result is not None and result.step == 20 and result.skipped == []
+
+
+def test_an_upload_killed_midway_is_never_restored(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10])
+    base, run_path = storage
+
+    def die_on_optimizer(op: str, path: str) -> BaseException | None:
+        return PermissionError("AccessDenied") if path.endswith("20/optimizer.pt") else None
+
+    dying = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(base, die_on_optimizer), no_sleep_policy()), run_path
+    )
+    with pytest.raises(PermissionError):
+        dying.commit(write_checkpoint(tmp_path / "local", 20), 20)
+    assert store.steps() == [20, 10]  # the partial directory is there...
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None and result.step == 10  # ...and never used
+    assert result.skipped[0]["reason"] == "no manifest: the upload never completed"
+
+
+def test_restore_does_not_mistake_an_unreachable_store_for_a_corrupt_checkpoint(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    committed_store(storage, tmp_path, [10, 20])
+    base, run_path = storage
+
+    def flaky_reads(op: str, path: str) -> BaseException | None:
+        if op in ("get_file", "cat_file") and "step_000000020" in path:
+            return ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return None
+
+    flaky = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(base, flaky_reads), no_sleep_policy(3)), run_path
+    )
+    # Falling back to step 10 here would silently throw away progress: the error surfaces and
+    # Ray Train retries the attempt.
+    with pytest.raises(ConnectionResetError, match="gave up after 3 attempts"):
+        flaky.restore_latest(str(tmp_path / "restore"))
+
+
+def test_delete_newer_than_removes_only_newer_directories(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20, 30])
+    _drop_manifest(store, 30)
+    assert sorted(store.delete_newer_than(10)) == [20, 30]
+    assert store.steps() == [10]
+    assert store.delete_newer_than(10) == []
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None and result.step == 10
+
+
+# -- AsyncUploader ----------------------------------------------------------------------------
+
+
+class BlockingUpload:
+    """An upload function that waits until released; records what it uploaded."""
+
+    def __init__(self, fail_steps: tuple[int, ...] = ()) -> None:
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.uploaded: list[int] = []
+        self.cleaned: list[str] = []
+        self.fail_steps = fail_steps
+
+    def upload(self, local_dir: str, step: int) -> str:
+        self.started.set()
+        assert self.release.wait(timeout=30)
+        if step in self.fail_steps:
+            raise OSError(errno.EBUSY, f"SlowDown [storage put_file s3://b/step_{step}: gave up]")
+        self.uploaded.append(step)
+        return f"s3://b/step_{step}"
+
+    def cleanup(self, local_dir: str) -> None:
+        self.cleaned.append(local_dir)
+
+
+def test_async_upload_runs_in_the_background_and_close_waits_for_it() -> None:
+    upload = BlockingUpload()
+    uploader = AsyncUploader(upload.upload, upload.cleanup)
+    uploader.submit("/tmp/out_10", 10)  # returns while the upload is still blocked
+    assert upload.started.wait(timeout=30)
+    assert uploader.drain() == []  # still running: nothing to report yet
+    closed: list[Any] = []
+    closer = threading.Thread(target=lambda: closed.extend(uploader.close()))
+    closer.start()
+    closer.join(timeout=0.2)
+    assert closer.is_alive()  # close() is waiting for the pending upload
+    upload.release.set()
+    closer.join(timeout=30)
+    assert not closer.is_alive()
+    assert [(o.step, o.path, o.error) for o in closed] == [(10, "s3://b/step_10", None)]
+    assert upload.uploaded == [10] and upload.cleaned == ["/tmp/out_10"]
+
+
+def test_async_upload_failures_are_reported_never_lost() -> None:
+    upload = BlockingUpload(fail_steps=(10,))
+    upload.release.set()
+    uploader = AsyncUploader(upload.upload, upload.cleanup)
+    uploader.submit("/tmp/out_10", 10)
+    uploader.submit("/tmp/out_20", 20)  # waits for step 10 to finish first
+    failed = uploader.drain()
+    assert [(o.step, o.path) for o in failed] == [(10, None)]
+    assert failed[0].error is not None
+    assert failed[0].error.startswith("OSError:") and "SlowDown" in failed[0].error
+    rest = uploader.close()
+    assert [(o.step, o.path, o.error) for o in rest] == [(20, "s3://b/step_20", None)]
+    assert upload.cleaned == ["/tmp/out_10", "/tmp/out_20"]  # local copies removed either way
+    assert uploader.drain() == []
+
+
+def test_async_uploader_commits_through_a_checkpoint_store(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [])
+    uploader = AsyncUploader(store.commit, lambda d: None)
+    for step in (10, 20):
+        uploader.submit(write_checkpoint(tmp_path / "local", step), step)
+    outcomes = uploader.close()
+    assert [(o.step, o.error) for o in outcomes] == [(10, None), (20, None)]
+    assert [o.path for o in outcomes] == [store.path_for(10), store.path_for(20)]
+    assert store.steps() == [20, 10] and store.read_manifest(20)["step"] == 20

@@ -1,0 +1,362 @@
+"""Sweep reports: tables and plots from job dirs (unit, no Ray), and real ``-m`` sweeps (ray)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import OmegaConf
+
+from ftjob import metrics as M
+from ftjob.sweep import (
+    INCOMPLETE,
+    SWEEP_CSV,
+    SWEEP_MD,
+    SWEEP_PNG,
+    SweepReportCallback,
+    build_sweep_report,
+    declared_sweep_keys,
+    main,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_job(
+    sweep_dir: Path, job: str, overrides: list[str], summary: dict[str, Any] | None
+) -> Path:
+    """A job dir as Hydra and ftjob leave it: .hydra/overrides.yaml, and summary.json once
+    the job ended."""
+    job_dir = sweep_dir / job
+    (job_dir / ".hydra").mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
+    if summary is not None:
+        (job_dir / "summary.json").write_text(json.dumps(summary))
+    return job_dir
+
+
+def summary(
+    status: str = "succeeded", error: str | None = None, wall: float = 30.0, **metrics: float
+) -> dict[str, Any]:
+    values = dict.fromkeys(M.METRIC_KEYS, 0.0)
+    values.update({key.replace("__", "/"): v for key, v in metrics.items()})
+    return {
+        "name": f"run-{wall}",
+        "status": status,
+        "error": error,
+        "wall_time_s": wall,
+        "metrics": values,
+    }
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def sweep_2x2(tmp_path: Path) -> Path:
+    """Four jobs over chaos.interval x checkpoint.retry.max_attempts: two succeeded, one
+    failed, one never wrote summary.json (killed or still running)."""
+    common = ["+experiment=digits_ft", "trainer.epochs=1"]
+    write_job(
+        tmp_path,
+        "0",
+        [*common, "chaos.interval=5", "checkpoint.retry.max_attempts=1"],
+        summary(
+            wall=41.5,
+            failures__count=2,
+            chaos__kills=2,
+            recovery__time_to_recover=7.25,
+            recovery__lost_steps=6,
+            checkpoint__upload_retries=3,
+            checkpoint__upload_failures=1,
+            validation__accuracy=0.91,
+            train__global_throughput=512.0,
+        ),
+    )
+    write_job(
+        tmp_path,
+        "1",
+        [*common, "chaos.interval=5", "checkpoint.retry.max_attempts=3"],
+        summary(status="failed", error="StorageError: bucket gone\ntraceback line", wall=3.0),
+    )
+    write_job(
+        tmp_path, "2", [*common, "chaos.interval=10", "checkpoint.retry.max_attempts=1"], None
+    )
+    # Hydra numbers jobs 0, 1, ..., 10: "10" must sort after "2".
+    write_job(
+        tmp_path,
+        "10",
+        [*common, "chaos.interval=10", "checkpoint.retry.max_attempts=3"],
+        summary(wall=35.0, validation__accuracy=0.93),
+    )
+    return tmp_path
+
+
+def test_csv_has_one_row_per_job_with_swept_values_and_outcomes(sweep_2x2: Path) -> None:
+    paths = build_sweep_report(str(sweep_2x2))
+
+    rows = read_csv(Path(paths.csv))
+    assert [r["job"] for r in rows] == ["0", "1", "2", "10"]
+    columns = list(rows[0])
+    # Only the keys that vary are columns; the common overrides are not.
+    assert columns[1:3] == ["chaos.interval", "checkpoint.retry.max_attempts"]
+    assert "experiment" not in columns and "trainer.epochs" not in columns
+    assert [(r["chaos.interval"], r["checkpoint.retry.max_attempts"]) for r in rows] == [
+        ("5", "1"),
+        ("5", "3"),
+        ("10", "1"),
+        ("10", "3"),
+    ]
+    first = rows[0]
+    assert first["status"] == "succeeded"
+    assert float(first["wall_time_s"]) == 41.5
+    assert first[M.FAILURES_COUNT] == "2" and first[M.CHAOS_KILLS] == "2"
+    assert float(first[M.RECOVERY_TIME_TO_RECOVER]) == 7.25
+    assert first[M.RECOVERY_LOST_STEPS] == "6"
+    assert first[M.CHECKPOINT_UPLOAD_RETRIES] == "3"
+    assert first[M.CHECKPOINT_UPLOAD_FAILURES] == "1"
+    assert float(first[M.VALIDATION_ACCURACY]) == 0.91
+    assert float(first[M.TRAIN_GLOBAL_THROUGHPUT]) == 512.0
+
+
+def test_failed_and_incomplete_jobs_are_rows_marked_as_such(sweep_2x2: Path) -> None:
+    paths = build_sweep_report(str(sweep_2x2))
+
+    rows = {r["job"]: r for r in read_csv(Path(paths.csv))}
+    assert rows["1"]["status"] == "failed"
+    assert rows["1"]["error"] == "StorageError: bucket gone"  # the first line only
+    assert rows["2"]["status"] == INCOMPLETE
+    assert rows["2"][M.VALIDATION_ACCURACY] == ""  # unknown, not 0
+    markdown = Path(paths.markdown).read_text()
+    assert "2 succeeded" in markdown and "1 failed" in markdown and "1 incomplete" in markdown
+    table = [line for line in markdown.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + 4  # header + one row per job
+    assert "| 1 | 5 | 3 | failed |" in markdown
+    assert "StorageError: bucket gone" in markdown
+
+
+def test_plot_is_written_as_png(sweep_2x2: Path) -> None:
+    paths = build_sweep_report(str(sweep_2x2))
+
+    assert Path(paths.plot).name == SWEEP_PNG
+    assert Path(paths.plot).read_bytes()[:8] == PNG_MAGIC
+    assert f"]({SWEEP_PNG})" in Path(paths.markdown).read_text()
+
+
+def test_categorical_and_single_key_sweeps_plot(tmp_path: Path) -> None:
+    for i, path in enumerate(["s3://a/x", "null", "/tmp/ckpt"]):
+        write_job(tmp_path, str(i), [f"checkpoint.storage_path={path}"], summary(wall=10.0 + i))
+
+    paths = build_sweep_report(str(tmp_path))
+
+    assert Path(paths.plot).read_bytes()[:8] == PNG_MAGIC
+    assert [r["checkpoint.storage_path"] for r in read_csv(Path(paths.csv))] == [
+        "s3://a/x",
+        "null",
+        "/tmp/ckpt",
+    ]
+
+
+def write_multirun_yaml(sweep_dir: Path, task: list[str], params: dict[str, str]) -> None:
+    cfg = {"hydra": {"overrides": {"task": task}, "sweeper": {"params": params}}}
+    OmegaConf.save(OmegaConf.create(cfg), sweep_dir / "multirun.yaml")
+
+
+def test_swept_keys_are_known_from_multirun_yaml_before_they_vary(tmp_path: Path) -> None:
+    # A sweep killed after its first job: nothing varies yet, but the columns are known.
+    write_multirun_yaml(
+        tmp_path, ["+experiment=digits_ft", "chaos.interval=5,10"], {"trainer.seed": "0,1"}
+    )
+    write_job(
+        tmp_path, "0", ["trainer.seed=0", "+experiment=digits_ft", "chaos.interval=5"], summary()
+    )
+
+    paths = build_sweep_report(str(tmp_path))
+
+    assert list(read_csv(Path(paths.csv))[0])[1:3] == ["trainer.seed", "chaos.interval"]
+
+
+def test_command_line_value_replaces_a_presets_list(tmp_path: Path) -> None:
+    write_multirun_yaml(
+        tmp_path,
+        ["+sweep=retry_policy", "checkpoint.retry.max_attempts=3"],
+        {"checkpoint.retry.max_attempts": "1,2,4", "checkpoint.retry.initial_backoff": "0.1,0.5"},
+    )
+
+    assert declared_sweep_keys(str(tmp_path)) == ["checkpoint.retry.initial_backoff"]
+
+
+def test_report_command_rebuilds_a_deleted_report(sweep_2x2: Path, capsys) -> None:
+    build_sweep_report(str(sweep_2x2))
+    before = (sweep_2x2 / SWEEP_CSV).read_text()
+    for name in (SWEEP_CSV, SWEEP_MD, SWEEP_PNG):
+        (sweep_2x2 / name).unlink()
+
+    assert main([str(sweep_2x2)]) == 0
+
+    assert (sweep_2x2 / SWEEP_CSV).read_text() == before
+    assert (sweep_2x2 / SWEEP_MD).exists() and (sweep_2x2 / SWEEP_PNG).exists()
+    assert "| 10 | 10 | 3 | succeeded |" in capsys.readouterr().out
+
+
+def test_report_command_summarises_a_single_run_dir(tmp_path: Path, capsys) -> None:
+    run_dir = write_job(
+        tmp_path,
+        "run",
+        ["+experiment=digits_ft", "chaos=worker_killer"],
+        summary(wall=12.5, chaos__kills=1),
+    )
+
+    assert main([str(run_dir)]) == 0
+
+    out = capsys.readouterr().out
+    assert "overrides: +experiment=digits_ft chaos=worker_killer" in out
+    assert "succeeded" in out and "wall time (s)" in out and "12.5" in out
+    assert not (run_dir / SWEEP_CSV).exists()
+
+
+def test_report_command_refuses_a_dir_that_is_neither(tmp_path: Path, capsys) -> None:
+    assert main([str(tmp_path)]) == 2
+    assert "neither a run dir" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_callback_writes_the_report_into_the_sweep_dir(sweep_2x2: Path, capsys) -> None:
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_2x2)}}})
+
+    SweepReportCallback().on_multirun_end(config)
+
+    assert len(read_csv(sweep_2x2 / SWEEP_CSV)) == 4
+    assert "sweep report:" in capsys.readouterr().out
+
+
+def test_callback_does_not_raise_when_the_report_cannot_be_written(tmp_path: Path, caplog) -> None:
+    # The jobs' results are on disk already; a broken report must not turn the sweep into a crash.
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "gone")}}})
+
+    SweepReportCallback().on_multirun_end(config)
+
+    assert "could not build the sweep report" in caplog.text
+
+
+# -- real sweeps (Ray) ---------------------------------------------------------------------
+
+# The cheapest real job: one worker, 1 epoch of ~180 digits (6 steps), one checkpoint at the
+# epoch end, validation only there. Ray's start and fit cost dominate (~20 s per job).
+CHEAP_JOB = [
+    "+experiment=digits_ft",
+    "trainer.epochs=1",
+    "trainer.num_workers=1",
+    "dataset.val_fraction=0.9",
+    "trainer.validate_every_n_steps=0",
+    "trainer.checkpoint_every_n_steps=0",
+]
+
+
+def run_sweep(args: list[str], sweep_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ftjob", "-m", *CHEAP_JOB, *args, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=sweep_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def job_summary(sweep_dir: Path, job: str) -> dict[str, Any]:
+    return json.loads((sweep_dir / job / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def real_2x2(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    # Swept keys that leave the job's cost unchanged: the test is about the sweep, not them.
+    sweep_dir = tmp_path_factory.mktemp("sweep2x2") / "sweep"
+    proc = run_sweep(["trainer.lr=0.001,0.003", "checkpoint.retry.max_attempts=1,3"], sweep_dir)
+    return sweep_dir, proc
+
+
+@pytest.mark.ray
+def test_real_2x2_sweep_writes_csv_markdown_and_plot(real_2x2) -> None:
+    sweep_dir, proc = real_2x2
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    rows = read_csv(sweep_dir / SWEEP_CSV)
+    assert [(r["trainer.lr"], r["checkpoint.retry.max_attempts"]) for r in rows] == [
+        ("0.001", "1"),
+        ("0.001", "3"),
+        ("0.003", "1"),
+        ("0.003", "3"),
+    ]
+    assert {r["status"] for r in rows} == {"succeeded"}
+    assert all(float(r[M.VALIDATION_ACCURACY]) > 0 for r in rows)
+    assert (
+        len(
+            [
+                line
+                for line in (sweep_dir / SWEEP_MD).read_text().splitlines()
+                if line.startswith("| ")
+            ]
+        )
+        == 5
+    )
+    assert (sweep_dir / SWEEP_PNG).read_bytes()[:8] == PNG_MAGIC
+    assert "sweep report:" in proc.stdout
+
+
+@pytest.mark.ray
+def test_real_sweep_jobs_do_not_share_runs_or_checkpoints(real_2x2) -> None:
+    sweep_dir, proc = real_2x2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    summaries = {job: job_summary(sweep_dir, job) for job in ("0", "1", "2", "3")}
+    assert len({s["name"] for s in summaries.values()}) == 4
+    for job, s in summaries.items():
+        # Each job checkpoints under its own run dir and starts fresh (nothing restored).
+        assert s["checkpoints"]["committed"] >= 1
+        assert s["checkpoints"]["latest"].startswith(str(sweep_dir / job / "checkpoints") + os.sep)
+        assert s["metrics"][M.CHECKPOINT_RESTORATION_TIME] == 0
+        assert s["attempts"] == 1
+
+
+@pytest.mark.ray
+def test_report_command_rebuilds_a_real_sweeps_csv(real_2x2) -> None:
+    sweep_dir, _ = real_2x2
+    before = (sweep_dir / SWEEP_CSV).read_text()
+    (sweep_dir / SWEEP_CSV).unlink()
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob.report", str(sweep_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    assert proc.returncode == 0, proc.stderr
+    assert (sweep_dir / SWEEP_CSV).read_text() == before
+
+
+@pytest.mark.ray
+def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) -> None:
+    # Job 0's storage fails preflight (before Ray starts); job 1 must still run.
+    sweep_dir = tmp_path / "sweep"
+    proc = run_sweep(["checkpoint.storage_path=/dev/null/ckpt,null"], sweep_dir)
+
+    assert proc.returncode != 0
+    rows = read_csv(sweep_dir / SWEEP_CSV)
+    assert [(r["checkpoint.storage_path"], r["status"]) for r in rows] == [
+        ("/dev/null/ckpt", "failed"),
+        ("null", "succeeded"),
+    ]
+    assert "checkpoint.storage_path" in rows[0]["error"]
+    assert "| 0 | /dev/null/ckpt | failed |" in (sweep_dir / SWEEP_MD).read_text()
+    assert (sweep_dir / SWEEP_PNG).exists()
