@@ -215,11 +215,17 @@ class AsyncUploader:
 
     ``submit`` blocks only while the previous upload is still running (at most one pending
     checkpoint is held locally). ``drain`` returns finished outcomes -- failures included, so
-    none is lost -- and ``close`` waits for the pending upload.
+    none is lost -- and ``close`` waits for the pending upload. ``on_done`` is called on the
+    upload thread as each upload ends.
     """
 
-    def __init__(self, upload: Callable[[str, int], str], cleanup: Callable[[str], None]) -> None:
-        self._upload, self._cleanup = upload, cleanup
+    def __init__(
+        self,
+        upload: Callable[[str, int], str],
+        cleanup: Callable[[str], None],
+        on_done: Callable[[UploadOutcome], None] | None = None,
+    ) -> None:
+        self._upload, self._cleanup, self._on_done = upload, cleanup, on_done
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftjob-upload")
         self._pending: Future[UploadOutcome] | None = None
         self._done: list[UploadOutcome] = []
@@ -233,7 +239,10 @@ class AsyncUploader:
             path, error = None, f"{type(exc).__name__}: {exc}"
         finally:
             self._cleanup(local_dir)
-        return UploadOutcome(step, path, error, time.perf_counter() - start)
+        outcome = UploadOutcome(step, path, error, time.perf_counter() - start)
+        if self._on_done is not None:  # e.g. record it now, before a worker failure can lose it
+            self._on_done(outcome)
+        return outcome
 
     def wait(self) -> float:
         """Wait for the pending upload; returns the seconds spent waiting."""

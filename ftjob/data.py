@@ -15,6 +15,8 @@ rank belongs to global batch ``k``.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -193,15 +195,87 @@ class SkipByIterationIterator:
                 yield batch
 
 
+EPOCH_END = object()  # BatchFeeder's marker after an epoch's last batch
+
+
+class BatchFeeder:
+    """Pulls training batches on a background thread, across epoch boundaries, into a small
+    queue. The next epoch's stream starts -- and its first batches decode -- while the training
+    thread finishes the current epoch, validates and checkpoints, so epoch boundaries do not
+    stall training. Yields ``(epoch, Batch)`` and ``(epoch, EPOCH_END)``; re-raises errors."""
+
+    def __init__(
+        self,
+        iterator: BatchSource,
+        first: Iterator[Batch],
+        first_epoch: int,
+        epochs: int,
+        depth: int,
+    ) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(iterator, first, first_epoch, epochs),
+            name="ftjob-feeder",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(
+        self, iterator: BatchSource, first: Iterator[Batch], first_epoch: int, epochs: int
+    ) -> None:
+        try:
+            for epoch in range(first_epoch, epochs):
+                batches = first if epoch == first_epoch else iterator.epoch(epoch, 0)
+                for batch in batches:
+                    if not self._put((epoch, batch)):
+                        return
+                if not self._put((epoch, EPOCH_END)):
+                    return
+            self._put(None)
+        except BaseException as exc:  # handed to the training thread
+            self._put(exc)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a pending put
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=30)
+
+
 def validation_ids(num_samples: int, rank: int, world_size: int) -> np.ndarray:
     """Each rank's contiguous share of the validation set; together they cover it once."""
     return np.array_split(np.arange(num_samples), world_size)[rank]
 
 
 __all__ = [
+    "EPOCH_END",
     "TRAIN",
     "VAL",
     "Batch",
+    "BatchFeeder",
     "BatchSource",
     "EpochPlan",
     "RayDataStream",

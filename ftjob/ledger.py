@@ -36,6 +36,7 @@ class RunLedger:
         self.fatal: str | None = None
         self.finished: float | None = None
         self.pending_failures = set(fail_at_steps or [])
+        self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.lines: list[str] = []
 
     def _log(self, line: str) -> None:
@@ -77,7 +78,9 @@ class RunLedger:
         return {
             "training_started": first["time"] if first else None,
             "attempt": latest["index"],
-            "training": latest["first_step"] is not None and self.finished is None,
+            "training": latest["first_step"] is not None
+            and not self.trained_all
+            and self.finished is None,
             "workers": self.workers(),
         }
 
@@ -100,6 +103,9 @@ class RunLedger:
     def step_done(self, attempt: int, step: int) -> None:
         """Rank 0 after every step: the exact high-water mark, for lost-work accounting."""
         self.attempts[attempt]["max_step"] = max(self.attempts[attempt]["max_step"], step)
+        total = self.plan.get("steps_per_epoch", 0) * self.plan.get("epochs", 0)
+        if total and step >= total:
+            self.trained_all = True
 
     def first_step(self, attempt: int, step: int, now: float) -> None:
         if self.attempts[attempt]["first_step"] is None:
@@ -136,8 +142,9 @@ class RunLedger:
         else:
             self._log(f"checkpoint step {record['step']} upload FAILED: {record.get('error')}")
 
-    def storage_stats(self, attempt: int, rank: int, stats: dict[str, Any]) -> None:
-        self.storage[f"{attempt}/{rank}"] = stats
+    def storage_stats(self, source: str, stats: dict[str, Any]) -> None:
+        """Cumulative storage counters of one process (a worker of an attempt, the controller)."""
+        self.storage[source] = stats
 
     def audit_step(self, attempt: int, step: int, epoch: int, ids: list[int]) -> None:
         entry = self.audit[(attempt, step)]

@@ -228,10 +228,19 @@ class _FailureWatch:
     def __init__(self, ledger: Any) -> None:
         self.ledger = ledger
 
+    def _send_storage_stats(self, run_context: Any) -> None:
+        # The controller's own storage requests (run state, Ray's checkpoint bookkeeping).
+        fs = getattr(
+            getattr(run_context.run_config.storage_filesystem, "handler", None), "fs", None
+        )
+        if hasattr(fs, "snapshot_stats"):
+            self.ledger.storage_stats.remote("controller", fs.snapshot_stats().as_dict())
+
     def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
-        pass
+        self._send_storage_stats(run_context)
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self._send_storage_stats(run_context)
         errors = {
             int(
                 rank

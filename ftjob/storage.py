@@ -597,9 +597,15 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
     ) -> None:
         super().__init__(fs)
         self.failure_rate, self.errors, self.seed = failure_rate, list(errors), seed
-        self.rng = random.Random(seed)
-        self.injected = 0
         self._lock = threading.Lock()
+        self.set_stream("main")
+        self.injected = 0
+
+    def set_stream(self, name: str) -> None:
+        """Draw faults from the stream ``(seed, name)``: each process (a worker of an attempt,
+        the controller) gets its own reproducible sequence instead of all repeating one."""
+        with self._lock:
+            self.rng = random.Random(f"ftjob-storage-chaos:{self.seed}:{name}")
 
     def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
         with self._lock:
@@ -611,6 +617,16 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
         if kind is not None:
             raise INJECTED_ERRORS[kind](f"{op} {path}")
         return fn()
+
+
+def set_fault_stream(fs: AbstractFileSystem, name: str) -> None:
+    """Give the fault injector under ``fs`` (if any) its own stream ``name``."""
+    inner: Any = fs
+    while isinstance(inner, _DelegatingFileSystem):
+        if isinstance(inner, FaultInjectingFileSystem):
+            inner.set_stream(name)
+            return
+        inner = inner.fs
 
 
 # -- construction -----------------------------------------------------------------------------

@@ -25,11 +25,19 @@ import torch.nn.functional as F
 from ray.train import Checkpoint, CheckpointUploadMode
 
 from ftjob import metrics as M
-from ftjob.checkpoint import AsyncUploader, CheckpointStore
+from ftjob.checkpoint import AsyncUploader, CheckpointStore, UploadOutcome
 from ftjob.config import JobConfig, to_plain
-from ftjob.data import EpochPlan, RayDataStream, ResumableIterator, validation_ids
+from ftjob.data import (
+    EPOCH_END,
+    BatchFeeder,
+    EpochPlan,
+    RayDataStream,
+    ResumableIterator,
+    validation_ids,
+)
 from ftjob.datasets import TRAIN, VAL, ImageDataset
 from ftjob.models import build_model
+from ftjob.storage import set_fault_stream
 
 
 class InjectedFailure(RuntimeError):
@@ -106,6 +114,7 @@ class Worker:
     def _register(self) -> None:
         attempt = ray.get(self.ledger.begin_attempt.remote(time.time())) if self.rank == 0 else None
         self.attempt = _broadcast(attempt, self.world)
+        set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
         ctx = ray.get_runtime_context()
         self.ledger.register_worker.remote(
             self.attempt,
@@ -228,58 +237,74 @@ class Worker:
             json.dump(to_plain(self.job), f, indent=1)
         return local_dir
 
-    def _record_upload(
-        self, step: int, path: str | None, error: str | None, seconds: float
-    ) -> str | None:
-        """Ledger + soft-failure accounting. Returns a fatal error message, if any."""
-        self.ledger.checkpoint.remote(
-            self.attempt,
-            {"step": step, "path": path, "error": error, "seconds": seconds, "time": time.time()},
-        )
-        self.ledger.storage_stats.remote(
-            self.attempt, self.rank, self.fs.snapshot_stats().as_dict()
-        )
-        if path is not None:
-            self.failed_uploads = 0
-            self.pending_report = {"step": step, "path": path}
-            return None
-        self.failed_uploads += 1
-        allowed = self.job.checkpoint.max_consecutive_upload_failures
-        if self.failed_uploads > allowed:
-            return (
-                f"{self.failed_uploads} checkpoint upload(s) in a row failed after all retries "
-                f"(checkpoint.max_consecutive_upload_failures={allowed}); last: {error}"
-            )
-        return None
+    def _upload_done(self, outcome: UploadOutcome) -> None:
+        """Record a finished upload in the ledger. Any thread: the async uploader calls it the
+        moment an upload ends, so a worker dying right after cannot lose the record."""
+        record = {
+            "step": outcome.step,
+            "path": outcome.path,
+            "error": outcome.error,
+            "seconds": outcome.seconds,
+            "time": time.time(),
+        }
+        self.ledger.checkpoint.remote(self.attempt, record)
+        self._send_storage_stats()
+
+    def _send_storage_stats(self) -> None:
+        stats = self.fs.snapshot_stats().as_dict()
+        self.ledger.storage_stats.remote(f"attempt {self.attempt} rank {self.rank}", stats)
+
+    def _account(self, outcomes: list[UploadOutcome]) -> str | None:
+        """Soft-failure accounting on the training thread: the fatal error, if any."""
+        fatal = None
+        for outcome in outcomes:
+            if outcome.path is not None:
+                self.failed_uploads = 0
+                self.pending_report = {"step": outcome.step, "path": outcome.path}
+                continue
+            self.failed_uploads += 1
+            allowed = self.job.checkpoint.max_consecutive_upload_failures
+            if self.failed_uploads > allowed:
+                fatal = (
+                    f"{self.failed_uploads} checkpoint upload(s) in a row failed "
+                    f"(checkpoint.max_consecutive_upload_failures={allowed}); last: {outcome.error}"
+                )
+        return fatal
+
+    def _upload_now(self, local_dir: str) -> UploadOutcome:
+        start = time.perf_counter()
+        try:
+            path, error = self.store.commit(local_dir, self.state.step), None
+        except Exception as exc:
+            path, error = None, f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        outcome = UploadOutcome(self.state.step, path, error, time.perf_counter() - start)
+        self._upload_done(outcome)
+        return outcome
 
     def _checkpoint(self) -> bool:
-        """Save (rank 0), agree on the outcome, report. False when the job must stop."""
+        """Save and upload (rank 0), agree on the outcome, report. False: the job must stop."""
         fatal = None
         if self.rank == 0:
             with self.metrics.timer(M.CHECKPOINT_SAVE):
                 local_dir = self._write_local()
             if self.uploader is None:
-                start = time.perf_counter()
-                try:
-                    path, error = self.store.commit(local_dir, self.state.step), None
-                except Exception as exc:
-                    path, error = None, f"{type(exc).__name__}: {exc}"
-                finally:
-                    shutil.rmtree(local_dir, ignore_errors=True)
-                seconds = time.perf_counter() - start
-                self.metrics.add(M.CHECKPOINT_UPLOAD, seconds)
-                fatal = self._record_upload(self.state.step, path, error, seconds)
-            else:
-                self.metrics.add(
-                    M.CHECKPOINT_UPLOAD, self.uploader.submit(local_dir, self.state.step)
-                )
-                for outcome in self.uploader.drain():
-                    fatal = (
-                        self._record_upload(
-                            outcome.step, outcome.path, outcome.error, outcome.seconds
-                        )
-                        or fatal
-                    )
+                outcome = self._upload_now(local_dir)
+                self.metrics.add(M.CHECKPOINT_UPLOAD, outcome.seconds)
+                fatal = self._account([outcome])
+            else:  # only the wait for a still-running previous upload stalls training
+                waited = self.uploader.submit(local_dir, self.state.step)
+                self.metrics.add(M.CHECKPOINT_UPLOAD, waited)
+                fatal = self._account(self.uploader.drain())
+        return self._agree_and_report(fatal)
+
+    def _finish_uploads(self) -> bool:
+        """Async mode, every rank, at the end: wait for the pending upload, then report it."""
+        fatal = self._account(self.uploader.close()) if self.uploader is not None else None
+        return self._agree_and_report(fatal)
+
+    def _agree_and_report(self, fatal: str | None) -> bool:
         fatal = _broadcast(fatal, self.world)
         if fatal:
             if self.rank == 0:
@@ -378,112 +403,111 @@ class Worker:
                     f"chaos.fail_at_steps: injected failure at step {self.state.step}"
                 )
 
+    def _start_feeder(self) -> BatchFeeder:
+        """Position the iterator after the last trained sample (timed: the skip) and report
+        the restore; then stream batches from there to the end of training."""
+        t = self.trainer
+        start = time.perf_counter()
+        first = (
+            self.iterator.epoch(self.state.epoch, self.state.position)
+            if self.state.epoch < t.epochs
+            else iter(())
+        )
+        skip_s = time.perf_counter() - start
+        self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
+        self._send_storage_stats()
+        if self.rank == 0 and self.restore_info is not None:
+            self.ledger.restored.remote(self.attempt, {**self.restore_info, "skip": skip_s})
+        depth = max(1, t.prefetch_batches)
+        return BatchFeeder(self.iterator, first, self.state.epoch, t.epochs, depth)
+
     def run(self) -> None:
         self._register()
         self._build()
         self._restore()
         if self.job.checkpoint.upload_mode == "async" and self.rank == 0:
             self.uploader = AsyncUploader(
-                self.store.commit, lambda d: shutil.rmtree(d, ignore_errors=True)
+                self.store.commit,
+                lambda d: shutil.rmtree(d, ignore_errors=True),
+                on_done=self._upload_done,
             )
-        t, B = self.trainer, self.plan.global_batch_size
-        first_step_done = False
-        skip_s = 0.0
-        while self.state.epoch < t.epochs:
-            epoch = self.state.epoch
-            start = time.perf_counter()
-            batches = self.iterator.epoch(epoch, self.state.position)
-            if not first_step_done:
-                skip_s = time.perf_counter() - start
-                self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
-                if self.rank == 0 and self.restore_info is not None:
-                    self.restore_info["skip"] = skip_s
-                    self.ledger.restored.remote(self.attempt, self.restore_info)
-            loss_sum, loss_steps = torch.zeros((), device=self.device), 0
-            window_start, window_rows = time.perf_counter(), 0
-            first_batch = True
-            wait_start = time.perf_counter()
-            for batch in batches:
-                waited = time.perf_counter() - wait_start
-                self.metrics.add(
-                    M.TRAIN_ITER_FIRST_BATCH if first_batch else M.TRAIN_ITER_BATCH, waited
-                )
-                first_batch = False
-                with self.metrics.timer(M.TRAIN_STEP):
-                    loss_sum += self._train_step(batch.images, batch.labels)
-                loss_steps += 1
-                self.state.step += 1
-                self.state.position += B
-                window_rows += B
-                self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
-                self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
-                if t.audit_samples:
-                    self.ledger.audit_step.remote(
-                        self.attempt, self.state.step, epoch, batch.ids.tolist()
-                    )
-                if self.rank == 0:
-                    self.ledger.step_done.remote(self.attempt, self.state.step)
-                if not first_step_done:
-                    first_step_done = True
-                    if self.rank == 0:
-                        self.ledger.first_step.remote(self.attempt, self.state.step, time.time())
-                self._maybe_fail()
-                if self.state.step % t.log_every_n_steps == 0:
-                    self._log_progress(loss_sum, loss_steps, window_start, window_rows)
-                    loss_sum, loss_steps = torch.zeros((), device=self.device), 0
-                    window_start, window_rows = time.perf_counter(), 0
-                # The epoch's last step validates and checkpoints below, as the epoch's end.
-                if self.state.position < self.plan.samples_per_epoch:
-                    if t.validate_every_n_steps and self.state.step % t.validate_every_n_steps == 0:
-                        self._validate(epoch)
-                    if (
-                        t.checkpoint_every_n_steps
-                        and self.state.step % t.checkpoint_every_n_steps == 0
-                    ):
-                        if not self._checkpoint():
-                            return
-                wait_start = time.perf_counter()
-            # Epoch end: position wraps to the next epoch before the checkpoint is written.
-            self.state.epoch, self.state.position = epoch + 1, 0
-            self._validate(epoch)
-            if not self._checkpoint():
+        feeder = self._start_feeder()
+        try:
+            if not self._train(feeder):
                 return
-        if self.uploader is not None:
-            fatal = None
-            if self.rank == 0:
-                for outcome in self.uploader.close():
-                    fatal = (
-                        self._record_upload(
-                            outcome.step, outcome.path, outcome.error, outcome.seconds
-                        )
-                        or fatal
-                    )
-            if _broadcast(fatal, self.world):
-                if self.rank == 0:
-                    self.ledger.set_fatal.remote(fatal)
-                return
-            self._report()
+        finally:
+            feeder.close()
+        if self.job.checkpoint.upload_mode == "async" and not self._finish_uploads():
+            return
+        self._send_storage_stats()
         if self.rank == 0:
-            self.ledger.progress_update.remote(
-                self.attempt,
-                {
-                    "step": self.state.step,
-                    "epoch": self.state.epoch - 1,
-                    "epochs": t.epochs,
-                    "total_steps": self.total_steps,
-                    "loss": self.metrics.get(M.TRAIN_LOSS),
-                    "throughput": self.metrics.get(M.TRAIN_ROWS_PROCESSED)
-                    / max(
-                        self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH), 1e-9
-                    ),
-                    "time": time.time(),
-                },
-                self.metrics.as_dict(),
-            )
-            self.ledger.storage_stats.remote(
-                self.attempt, self.rank, self.fs.snapshot_stats().as_dict()
-            )
+            self._log_final()
             self.ledger.finish.remote(time.time())
+
+    def _train(self, feeder: BatchFeeder) -> bool:
+        """Train to the end; False if the job must stop (a fatal upload failure)."""
+        t, B = self.trainer, self.plan.global_batch_size
+        first_step_done, new_epoch = False, True
+        loss_sum, loss_steps = torch.zeros((), device=self.device), 0
+        window_start, window_rows = time.perf_counter(), 0
+        wait_start = time.perf_counter()
+        for epoch, batch in feeder:
+            waited = time.perf_counter() - wait_start
+            if batch is EPOCH_END:
+                # Epoch end: position wraps to the next epoch before the checkpoint is written.
+                self.state.epoch, self.state.position = epoch + 1, 0
+                self._validate(epoch)
+                if not self._checkpoint():
+                    return False
+                new_epoch = True
+                wait_start = time.perf_counter()
+                continue
+            self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
+            new_epoch = False
+            with self.metrics.timer(M.TRAIN_STEP):
+                loss_sum += self._train_step(batch.images, batch.labels)
+            loss_steps += 1
+            self.state.step += 1
+            self.state.position += B
+            window_rows += B
+            self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
+            self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
+            if t.audit_samples:
+                self.ledger.audit_step.remote(
+                    self.attempt, self.state.step, epoch, batch.ids.tolist()
+                )
+            if self.rank == 0:
+                self.ledger.step_done.remote(self.attempt, self.state.step)
+                if not first_step_done:
+                    self.ledger.first_step.remote(self.attempt, self.state.step, time.time())
+            first_step_done = True
+            self._maybe_fail()
+            if self.state.step % t.log_every_n_steps == 0:
+                self._log_progress(loss_sum, loss_steps, window_start, window_rows)
+                loss_sum, loss_steps = torch.zeros((), device=self.device), 0
+                window_start, window_rows = time.perf_counter(), 0
+            # The epoch's last step validates and checkpoints at EPOCH_END.
+            if self.state.position < self.plan.samples_per_epoch:
+                if t.validate_every_n_steps and self.state.step % t.validate_every_n_steps == 0:
+                    self._validate(epoch)
+                if t.checkpoint_every_n_steps and self.state.step % t.checkpoint_every_n_steps == 0:
+                    if not self._checkpoint():
+                        return False
+            wait_start = time.perf_counter()
+        return True
+
+    def _log_final(self) -> None:
+        busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
+        progress = {
+            "step": self.state.step,
+            "epoch": self.state.epoch - 1,
+            "epochs": self.trainer.epochs,
+            "total_steps": self.total_steps,
+            "loss": self.metrics.get(M.TRAIN_LOSS),
+            "throughput": self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9),
+            "time": time.time(),
+        }
+        self.ledger.progress_update.remote(self.attempt, progress, self.metrics.as_dict())
 
 
 def train_loop(spec: WorkerSpec) -> None:
