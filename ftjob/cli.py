@@ -95,7 +95,9 @@ def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
     detail = next((line for line in str(cause).splitlines() if line.strip()), head).strip()
     if key is None:
         return ConfigError("config", " ".join(overrides), head)
-    if "not in" in detail or "not in struct" in detail:
+    if "is not in struct" in detail:  # a new key in a dict-valued key, e.g. resources_per_worker
+        rule = f"not a key yet ({detail}); to add it write +{key}=VALUE, or set the whole dict with ++{key.rsplit('.', 1)[0]}={{...}}"
+    elif "not in" in detail:
         rule = f"unknown key ({detail}); check the spelling, or see the keys with --cfg job"
     else:
         rule = detail

@@ -42,7 +42,7 @@ def _require(ok: bool, group: str, key: str, value: Any, rule: str) -> None:
 
 @dataclass
 class RetryConfig:
-    """How storage requests are retried (see ftjob.storage.RetryPolicy)."""
+    """How storage requests are retried (see ftjob.retry.RetryPolicy)."""
 
     _group: ClassVar[str] = "checkpoint.retry"
     max_attempts: int = 5

@@ -16,7 +16,7 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.data import epoch_order
-from ftjob.storage import StorageStats
+from ftjob.retry import StorageStats
 
 SUMMARY_FILE = "summary.json"
 

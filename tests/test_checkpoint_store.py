@@ -19,7 +19,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from ftjob.checkpoint import MANIFEST, AsyncUploader, CheckpointStore, CorruptCheckpoint
 from ftjob.config import RetryConfig
-from ftjob.storage import RetryingFileSystem, RetryPolicy, _DelegatingFileSystem
+from ftjob.retry import RetryPolicy
+from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem
 
 
 class RecordingFileSystem(_DelegatingFileSystem):

@@ -20,15 +20,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from s3fs.errors import translate_boto_error
 
 from ftjob.config import ConfigError, RetryConfig, StorageChaosConfig
+from ftjob.retry import ErrorClassifier, OpStats, RetryPolicy, StorageStats
 from ftjob.storage import (
     INJECTED_ERRORS,
-    ErrorClassifier,
     FaultInjectingFileSystem,
-    OpStats,
     RetryingFileSystem,
-    RetryPolicy,
     StorageError,
-    StorageStats,
     _DelegatingFileSystem,
     build_filesystem,
     innermost,

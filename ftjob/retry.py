@@ -1,0 +1,400 @@
+"""The retry policy for storage requests: which errors are transient, how long to wait, when
+to give up, and what was counted along the way.
+
+Built on tenacity; sleep, clock and rng are injectable so tests run policies without waiting.
+The filesystem layers that apply it live in :mod:`ftjob.storage`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import tenacity
+
+from ftjob.config import ConfigError, RetryConfig
+
+logger = logging.getLogger("ftjob.storage")
+
+
+# -- classification ------------------------------------------------------------------------
+
+# Message patterns, matched case-insensitively against "TypeName: message" of each exception in
+# the chain (s3fs translates S3 error codes into OSErrors whose message is S3's own text).
+TRANSIENT_PATTERNS = (
+    r"slow ?down",
+    r"reduce your request rate",
+    r"throttl",
+    r"too ?many ?requests",
+    r"\b429\b",
+    r"\b50[0234]\b",
+    r"service ?unavailable",
+    r"internal ?(server )?error",
+    r"bad gateway",
+    r"gateway time-?out",
+    r"request ?time-?out",
+    r"timed out",
+    r"time-?out",
+    r"connection (was )?(reset|refused|aborted|closed)",
+    r"reset by peer",
+    r"broken pipe",
+    r"server ?disconnected",
+    r"incomplete ?read",
+    r"truncated",
+    r"response ?ended prematurely",
+    r"payload is not completed",
+)
+PERMANENT_PATTERNS = (
+    r"access ?denied",
+    r"forbidden",
+    r"\b403\b",
+    r"no ?such ?bucket",
+    r"bucket does not exist",
+    r"invalid ?access ?key",
+    r"signature ?does ?not ?match",
+    r"expired ?token",
+    r"invalid ?credentials",
+    r"unable to locate credentials",
+    r"not ?authori[sz]ed",
+)
+# s3fs maps SlowDown/ServiceUnavailable/503 to EBUSY and InternalError/500 to EREMOTEIO.
+TRANSIENT_ERRNOS = {
+    errno.EBUSY,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    errno.EAGAIN,
+}
+TRANSIENT_TYPES = (ConnectionError, TimeoutError)
+# Bad paths and bad permissions do not heal by waiting.
+PERMANENT_TYPES = (
+    PermissionError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
+# By name, so neither botocore nor aiohttp has to be importable; matched against the whole MRO.
+TRANSIENT_TYPE_NAMES = (
+    # botocore: HTTPClientError is the base of ConnectionClosedError, ReadTimeoutError and
+    # ResponseStreamingError; the connection errors below derive from botocore's own
+    # ConnectionError (so does SSLError, a certificate problem, deliberately left out).
+    "HTTPClientError",
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ProxyConnectionError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ResponseParserError",  # s3fs: throttling responses sometimes carry broken XML
+    # aiohttp
+    "ClientPayloadError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "ClientConnectionError",
+    "ClientOSError",
+    # http.client / urllib3 / fsspec
+    "IncompleteRead",
+    "ProtocolError",
+    "FSTimeoutError",
+)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 8:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _names(exc: BaseException) -> set[str]:
+    return {cls.__name__ for cls in type(exc).__mro__}
+
+
+def check_rules(rules: tuple[str, ...] | list[str], key: str) -> None:
+    """A bad regex in ``retry_on``/``give_up_on`` fails at startup, not at the first error."""
+    for rule in rules:
+        try:
+            re.compile(rule)
+        except re.error as exc:
+            raise ConfigError(
+                key, list(rules), f"{rule!r} is neither an exception type name nor a regex ({exc})"
+            ) from None
+
+
+@dataclass(frozen=True)
+class ErrorClassifier:
+    """Transient or permanent? User rules (``give_up_on`` then ``retry_on``: exception type
+    names or case-insensitive regexes of the message) come before the defaults; anything
+    unrecognised is permanent, so surprises fail fast instead of spinning."""
+
+    retry_on: tuple[str, ...] = ()
+    give_up_on: tuple[str, ...] = ()
+
+    @staticmethod
+    def _matches(rules: tuple[str, ...], exc: BaseException) -> bool:
+        text = f"{type(exc).__name__}: {exc}"
+        return any(rule in _names(exc) or re.search(rule, text, re.IGNORECASE) for rule in rules)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        chain = _chain(exc)
+        if any(self._matches(self.give_up_on, e) for e in chain):
+            return False
+        if any(self._matches(self.retry_on, e) for e in chain):
+            return True
+        for e in chain:
+            # Structured signals first: a message may quote a path ("exp-403/...").
+            if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+                return True
+            if isinstance(e, PERMANENT_TYPES):
+                return False
+            if isinstance(e, TRANSIENT_TYPES) or _names(e) & set(TRANSIENT_TYPE_NAMES):
+                return True
+            if self._matches(PERMANENT_PATTERNS, e):
+                return False
+            if self._matches(TRANSIENT_PATTERNS, e):
+                return True
+        return False
+
+
+# -- policy ---------------------------------------------------------------------------------
+
+
+class wait_backoff(tenacity.wait.wait_base):
+    """initial * multiplier**(retry-1), scaled by 1 +- jitter (from rng), capped at maximum:
+    ``max_backoff`` is the longest any one wait lasts, jitter included."""
+
+    def __init__(
+        self, initial: float, multiplier: float, maximum: float, jitter: float, rng: random.Random
+    ) -> None:
+        self.initial, self.multiplier, self.maximum = initial, multiplier, maximum
+        self.jitter, self.rng = jitter, rng
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        try:
+            base = min(
+                self.maximum, self.initial * self.multiplier ** (retry_state.attempt_number - 1)
+            )
+        except OverflowError:
+            base = self.maximum
+        jittered = base * (1 + self.rng.uniform(-self.jitter, self.jitter))
+        return min(self.maximum, max(0.0, jittered))
+
+
+class stop_after_deadline(tenacity.stop.stop_base):
+    """Stop when the next wait would end more than ``deadline`` seconds after the call began
+    (one instance per call: it remembers when that call started)."""
+
+    def __init__(self, deadline: float | None, clock: Callable[[], float]) -> None:
+        self.deadline, self.clock = deadline, clock
+        self.start = clock()
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> bool:
+        if self.deadline is None:
+            return False
+        upcoming = retry_state.upcoming_sleep or 0.0
+        return self.clock() - self.start + upcoming > self.deadline
+
+
+@dataclass
+class OpStats:
+    """Counts for one kind of storage operation. ``failures`` are calls that failed after the
+    policy gave up (or at once, on a permanent error); ``not_found`` are reads answered "no
+    such file" -- an answer, not a failure (a fresh run lists checkpoints that do not exist)."""
+
+    calls: int = 0
+    attempts: int = 0
+    retries: int = 0
+    failures: int = 0
+    not_found: int = 0
+    retry_wait_s: float = 0.0
+
+    def merge(self, other: OpStats) -> None:
+        self.calls += other.calls
+        self.attempts += other.attempts
+        self.retries += other.retries
+        self.failures += other.failures
+        self.not_found += other.not_found
+        self.retry_wait_s += other.retry_wait_s
+
+    def as_dict(self) -> dict[str, float]:
+        ok = self.calls - self.failures
+        return {
+            "calls": self.calls,
+            "attempts": self.attempts,
+            "retries": self.retries,
+            "failures": self.failures,
+            "not_found": self.not_found,
+            "retry_wait_s": round(self.retry_wait_s, 4),
+            "success_rate": round(ok / self.calls, 6) if self.calls else 1.0,
+        }
+
+
+@dataclass
+class StorageStats:
+    by_kind: dict[str, OpStats] = field(default_factory=dict)
+
+    def kind(self, name: str) -> OpStats:
+        return self.by_kind.setdefault(name, OpStats())
+
+    def merge(self, other: StorageStats) -> None:
+        for name, stats in other.by_kind.items():
+            self.kind(name).merge(stats)
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {name: self.by_kind[name].as_dict() for name in sorted(self.by_kind)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, float]]) -> StorageStats:
+        stats = cls()
+        for name, d in data.items():
+            stats.by_kind[name] = OpStats(
+                calls=int(d.get("calls", 0)),
+                attempts=int(d.get("attempts", 0)),
+                retries=int(d.get("retries", 0)),
+                failures=int(d.get("failures", 0)),
+                not_found=int(d.get("not_found", 0)),
+                retry_wait_s=float(d.get("retry_wait_s", 0.0)),
+            )
+        return stats
+
+
+class RetryPolicy:
+    """Runs a storage call, retrying transient errors with exponential backoff and jitter.
+
+    ``sleep``, ``clock`` and ``rng`` are injectable, so tests run the policy without waiting.
+    Pickling keeps the config only: an unpickled policy sleeps, times and draws jitter for real.
+    """
+
+    def __init__(
+        self,
+        config: RetryConfig | None = None,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config or RetryConfig()
+        check_rules(self.config.retry_on, f"{RetryConfig._group}.retry_on")
+        check_rules(self.config.give_up_on, f"{RetryConfig._group}.give_up_on")
+        self.sleep, self.clock = sleep, clock
+        self.rng = rng or random.Random()
+        self.classifier = ErrorClassifier(
+            tuple(self.config.retry_on), tuple(self.config.give_up_on)
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    def call(
+        self,
+        fn: Callable[[], Any],
+        *,
+        op: str,
+        target: str,
+        stats: OpStats | None = None,
+        answers: tuple[type[BaseException], ...] = (),
+    ) -> Any:
+        """``fn()`` under the policy. Every retry is logged once (op, target, attempt, error,
+        next wait). The error that ends the call is re-raised as its own type, with the
+        operation, the target and its bucket added to the message; ``answers`` are errors
+        that count in ``stats.not_found`` instead of ``stats.failures``."""
+        c = self.config
+        stats = stats if stats is not None else OpStats()
+        stats.calls += 1
+        attempts = 0
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            wait = state.upcoming_sleep or 0.0
+            stats.retries += 1
+            stats.retry_wait_s += wait
+            exc = state.outcome.exception() if state.outcome else None
+            logger.warning(
+                "storage retry: %s %s failed on attempt %d/%d (%s: %s); next try in %.2fs",
+                op,
+                target,
+                state.attempt_number,
+                c.max_attempts,
+                type(exc).__name__,
+                _one_line(exc),
+                wait,
+            )
+
+        def counted() -> Any:
+            nonlocal attempts
+            attempts += 1
+            stats.attempts += 1
+            return fn()
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(c.max_attempts)
+            | stop_after_deadline(c.deadline, self.clock),
+            wait=wait_backoff(c.initial_backoff, c.multiplier, c.max_backoff, c.jitter, self.rng),
+            retry=tenacity.retry_if_exception(self.classifier.is_transient),
+            before_sleep=before_sleep,
+            sleep=self.sleep,
+            reraise=True,
+        )
+        try:
+            return retrying(counted)
+        except Exception as exc:
+            if isinstance(exc, answers):
+                stats.not_found += 1
+            else:
+                stats.failures += 1
+            transient = self.classifier.is_transient(exc)
+            if transient:  # permanent errors (a missing file, say) are often expected by callers
+                logger.error(
+                    "storage %s %s failed after %d attempts: %s: %s",
+                    op,
+                    target,
+                    attempts,
+                    type(exc).__name__,
+                    _one_line(exc),
+                )
+            described = _with_context(exc, op, target, transient, attempts)
+            if described is exc:
+                raise
+            raise described from exc
+
+
+def _one_line(exc: object) -> str:
+    text = str(exc).strip().splitlines() if exc is not None else []
+    return text[0][:300] if text else ""
+
+
+def bucket_of(target: str) -> str | None:
+    """The bucket of an object-store URL (``s3://bucket/key`` -> ``bucket``), else None."""
+    match = re.match(r"^([a-z0-9]+)://([^/]+)", target)
+    return match.group(2) if match and match.group(1) not in ("file", "local", "memory") else None
+
+
+def _with_context(
+    exc: BaseException, op: str, target: str, transient: bool, attempts: int
+) -> BaseException:
+    """The same exception type (errno kept), with the operation, path and bucket in its
+    message; the original exception itself when its type cannot be rebuilt from a message."""
+    bucket = bucket_of(target)
+    where = f"{op} {target}" + (f" (bucket {bucket!r})" if bucket else "")
+    verdict = f"gave up after {attempts} attempts" if transient else "permanent error, not retried"
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    # OSError(errno, text) prints "[Errno N] text": keep the text, the errno is passed on.
+    text = _one_line(exc.strerror if errno_ is not None and exc.strerror else exc)  # type: ignore[union-attr]
+    message = f"{text or type(exc).__name__} [storage {where}: {verdict}]"
+    try:
+        return type(exc)(errno_, message) if errno_ is not None else type(exc)(message)
+    except Exception:
+        return exc
