@@ -75,6 +75,15 @@ def _model(num_classes: int) -> Any:
     return build_model(MODEL, num_classes)
 
 
+def _train_step(model: Any, opt: Any, images: Any, labels: Any) -> None:
+    import torch.nn.functional as F
+
+    loss = F.cross_entropy(model(images), labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
 def _rows(table: pa.Table) -> dict[str, np.ndarray]:
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
 
@@ -84,7 +93,6 @@ def _rows(table: pa.Table) -> dict[str, np.ndarray]:
 
 def plain_torch(w: Workload) -> float:
     import torch
-    import torch.nn.functional as F
 
     from ftjob.data import epoch_order
 
@@ -101,10 +109,7 @@ def plain_torch(w: Workload) -> float:
             batch = _rows(catalog.take(pa.array(order[k * B : (k + 1) * B])))
             images = torch.from_numpy(dataset.decode(batch, TRAIN, epoch, 0))
             labels = torch.from_numpy(batch["label"].astype(np.int64))
-            loss = F.cross_entropy(model(images), labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            _train_step(model, opt, images, labels)
             if start is None:
                 start = time.perf_counter()
             else:
@@ -118,7 +123,6 @@ def plain_torch(w: Workload) -> float:
 def _raytrain_loop(config: dict[str, Any]) -> None:
     import ray.train
     import torch
-    import torch.nn.functional as F
 
     w: Workload = config["workload"]
     torch.set_num_threads(1)
@@ -130,10 +134,7 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
         for batch in shard.iter_torch_batches(
             batch_size=w.batch_size, prefetch_batches=2, drop_last=True
         ):
-            loss = F.cross_entropy(model(batch["image"]), batch["label"])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            _train_step(model, opt, batch["image"], batch["label"])
             if start is None:
                 start = time.perf_counter()
             else:

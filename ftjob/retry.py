@@ -13,7 +13,7 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import tenacity
@@ -220,12 +220,12 @@ class OpStats:
     retry_wait_s: float = 0.0
 
     def merge(self, other: OpStats) -> None:
-        self.calls += other.calls
-        self.attempts += other.attempts
-        self.retries += other.retries
-        self.failures += other.failures
-        self.not_found += other.not_found
-        self.retry_wait_s += other.retry_wait_s
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> OpStats:
+        return cls(**{f.name: type(f.default)(data.get(f.name, f.default)) for f in fields(cls)})
 
     def as_dict(self) -> dict[str, float]:
         ok = self.calls - self.failures
@@ -258,14 +258,7 @@ class StorageStats:
     def from_dict(cls, data: dict[str, dict[str, float]]) -> StorageStats:
         stats = cls()
         for name, d in data.items():
-            stats.by_kind[name] = OpStats(
-                calls=int(d.get("calls", 0)),
-                attempts=int(d.get("attempts", 0)),
-                retries=int(d.get("retries", 0)),
-                failures=int(d.get("failures", 0)),
-                not_found=int(d.get("not_found", 0)),
-                retry_wait_s=float(d.get("retry_wait_s", 0.0)),
-            )
+            stats.by_kind[name] = OpStats.from_dict(d)
         return stats
 
 

@@ -1,0 +1,96 @@
+"""Time-to-recover and its parts, for node kills and for worker kills, on one machine.
+
+Runs digits_ft twice per repeat: on a simulated 3-node cluster with node kills, and on local
+Ray with worker kills (2 kills each, every ~15 s). For each failure it prints detection (kill ->
+Ray Train noticed), Ray Train's worker-group restart (noticed -> new workers in the train
+function), checkpoint download, load, batch skip, and time-to-recover (kill -> first trained
+step after the restore), then medians per kind.
+
+    python benchmarks/recovery.py [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+
+from ftjob import runner
+from ftjob.check import Composer, Target
+from ftjob.config import load_job, register_schema
+
+KINDS = {
+    "node kill": ["ray.local_nodes=3", "chaos=node_killer"],
+    "worker kill": ["chaos=worker_killer"],
+}
+COMMON = [
+    "+experiment=digits_ft",
+    "trainer.epochs=6",
+    "chaos.interval=15",
+    "chaos.max_kills=2",
+    "failure.max_failures=4",
+]
+PARTS = ("detection_s", "restart_s", "download_s", "load_s", "skip_s", "time_to_recover_s")
+
+
+def run(overrides: list[str], seed: int) -> dict[str, Any]:
+    register_schema()
+    job = load_job(
+        Composer().compose(Target("benchmark"), [*COMMON, *overrides, f"chaos.seed={seed}"])
+    )
+    GlobalHydra.instance().clear()
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = runner.run(job, run_dir, echo=lambda line: None)
+    if not result.ok:
+        raise RuntimeError(f"run failed: {result.error}")
+    return result.summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    for r in range(args.repeats):
+        for kind, overrides in KINDS.items():
+            summary = run(overrides, seed=r)
+            records[kind] += [f for f in summary["failures"] if f.get("recovered")]
+            print(
+                f"[repeat {r + 1}] {kind}: {len(summary['failures'])} failures, accuracy {summary['metrics']['validation/accuracy']:.3f}",
+                flush=True,
+            )
+
+    header = f"{'kind':<12} {'detect':>7} {'restart':>8} {'download':>9} {'load':>6} {'skip':>6} {'TTR':>6}"
+    print("\nper failure (seconds)")
+    print(header)
+    for kind, failures in records.items():
+        for f in failures:
+            print(
+                f"{kind:<12} "
+                + " ".join(
+                    f"{f[p]:>{w}.2f}" for p, w in zip(PARTS, (7, 8, 9, 6, 6, 6), strict=True)
+                )
+            )
+    print("\nmedians (seconds); restart = Ray Train's worker-group restart")
+    print(header)
+    for kind, failures in records.items():
+        if failures:
+            med = {p: statistics.median(f[p] for f in failures) for p in PARTS}
+            print(
+                f"{kind:<12} "
+                + " ".join(
+                    f"{med[p]:>{w}.2f}" for p, w in zip(PARTS, (7, 8, 9, 6, 6, 6), strict=True)
+                )
+            )
+            print(
+                f"{kind}: restart / time-to-recover = {med['restart_s'] / med['time_to_recover_s']:.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
