@@ -1,7 +1,7 @@
 """Time-to-recover and its parts, for node kills and for worker kills, on one machine.
 
 Runs digits_ft twice per repeat: on a simulated 3-node cluster with node kills, and on local
-Ray with worker kills (2 kills each, every ~15 s). For each failure it prints detection (kill ->
+Ray with worker kills (2 kills each, one per ~8 s window, 12 epochs so training outlasts them). For each failure it prints detection (kill ->
 Ray Train noticed), Ray Train's worker-group restart (noticed -> new workers in the train
 function), checkpoint download, load, batch skip, and time-to-recover (kill -> first trained
 step after the restore), then medians per kind.
@@ -29,8 +29,8 @@ KINDS = {
 }
 COMMON = [
     "+experiment=digits_ft",
-    "trainer.epochs=6",
-    "chaos.interval=15",
+    "trainer.epochs=12",
+    "chaos.interval=8",
     "chaos.max_kills=2",
     "failure.max_failures=4",
 ]
@@ -59,6 +59,8 @@ def main() -> None:
     for r in range(args.repeats):
         for kind, overrides in KINDS.items():
             summary = run(overrides, seed=r)
+            if summary["metrics"]["chaos/kills"] < 2:
+                raise RuntimeError(f"{kind}: only {summary['metrics']['chaos/kills']} kills landed")
             records[kind] += [f for f in summary["failures"] if f.get("recovered")]
             print(
                 f"[repeat {r + 1}] {kind}: {len(summary['failures'])} failures, accuracy {summary['metrics']['validation/accuracy']:.3f}",

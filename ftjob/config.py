@@ -184,6 +184,7 @@ class ChaosConfig:
 class FailureConfig:
     _group: ClassVar[str] = "failure"
     max_failures: int = 3
+    health_check_interval: float = 0.5
 
     def __post_init__(self) -> None:
         _require(
@@ -192,6 +193,13 @@ class FailureConfig:
             "max_failures",
             self.max_failures,
             "must be >= 0, or -1 for unlimited",
+        )
+        _require(
+            self.health_check_interval > 0,
+            self._group,
+            "health_check_interval",
+            self.health_check_interval,
+            "must be > 0 seconds",
         )
 
 
@@ -261,6 +269,7 @@ class TrainerConfig:
     seed: int = 0
     audit_samples: bool = False
     prefetch_batches: int = 2
+    validation_cache_mb: int = 512
     decode_cpus: float = 1.0
     precision: str = "fp32"
     channels_last: bool = False
@@ -310,6 +319,13 @@ class TrainerConfig:
         )
         _require(
             self.prefetch_batches >= 0, g, "prefetch_batches", self.prefetch_batches, "must be >= 0"
+        )
+        _require(
+            self.validation_cache_mb >= 0,
+            g,
+            "validation_cache_mb",
+            self.validation_cache_mb,
+            "must be >= 0 (0 = read and decode the validation set at every validation)",
         )
         _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
         _require(

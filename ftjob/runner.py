@@ -380,6 +380,9 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
         ledger=ledger,
         run_path=prep.run_path,
     )
+    # Ray Train's controller polls its workers this often: it bounds how late a failure is
+    # noticed and how long a ray.train.report waits for the previous one to be taken.
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(job.failure.health_check_interval)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=spec,  # type: ignore[arg-type]

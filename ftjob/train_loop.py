@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from ftjob.checkpoint import AsyncUploader, CheckpointStore, UploadOutcome
 from ftjob.config import JobConfig, to_plain
 from ftjob.data import (
     EPOCH_END,
+    Batch,
     BatchFeeder,
     EpochPlan,
     RayDataStream,
@@ -104,10 +106,10 @@ class Worker:
         self.local_root = tempfile.mkdtemp(prefix="ftjob-ckpt-")
         self.uploader: AsyncUploader | None = None
         self.failed_uploads = 0
-        self.reported_step = -1
         self.validated_step = -1
         self.pending_report: dict[str, Any] | None = None
         self.restore_info: dict[str, Any] | None = None
+        self.val_cache: list[Batch] | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -203,7 +205,7 @@ class Worker:
         self.state = TrainState(
             step=state["step"], epoch=state["epoch"], position=state["position"]
         )
-        self.reported_step = self.validated_step = self.state.step
+        self.validated_step = self.state.step
         self.restore_info = {
             "step": self.state.step,
             "epoch": self.state.epoch,
@@ -332,7 +334,26 @@ class Worker:
 
     # -- validation -----------------------------------------------------------------------
 
-    @torch.no_grad()
+    def _validation_batches(self) -> Iterator[Batch]:
+        """This rank's validation batches. They are the same every time (no augmentation), so
+        when they fit in ``trainer.validation_cache_mb`` the first pass keeps them in memory and
+        later validations skip reading and decoding."""
+        if self.val_cache is not None:
+            yield from self.val_cache
+            return
+        ids = validation_ids(self.catalogs[VAL].num_rows, self.rank, self.world)
+        batch_size = self.trainer.val_batch_size or self.trainer.batch_size
+        budget = self.trainer.validation_cache_mb * 2**20
+        kept: list[Batch] | None = [] if budget > 0 else None
+        size = 0
+        for batch in self.val_stream.batches(ids, batch_size, epoch=0):
+            if kept is not None:
+                size += batch.images.element_size() * batch.images.nelement()
+                kept = kept + [batch] if size <= budget else None
+            yield batch
+        self.val_cache = kept
+
+    @torch.inference_mode()
     def _validate(self, epoch: int) -> None:
         if self.validated_step == self.state.step:
             return
@@ -340,9 +361,7 @@ class Worker:
         with self.metrics.timer(M.VALIDATION_STEP):
             self.module.eval()
             totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-            ids = validation_ids(self.catalogs[VAL].num_rows, self.rank, self.world)
-            batch_size = self.trainer.val_batch_size or self.trainer.batch_size
-            for batch in self.val_stream.batches(ids, batch_size, epoch=0):
+            for batch in self._validation_batches():
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     logits = self.module(batch.images)
                 totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")

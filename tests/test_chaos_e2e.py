@@ -10,15 +10,17 @@ from tests.conftest import run_ftjob
 
 pytestmark = pytest.mark.ray
 
-JOB = ["+experiment=digits_ft", "trainer.epochs=5"]
+JOB = ["+experiment=digits_ft", "trainer.epochs=6"]
+# Kills at fixed times (4 s after the first step, then as soon as the next attempt trains), so
+# every kill lands while there is training left to interrupt, however fast this machine is.
+EARLY_KILLS = ["chaos.interval=4", "chaos.jitter=false", "chaos.max_kills=2"]
 
 
 def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path):
     chaos = [
         "ray.local_nodes=3",
         "chaos=node_killer",
-        "chaos.interval=10",
-        "chaos.max_kills=2",
+        *EARLY_KILLS,
         "failure.max_failures=4",
     ]
     proc, s = run_ftjob([*JOB, *chaos], tmp_path / "killed")
@@ -43,23 +45,21 @@ def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path):
 def test_worker_kills_keep_every_sample_exactly_once(tmp_path):
     chaos = [
         "chaos=worker_killer",
-        "chaos.interval=10",
-        "chaos.max_kills=2",
+        *EARLY_KILLS,
         "failure.max_failures=4",
     ]
     proc, s = run_ftjob([*JOB, *chaos, "trainer.audit_samples=true"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert s["metrics"][M.CHAOS_KILLS] == 2 and s["metrics"][M.FAILURES_COUNT] >= 2
     assert all(k["kind"] == "worker" and k["target"]["pid"] > 0 for k in s["chaos"]["kills"])
-    assert [a["epoch"] for a in s["audit"]] == list(range(5))
+    assert [a["epoch"] for a in s["audit"]] == list(range(6))
     assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s["audit"])
 
 
 def test_more_kills_than_the_budget_fail_cleanly(tmp_path):
     chaos = [
         "chaos=worker_killer",
-        "chaos.interval=5",
-        "chaos.max_kills=2",
+        *EARLY_KILLS,
         "failure.max_failures=1",
     ]
     proc, s = run_ftjob([*JOB, *chaos], tmp_path)
