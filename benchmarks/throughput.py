@@ -7,7 +7,8 @@ The same model (small_cnn), data and hyperparameters through
   (c) ftjob: the full runner, checkpointing and validating at its default frequencies
       (every epoch end), with the ledger, retrying storage and the resumable iterator.
 Images/s = samples trained after the first step / seconds from the first step to the end of
-training (start-up costs, the same for (b) and (c), are excluded). The synthetic validation set
+training (start-up costs, the same for (b) and (c), are excluded). The order of the methods
+rotates between repeats. The synthetic validation set
 is ~4% of the training set, ImageNet's ratio; digits' fixed split validates 25% as many images
 as it trains on each epoch, so validation weighs more there. Methods run interleaved,
 repeated; the table shows medians and the ratios.
@@ -229,9 +230,14 @@ def main() -> None:
 
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
     results: dict[tuple[str, str], list[float]] = {}
+    order = list(METHODS)
     for r in range(args.repeats):
+        # Rotate the order each repeat: a method must not always run right after another's Ray
+        # cluster shut down (its processes still exiting) or always first on a cold machine.
+        rotated = order[r % len(order) :] + order[: r % len(order)]
         for name in names:
-            for method, fn in METHODS.items():
+            for method in rotated:
+                fn = METHODS[method]
                 value = fn(WORKLOADS[name])
                 results.setdefault((name, method), []).append(value)
                 print(

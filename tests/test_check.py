@@ -152,3 +152,15 @@ def test_command_exits_non_zero_with_one_line_per_file(tmp_path: Path) -> None:
 def test_missing_config_dir_is_a_usage_error(tmp_path: Path, capsys) -> None:
     assert main(["--config-dir", str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_the_custom_model_and_dataset_example_checks_clean(monkeypatch) -> None:
+    """examples/custom_model_dataset: the user's own _target_s and config dir compose, bind and
+    validate, as README's one command needs."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "custom_model_dataset"
+    monkeypatch.syspath_prepend(str(example))
+    verdicts = check_all(str(example / "conf"))
+    mine = [v for v in verdicts if v.target.label.startswith(str(example))]
+    assert {v.target.label.rsplit("/", 2)[-2] for v in mine} == {"model", "dataset", "experiment"}
+    assert all(v.status == OK for v in mine), [v.line() for v in mine]
+    assert exit_status(verdicts) == 0
