@@ -270,6 +270,71 @@ def validation_ids(num_samples: int, rank: int, world_size: int) -> np.ndarray:
     return np.array_split(np.arange(num_samples), world_size)[rank]
 
 
+class _Stream(Protocol):
+    def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]: ...
+
+
+def _nbytes(batch: Batch) -> int:
+    return int(batch.images.element_size() * batch.images.nelement())
+
+
+class ValidationSet:
+    """One rank's validation batches. They are the same at every validation (no augmentation),
+    so when they fit in ``cache_bytes`` they are decoded once and kept. ``prefetch()`` fills
+    the cache on a background thread while training runs, so even the first validation does
+    not wait for the stream to start and decode; iterating waits for a running prefetch."""
+
+    def __init__(self, stream: _Stream, ids: np.ndarray, batch_size: int, cache_bytes: int) -> None:
+        self.stream, self.ids, self.batch_size = stream, ids, batch_size
+        self.cache_bytes = cache_bytes
+        self.cache: list[Batch] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _fill(self) -> None:
+        kept: list[Batch] = []
+        size = 0
+        try:
+            for batch in self.stream.batches(self.ids, self.batch_size, epoch=0):
+                size += _nbytes(batch)
+                if size > self.cache_bytes or self._stop.is_set():
+                    return  # too big to keep (or closing): validations stream instead
+                kept.append(batch)
+        except Exception:
+            return  # the validation itself streams and raises it where it is seen
+        self.cache = kept
+
+    def prefetch(self) -> None:
+        if self.cache_bytes > 0 and self.cache is None and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._fill, name="ftjob-val-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.cache is None:  # did not fit or failed: never prefetch again
+                self.cache_bytes = 0
+        if self.cache is not None:
+            yield from self.cache
+            return
+        kept: list[Batch] | None = [] if self.cache_bytes > 0 else None
+        size = 0
+        for batch in self.stream.batches(self.ids, self.batch_size, epoch=0):
+            if kept is not None:
+                size += _nbytes(batch)
+                kept = kept + [batch] if size <= self.cache_bytes else None
+            yield batch
+        self.cache = kept
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
 __all__ = [
     "EPOCH_END",
     "TRAIN",
@@ -281,6 +346,7 @@ __all__ = [
     "RayDataStream",
     "ResumableIterator",
     "SkipByIterationIterator",
+    "ValidationSet",
     "epoch_order",
     "validation_ids",
 ]

@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +29,11 @@ from ftjob.checkpoint import AsyncUploader, CheckpointStore, UploadOutcome
 from ftjob.config import JobConfig, to_plain
 from ftjob.data import (
     EPOCH_END,
-    Batch,
     BatchFeeder,
     EpochPlan,
     RayDataStream,
     ResumableIterator,
+    ValidationSet,
     validation_ids,
 )
 from ftjob.datasets import TRAIN, VAL, ImageDataset
@@ -109,7 +108,6 @@ class Worker:
         self.validated_step = -1
         self.pending_report: dict[str, Any] | None = None
         self.restore_info: dict[str, Any] | None = None
-        self.val_cache: list[Batch] | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -156,7 +154,13 @@ class Worker:
             "channels_last": self.trainer.channels_last,
         }
         train_stream = RayDataStream(self.spec.dataset, self.catalogs[TRAIN], TRAIN, **common)
-        self.val_stream = RayDataStream(self.spec.dataset, self.catalogs[VAL], VAL, **common)
+        val_stream = RayDataStream(self.spec.dataset, self.catalogs[VAL], VAL, **common)
+        self.val_set = ValidationSet(
+            val_stream,
+            validation_ids(self.catalogs[VAL].num_rows, self.rank, self.world),
+            self.trainer.val_batch_size or self.trainer.batch_size,
+            self.trainer.validation_cache_mb * 2**20,
+        )
         self.iterator = ResumableIterator(train_stream, self.plan, self.rank, self.world)
 
     # -- restore --------------------------------------------------------------------------
@@ -334,25 +338,6 @@ class Worker:
 
     # -- validation -----------------------------------------------------------------------
 
-    def _validation_batches(self) -> Iterator[Batch]:
-        """This rank's validation batches. They are the same every time (no augmentation), so
-        when they fit in ``trainer.validation_cache_mb`` the first pass keeps them in memory and
-        later validations skip reading and decoding."""
-        if self.val_cache is not None:
-            yield from self.val_cache
-            return
-        ids = validation_ids(self.catalogs[VAL].num_rows, self.rank, self.world)
-        batch_size = self.trainer.val_batch_size or self.trainer.batch_size
-        budget = self.trainer.validation_cache_mb * 2**20
-        kept: list[Batch] | None = [] if budget > 0 else None
-        size = 0
-        for batch in self.val_stream.batches(ids, batch_size, epoch=0):
-            if kept is not None:
-                size += batch.images.element_size() * batch.images.nelement()
-                kept = kept + [batch] if size <= budget else None
-            yield batch
-        self.val_cache = kept
-
     @torch.inference_mode()
     def _validate(self, epoch: int) -> None:
         if self.validated_step == self.state.step:
@@ -361,7 +346,7 @@ class Worker:
         with self.metrics.timer(M.VALIDATION_STEP):
             self.module.eval()
             totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-            for batch in self._validation_batches():
+            for batch in self.val_set:
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                     logits = self.module(batch.images)
                 totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
@@ -456,6 +441,7 @@ class Worker:
                 return
         finally:
             feeder.close()
+            self.val_set.close()
         if self.job.checkpoint.upload_mode == "async" and not self._finish_uploads():
             return
         self._send_storage_stats()
@@ -499,6 +485,9 @@ class Worker:
                 self.ledger.step_done.remote(self.attempt, self.state.step)
                 if not first_step_done:
                     self.ledger.first_step.remote(self.attempt, self.state.step, time.time())
+            if not first_step_done:
+                # Training is flowing: decode the validation set into its cache meanwhile.
+                self.val_set.prefetch()
             first_step_done = True
             self._maybe_fail()
             if self.state.step % t.log_every_n_steps == 0:

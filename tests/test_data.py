@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import torch
 
-from ftjob.data import EpochPlan, epoch_order, validation_ids
+from ftjob.data import (
+    EPOCH_END,
+    Batch,
+    BatchFeeder,
+    EpochPlan,
+    ValidationSet,
+    epoch_order,
+    validation_ids,
+)
 from ftjob.datasets import (
     TRAIN,
     VAL,
@@ -74,6 +84,94 @@ def test_bad_positions_and_sizes_are_refused():
 def test_validation_shards_cover_the_set_once():
     parts = [validation_ids(359, r, 4) for r in range(4)]
     assert sorted(np.concatenate(parts).tolist()) == list(range(359))
+
+
+class _LocalStream:
+    """The synthetic dataset decoded in-process (no Ray): counts the passes it streams."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.dataset = SyntheticDataset(num_samples=64, num_val_samples=40, image_size=8)
+        self.catalog = self.dataset.catalog(VAL)
+        self.passes, self.fail = 0, fail
+
+    def batches(self, ids, batch_size, epoch):
+        self.passes += 1
+        for i in range(0, len(ids), batch_size):
+            if self.fail:
+                raise OSError("connection reset by peer")
+            chunk = ids[i : i + batch_size]
+            rows = _rows(self.catalog.take(pa.array(chunk)), len(chunk))
+            images = torch.from_numpy(self.dataset.decode(rows, VAL, epoch, 0))
+            yield Batch(images, torch.from_numpy(rows["label"].astype(np.int64)), rows["id"])
+
+
+def _ids(batches):
+    return np.concatenate([b.ids for b in batches]).tolist()
+
+
+def test_validation_set_prefetches_once_and_serves_every_validation_from_memory():
+    stream = _LocalStream()
+    val = ValidationSet(stream, validation_ids(40, 1, 2), batch_size=8, cache_bytes=2**20)
+    val.prefetch()
+    first, second = list(val), list(val)
+    assert stream.passes == 1
+    assert _ids(first) == _ids(second) == list(range(20, 40))
+    assert all(torch.equal(a.images, b.images) for a, b in zip(first, second, strict=True))
+
+
+def test_validation_set_too_big_to_cache_streams_every_time():
+    stream = _LocalStream()
+    one_batch = 8 * 3 * 8 * 8 * 4
+    val = ValidationSet(stream, validation_ids(40, 0, 2), batch_size=8, cache_bytes=one_batch)
+    val.prefetch()
+    assert _ids(val) == _ids(val) == list(range(20))
+    assert stream.passes == 3  # the abandoned prefetch, then one pass per validation
+    val.prefetch()  # does not try again
+    assert stream.passes == 3
+
+
+def test_validation_set_prefetch_error_surfaces_at_validation():
+    val = ValidationSet(_LocalStream(fail=True), np.arange(10), batch_size=4, cache_bytes=2**20)
+    val.prefetch()
+    with pytest.raises(OSError, match="connection reset"):
+        list(val)
+
+
+class _Epochs:
+    def __init__(self, fail_in_epoch: int | None = None) -> None:
+        self.fail_in_epoch = fail_in_epoch
+
+    def epoch(self, epoch, position):
+        for k in range(position, 3):
+            if epoch == self.fail_in_epoch and k == 1:
+                raise ValueError(f"undecodable image in epoch {epoch}")
+            yield f"e{epoch}b{k}"
+
+
+def test_batch_feeder_streams_across_epochs_with_markers():
+    source = _Epochs()
+    feeder = BatchFeeder(source, source.epoch(1, 2), first_epoch=1, epochs=3, depth=2)
+    items = list(feeder)
+    feeder.close()
+    assert items == [
+        (1, "e1b2"),
+        (1, EPOCH_END),
+        (2, "e2b0"),
+        (2, "e2b1"),
+        (2, "e2b2"),
+        (2, EPOCH_END),
+    ]
+
+
+def test_batch_feeder_reraises_the_stream_error_on_the_training_thread():
+    source = _Epochs(fail_in_epoch=1)
+    feeder = BatchFeeder(source, source.epoch(0, 0), first_epoch=0, epochs=2, depth=1)
+    seen = []
+    with pytest.raises(ValueError, match="undecodable image in epoch 1"):
+        for item in feeder:
+            seen.append(item)
+    feeder.close()
+    assert seen[-1] == (1, "e1b0")
 
 
 def _rows(table, n):
