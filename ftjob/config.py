@@ -271,6 +271,7 @@ class TrainerConfig:
     prefetch_batches: int = 2
     validation_cache_mb: int = 512
     decode_cpus: float = 1.0
+    decode_window_mb: float = 256
     precision: str = "fp32"
     channels_last: bool = False
 
@@ -328,6 +329,13 @@ class TrainerConfig:
             "must be >= 0 (0 = read and decode the validation set at every validation)",
         )
         _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
+        _require(
+            self.decode_window_mb > 0,
+            g,
+            "decode_window_mb",
+            self.decode_window_mb,
+            "must be > 0 (decoded data per worker held ahead of training, in MB)",
+        )
         _require(
             self.precision in PRECISIONS,
             g,

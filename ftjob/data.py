@@ -8,13 +8,16 @@ previous attempts did not train -- whatever the number of attempts or workers, a
 global batch size stays the same.
 
 Global batch ``k`` is ``order[k*B:(k+1)*B]``; rank ``r`` of ``W`` trains the ``r``-th slice of
-``B/W`` samples of it. Reading and decoding run in Ray Data (``map_batches`` with streaming and
-prefetching); each worker streams its own slice with ``preserve_order`` so batch ``k`` on every
-rank belongs to global batch ``k``.
+``B/W`` samples of it. Reading and decoding run in Ray Data (``map_batches``, in order), in
+windows of blocks that decode while the previous window trains; each worker streams its own
+slice, so batch ``k`` on every rank belongs to global batch ``k``.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import Iterator
@@ -113,6 +116,8 @@ def configure_ray_data() -> None:
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+    # One "execution finished" line per decoded window would drown the worker logs.
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
 
 
 class RayDataStream:
@@ -130,14 +135,15 @@ class RayDataStream:
         decode_cpus: float = 1.0,
         pin_memory: bool = False,
         channels_last: bool = False,
+        window_mb: float = 256,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
         self.seed, self.device = seed, device
         self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
         self.pin_memory, self.channels_last = pin_memory, channels_last
+        self.window_bytes = int(window_mb * 2**20)
 
     def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]:
-        import ray.data
         import torch
 
         if len(ids) == 0:
@@ -148,25 +154,81 @@ class RayDataStream:
         # blocks decode in parallel ahead of the training step.
         block = batch_size * max(1, 128 // batch_size)
         blocks = [rows.slice(i, block) for i in range(0, rows.num_rows, block)]
-        ds = ray.data.from_arrow(blocks).map_batches(
-            _Decode(self.dataset, self.split, epoch, self.seed),
-            batch_size=None,
-            batch_format="numpy",
-            num_cpus=self.decode_cpus,
-        )
+        decode = _Decode(self.dataset, self.split, epoch, self.seed)
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
-        for b in ds.iter_torch_batches(
-            batch_size=batch_size,
-            prefetch_batches=self.prefetch_batches,
-            device=self.device,
-            pin_memory=self.pin_memory,
-            dtypes={"image": torch.float32, "label": torch.int64, "id": torch.int64},
-        ):
-            yield Batch(
-                images=b["image"].contiguous(memory_format=memory_format),
-                labels=b["label"],
-                ids=b["id"].cpu().numpy(),
-            )
+        for window in self._windows(blocks, decode):
+            for b in window.iter_torch_batches(
+                batch_size=batch_size,
+                prefetch_batches=self.prefetch_batches,
+                device=self.device,
+                pin_memory=self.pin_memory,
+                dtypes={"image": torch.float32, "label": torch.int64, "id": torch.int64},
+            ):
+                yield Batch(
+                    images=b["image"].contiguous(memory_format=memory_format),
+                    labels=b["label"],
+                    ids=b["id"].cpu().numpy(),
+                )
+
+    def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+        """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
+        import ray.data
+
+        ds = ray.data.from_arrow(blocks).map_batches(
+            decode, batch_size=None, batch_format="numpy", num_cpus=self.decode_cpus
+        )
+        return ds.materialize()
+
+    def _windows(self, blocks: list[pa.Table], decode: _Decode) -> Iterator[Any]:
+        """Decoded windows of blocks; the next window decodes while the current one trains.
+
+        Why windows and not one streaming dataset: a Ray Data streaming executor whose
+        consumer (the training step) is slower than its tasks polls in a tight loop, in the
+        training process, for as long as the stream lasts; a window's executor runs only
+        while it decodes, then the window is read like any materialized dataset."""
+        sizer = WindowSizer(self.window_bytes, len(blocks))
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ftjob-decode")
+        pending: collections.deque[tuple[concurrent.futures.Future[Any], int]] = collections.deque()
+
+        def submit() -> None:
+            window = sizer.next_window()
+            if window is not None:
+                start, end = window
+                pending.append((pool.submit(self._decode, blocks[start:end], decode), end - start))
+
+        try:
+            submit()
+            submit()
+            while pending:
+                future, num_blocks = pending.popleft()
+                window = future.result()
+                sizer.observe(window.size_bytes(), num_blocks)
+                submit()
+                yield window
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class WindowSizer:
+    """Windows of blocks for :meth:`RayDataStream._windows`: the first is one block (the
+    first batch comes as soon as one block decodes), then each doubles while two windows of
+    decoded data stay within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int, num_blocks: int) -> None:
+        self.budget, self.num_blocks = budget_bytes, num_blocks
+        self.start, self.size, self.block_bytes = 0, 1, 0.0
+
+    def observe(self, window_bytes: int, num_blocks: int) -> None:
+        self.block_bytes = max(self.block_bytes, window_bytes / max(1, num_blocks))
+
+    def next_window(self) -> tuple[int, int] | None:
+        if self.start >= self.num_blocks:
+            return None
+        cap = int(self.budget // (2 * self.block_bytes)) if self.block_bytes else 2
+        size = max(1, min(self.size, cap))
+        window = (self.start, min(self.num_blocks, self.start + size))
+        self.start, self.size = window[1], size * 2
+        return window
 
 
 class ResumableIterator:
@@ -196,13 +258,44 @@ class SkipByIterationIterator:
 
 
 EPOCH_END = object()  # BatchFeeder's marker after an epoch's last batch
+_DONE = object()
+
+
+class _Primed:
+    """An epoch's stream started on a helper thread, up to and including its first batch."""
+
+    def __init__(self, iterator: BatchSource, epoch: int) -> None:
+        self._result: tuple[Iterator[Batch], Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(iterator, epoch), name="ftjob-prime", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, iterator: BatchSource, epoch: int) -> None:
+        try:
+            batches = iter(iterator.epoch(epoch, 0))
+            self._result = (batches, next(batches, _DONE))
+        except BaseException as exc:  # raised where the epoch is consumed
+            self._error = exc
+
+    def take(self) -> Iterator[Batch]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        batches, first = self._result
+        if first is not _DONE:
+            yield first
+        yield from batches
 
 
 class BatchFeeder:
     """Pulls training batches on a background thread, across epoch boundaries, into a small
-    queue. The next epoch's stream starts -- and its first batches decode -- while the training
-    thread finishes the current epoch, validates and checkpoints, so epoch boundaries do not
-    stall training. Yields ``(epoch, Batch)`` and ``(epoch, EPOCH_END)``; re-raises errors."""
+    queue. ``lookahead`` batches before an epoch ends, the next epoch's stream starts on a
+    helper thread (the stream start-up and its first decode run while the current epoch
+    finishes, validates and checkpoints), so epoch boundaries do not stall training.
+    Yields ``(epoch, Batch)`` and ``(epoch, EPOCH_END)``; re-raises errors."""
 
     def __init__(
         self,
@@ -211,12 +304,16 @@ class BatchFeeder:
         first_epoch: int,
         epochs: int,
         depth: int,
+        *,
+        first_steps: int,
+        steps_per_epoch: int,
+        lookahead: int = 8,
     ) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run,
-            args=(iterator, first, first_epoch, epochs),
+            args=(iterator, first, first_epoch, epochs, first_steps, steps_per_epoch, lookahead),
             name="ftjob-feeder",
             daemon=True,
         )
@@ -232,16 +329,29 @@ class BatchFeeder:
         return False
 
     def _run(
-        self, iterator: BatchSource, first: Iterator[Batch], first_epoch: int, epochs: int
+        self,
+        iterator: BatchSource,
+        first: Iterator[Batch],
+        first_epoch: int,
+        epochs: int,
+        first_steps: int,
+        steps_per_epoch: int,
+        lookahead: int,
     ) -> None:
         try:
+            batches, steps, primed = first, first_steps, None
             for epoch in range(first_epoch, epochs):
-                batches = first if epoch == first_epoch else iterator.epoch(epoch, 0)
-                for batch in batches:
+                last = epoch + 1 == epochs
+                for k, batch in enumerate(batches):
+                    if not last and primed is None and steps - k <= lookahead:
+                        primed = _Primed(iterator, epoch + 1)
                     if not self._put((epoch, batch)):
                         return
                 if not self._put((epoch, EPOCH_END)):
                     return
+                if not last:
+                    batches = (primed or _Primed(iterator, epoch + 1)).take()
+                    steps, primed = steps_per_epoch, None
             self._put(None)
         except BaseException as exc:  # handed to the training thread
             self._put(exc)
@@ -347,6 +457,7 @@ __all__ = [
     "ResumableIterator",
     "SkipByIterationIterator",
     "ValidationSet",
+    "WindowSizer",
     "epoch_order",
     "validation_ids",
 ]

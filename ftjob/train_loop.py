@@ -150,6 +150,7 @@ class Worker:
             "device": self.device,
             "prefetch_batches": self.trainer.prefetch_batches,
             "decode_cpus": self.trainer.decode_cpus,
+            "window_mb": self.trainer.decode_window_mb,
             "pin_memory": pin,
             "channels_last": self.trainer.channels_last,
         }
@@ -422,8 +423,16 @@ class Worker:
         self._send_storage_stats()
         if self.rank == 0 and self.restore_info is not None:
             self.ledger.restored.remote(self.attempt, {**self.restore_info, "skip": skip_s})
-        depth = max(1, t.prefetch_batches)
-        return BatchFeeder(self.iterator, first, self.state.epoch, t.epochs, depth)
+        return BatchFeeder(
+            self.iterator,
+            first,
+            self.state.epoch,
+            t.epochs,
+            depth=max(1, t.prefetch_batches),
+            first_steps=self.plan.steps_per_epoch
+            - self.state.position // self.plan.global_batch_size,
+            steps_per_epoch=self.plan.steps_per_epoch,
+        )
 
     def run(self) -> None:
         self._register()

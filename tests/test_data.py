@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -13,6 +16,7 @@ from ftjob.data import (
     BatchFeeder,
     EpochPlan,
     ValidationSet,
+    WindowSizer,
     epoch_order,
     validation_ids,
 )
@@ -138,19 +142,39 @@ def test_validation_set_prefetch_error_surfaces_at_validation():
 
 
 class _Epochs:
-    def __init__(self, fail_in_epoch: int | None = None) -> None:
-        self.fail_in_epoch = fail_in_epoch
+    """Three batches per epoch. With ``gate_until``, the last batch of each epoch before it is
+    produced only once the next epoch's stream has started (or after 5 s, noted in ``late``)."""
+
+    def __init__(self, fail_in_epoch: int | None = None, gate_until: int = 0) -> None:
+        self.fail_in_epoch, self.gate_until = fail_in_epoch, gate_until
+        self.started: dict[int, threading.Event] = collections.defaultdict(threading.Event)
+        self.late: list[int] = []
 
     def epoch(self, epoch, position):
+        self.started[epoch].set()
         for k in range(position, 3):
             if epoch == self.fail_in_epoch and k == 1:
                 raise ValueError(f"undecodable image in epoch {epoch}")
+            if epoch < self.gate_until and k == 2 and not self.started[epoch + 1].wait(5):
+                self.late.append(epoch)
             yield f"e{epoch}b{k}"
 
 
+def _feeder(source, first_epoch, position, epochs, depth=2, lookahead=2):
+    return BatchFeeder(
+        source,
+        source.epoch(first_epoch, position),
+        first_epoch,
+        epochs,
+        depth,
+        first_steps=3 - position,
+        steps_per_epoch=3,
+        lookahead=lookahead,
+    )
+
+
 def test_batch_feeder_streams_across_epochs_with_markers():
-    source = _Epochs()
-    feeder = BatchFeeder(source, source.epoch(1, 2), first_epoch=1, epochs=3, depth=2)
+    feeder = _feeder(_Epochs(), first_epoch=1, position=2, epochs=3)
     items = list(feeder)
     feeder.close()
     assert items == [
@@ -163,15 +187,43 @@ def test_batch_feeder_streams_across_epochs_with_markers():
     ]
 
 
+def test_batch_feeder_starts_the_next_epoch_before_the_current_one_ends():
+    source = _Epochs(gate_until=2)
+    feeder = _feeder(source, first_epoch=0, position=0, epochs=3, lookahead=2)
+    items = [batch for _, batch in feeder if batch is not EPOCH_END]
+    feeder.close()
+    assert items == [f"e{e}b{k}" for e in range(3) for k in range(3)]
+    assert source.late == []
+
+
 def test_batch_feeder_reraises_the_stream_error_on_the_training_thread():
-    source = _Epochs(fail_in_epoch=1)
-    feeder = BatchFeeder(source, source.epoch(0, 0), first_epoch=0, epochs=2, depth=1)
+    feeder = _feeder(_Epochs(fail_in_epoch=1), first_epoch=0, position=0, epochs=2, depth=1)
     seen = []
     with pytest.raises(ValueError, match="undecodable image in epoch 1"):
         for item in feeder:
             seen.append(item)
     feeder.close()
     assert seen[-1] == (1, "e1b0")
+
+
+def _all_windows(sizer, block_bytes):
+    out = []
+    while (window := sizer.next_window()) is not None:
+        out.append(window)
+        sizer.observe(block_bytes * (window[1] - window[0]), window[1] - window[0])
+    return out
+
+
+def test_decode_windows_start_small_grow_and_stay_within_budget():
+    MB = 2**20
+    windows = _all_windows(WindowSizer(budget_bytes=64 * MB, num_blocks=100), block_bytes=MB)
+    sizes = [b - a for a, b in windows]
+    assert sizes[:5] == [1, 2, 4, 8, 16]  # the first batch waits for one block only
+    assert max(sizes) == 32  # two windows in flight stay within 64 MB
+    assert windows[0][0] == 0 and windows[-1][1] == 100
+    assert all(a == prev_b for (_, prev_b), (a, _) in zip(windows[:-1], windows[1:], strict=True))
+    # blocks bigger than half the budget: one block per window, never zero
+    assert {b - a for a, b in _all_windows(WindowSizer(MB, 5), block_bytes=4 * MB)} == {1}
 
 
 def _rows(table, n):
