@@ -206,7 +206,7 @@ class RayDataStream:
                 submit()
                 yield window
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # no decode outlives its stream
 
 
 class WindowSizer:
