@@ -392,7 +392,8 @@ class ValidationSet:
     """One rank's validation batches. They are the same at every validation (no augmentation),
     so when they fit in ``cache_bytes`` they are decoded once and kept. ``prefetch()`` fills
     the cache on a background thread while training runs, so even the first validation does
-    not wait for the stream to start and decode; iterating waits for a running prefetch."""
+    not wait for the stream to start and decode; iterating starts the prefetch if needed and
+    waits for it."""
 
     def __init__(self, stream: _Stream, ids: np.ndarray, batch_size: int, cache_bytes: int) -> None:
         self.stream, self.ids, self.batch_size = stream, ids, batch_size
@@ -422,22 +423,17 @@ class ValidationSet:
             self._thread.start()
 
     def __iter__(self) -> Iterator[Batch]:
+        self.prefetch()  # no-op once cached, or once known not to fit
         if self._thread is not None:
             self._thread.join()
             self._thread = None
             if self.cache is None:  # did not fit or failed: never prefetch again
                 self.cache_bytes = 0
-        if self.cache is not None:
-            yield from self.cache
-            return
-        kept: list[Batch] | None = [] if self.cache_bytes > 0 else None
-        size = 0
-        for batch in self.stream.batches(self.ids, self.batch_size, epoch=0):
-            if kept is not None:
-                size += _nbytes(batch)
-                kept = kept + [batch] if size <= self.cache_bytes else None
-            yield batch
-        self.cache = kept
+        yield from (
+            self.cache
+            if self.cache is not None
+            else self.stream.batches(self.ids, self.batch_size, epoch=0)
+        )
 
     def close(self) -> None:
         self._stop.set()
