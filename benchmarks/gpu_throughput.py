@@ -70,6 +70,7 @@ def ftjob(args: argparse.Namespace) -> float:
     cpus = max(1, (os.cpu_count() or 2) - 2)
     job = JobConfig(
         model=dict(MODEL),
+        optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "momentum": 0.9},
         dataset={
             "_target_": "ftjob.datasets.SyntheticDataset",
             "num_samples": args.batch * args.steps,
@@ -83,7 +84,6 @@ def ftjob(args: argparse.Namespace) -> float:
             resources_per_worker={"CPU": 2.0, "GPU": 1.0} if gpu else {"CPU": 1.0},
             epochs=1,
             batch_size=args.batch,
-            optimizer="sgd",
             lr=0.1,
             lr_schedule="constant",
             precision="bf16" if gpu else "fp32",

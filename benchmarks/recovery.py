@@ -21,7 +21,7 @@ from typing import Any
 from hydra.core.global_hydra import GlobalHydra
 
 from ftjob import runner
-from ftjob.check import Composer, Target
+from ftjob.compose import Composer, Target
 from ftjob.config import load_job, register_schema
 
 KINDS = {

@@ -11,6 +11,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ftjob.config import ConfigError, load_job
+from ftjob.summary import write_failed_summary
 
 _failed_jobs: list[str] = []
 
@@ -39,7 +40,7 @@ def _job(cfg: DictConfig) -> str:
         # recorded as failed and reported with the others.
         if not bad_input:
             logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
-        runner.write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
+        write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
         _failed_jobs.append(run_dir)
         return "failed"
     if not result.ok:

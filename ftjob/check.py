@@ -24,20 +24,16 @@ from dataclasses import dataclass
 from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
 
-from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ftjob.compose import CONFIG_MODULE, JOB, SWEEP, Composer, Target, sweep_values
 from ftjob.config import ConfigError, load_job, register_schema
 from ftjob.config import check_target as config_check_target
 
-CONFIG_MODULE = "ftjob.conf"
-PRIMARY_CONFIG = "config"
 EXPERIMENT_GROUP = "experiment"
 SWEEP_GROUP = "sweep"
 # Config groups that configure Hydra itself, not the job: not composed as job options.
@@ -46,25 +42,6 @@ SKIPPED_GROUPS = ("hydra",)
 PLACEHOLDER = "<supplied at run time>"
 
 OK, NEEDS, ERROR = "ok", "needs", "ERROR"
-
-
-@dataclass(frozen=True)
-class Target:
-    """One config file to check, and how to compose and validate it."""
-
-    label: str  # the file as reported, e.g. "experiment/digits_ft.yaml"
-    overrides: tuple[str, ...] = ()
-    config_name: str = PRIMARY_CONFIG
-    # JOB: the whole job is validated (primary configs, experiments, `@package _global_`
-    # options). SWEEP: the whole job, once per combination of swept values. Otherwise the key
-    # of the group's node: a group option is validated on its own, because an option may be
-    # valid only with others (chaos=node_killer needs a multi-node ray.*).
-    scope: str = "job"
-    group: str = ""  # the config group of an option file ("" for a primary config)
-    user_primary: bool = False  # a primary config in the user's config dir
-
-
-JOB, SWEEP = "job", "sweep"
 
 
 @dataclass(frozen=True)
@@ -147,35 +124,6 @@ def find_targets(
 
 
 # -- composing and validating --------------------------------------------------------------
-
-
-class Composer:
-    """Composes configs from ftjob's conf plus an optional user config dir, searched after
-    ftjob's conf as ``python -m ftjob --config-dir DIR`` does. A primary config that lives in
-    the user's dir is composed from that dir, with ftjob's conf added to its search path
-    (Hydra looks primary configs up before it applies ``hydra.searchpath``)."""
-
-    def __init__(self, config_dir: str | None = None) -> None:
-        self.config_dir = os.path.abspath(config_dir) if config_dir else None
-
-    def compose(self, target: Target, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
-        GlobalHydra.instance().clear()
-        if target.user_primary and self.config_dir:
-            context: Any = initialize_config_dir(config_dir=self.config_dir, version_base="1.3")
-            search = [f"hydra.searchpath=[pkg://{CONFIG_MODULE}]"]
-        else:
-            context = initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3")
-            search = [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir else []
-        with context:
-            return compose(
-                config_name=target.config_name,
-                overrides=[*target.overrides, *overrides, *search],
-                return_hydra_config=hydra,
-            )
-
-    def default_groups(self) -> set[str]:
-        choices = self.compose(Target(PRIMARY_CONFIG), (), hydra=True).hydra.runtime.choices
-        return {group for group in choices if not str(group).startswith("hydra/")}
 
 
 _DETAIL_NOISE = ("full_key:", "object_type=", "reference_type=", "In '")
@@ -273,23 +221,6 @@ def check_target(composer: Composer, target: Target) -> Verdict:
         return Verdict(target, ERROR, f"{type(exc).__name__}: {text}")
 
 
-def swept_values(params: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
-    """Each swept key's overrides (``key=value`` per value) and the keys whose sweep cannot be
-    listed (e.g. ``interval(0,1)`` for an optimizing sweeper): those keep their config value."""
-    parser = OverridesParser.create()
-    listed: list[list[str]] = []
-    unlisted: list[str] = []
-    for key, value in params.items():
-        override = parser.parse_override(f"{key}={value}")
-        if override.is_discrete_sweep():
-            listed.append([f"{key}={v}" for v in override.sweep_string_iterator()])
-        elif override.is_sweep_override():
-            unlisted.append(str(key))
-        else:
-            listed.append([f"{key}={override.get_value_element_as_str()}"])
-    return listed, unlisted
-
-
 def check_sweep(composer: Composer, target: Target) -> Verdict:
     """A sweep preset is as good as its worst combination of swept values."""
     base = composer.compose(target, (), hydra=True)
@@ -299,8 +230,8 @@ def check_sweep(composer: Composer, target: Target) -> Verdict:
         return Verdict(
             target, ERROR, "hydra.sweeper.params: a sweep preset must list the values to sweep"
         )
-    listed, unlisted = swept_values(params)  # type: ignore[arg-type]
-    combos = list(itertools.product(*listed))
+    values = sweep_values(params)  # type: ignore[arg-type]
+    combos = list(itertools.product(*values.values.values()))
     needs: list[str] = []
     for combo in combos:
         try:
@@ -312,8 +243,8 @@ def check_sweep(composer: Composer, target: Target) -> Verdict:
         if status == NEEDS and detail not in needs:
             needs.append(detail)
     scope = f"{len(combos)} combination(s) of {' x '.join(str(k) for k in params)}"  # type: ignore[union-attr]
-    if unlisted:
-        scope += f"; not enumerated: {', '.join(unlisted)}"
+    if values.unlisted:
+        scope += f"; not enumerated: {', '.join(values.unlisted)}"
     if needs:
         return Verdict(target, NEEDS, f"{'; '.join(needs)} ({scope})")
     return Verdict(target, OK, scope)

@@ -16,14 +16,13 @@ import os
 import posixpath
 import re
 import shutil
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
+
+from ftjob.urls import is_object_store
 
 logger = logging.getLogger("ftjob.checkpoint")
 
@@ -71,15 +70,6 @@ def _check_manifest(manifest: Any, step: int) -> None:
             raise CorruptCheckpoint(f"manifest entry {name!r} lacks a size or a checksum")
 
 
-# Object stores have no directories to create before writing a key.
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"}
-
-
-def _has_directories(fs: AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return not _OBJECT_STORES & set(protocol)
-
-
 @dataclass
 class RestoreResult:
     step: int
@@ -109,7 +99,7 @@ class CheckpointStore:
         no manifest and never counts."""
         manifest = build_manifest(local_dir, step)
         remote = self.path_for(step)
-        if _has_directories(self.fs):
+        if not is_object_store(self.fs.protocol):
             # Not on object stores: there s3fs's makedirs costs requests and would even
             # re-create a bucket deleted under a running job.
             self.fs.makedirs(remote, exist_ok=True)
@@ -164,15 +154,13 @@ class CheckpointStore:
                 raise CorruptCheckpoint(f"{name} does not match its checksum")
         return manifest
 
-    def restore_latest(self, local_root: str, max_step: int | None = None) -> RestoreResult | None:
+    def restore_latest(self, local_root: str) -> RestoreResult | None:
         """The newest valid checkpoint, downloaded under ``local_root``; None if there is none.
         Invalid newer ones are reported in ``skipped``. Storage errors that outlast the retry
         policy propagate: an unreachable store must not pass for a corrupt checkpoint (that
         would restart training from an older one)."""
         skipped: list[dict[str, Any]] = []
         for step in self.steps():
-            if max_step is not None and step > max_step:
-                continue
             local_dir = os.path.join(local_root, self.dir_name(step))
             try:
                 self.download(step, local_dir)
@@ -200,73 +188,3 @@ class CheckpointStore:
             except FileNotFoundError:
                 pass
         return removed
-
-
-@dataclass
-class UploadOutcome:
-    step: int
-    path: str | None
-    error: str | None
-    seconds: float
-
-
-class AsyncUploader:
-    """Uploads checkpoints on a background thread, one at a time, so training does not wait.
-
-    ``submit`` blocks only while the previous upload is still running (at most one pending
-    checkpoint is held locally). ``drain`` returns finished outcomes -- failures included, so
-    none is lost -- and ``close`` waits for the pending upload. ``on_done`` is called on the
-    upload thread as each upload ends.
-    """
-
-    def __init__(
-        self,
-        upload: Callable[[str, int], str],
-        cleanup: Callable[[str], None],
-        on_done: Callable[[UploadOutcome], None] | None = None,
-    ) -> None:
-        self._upload, self._cleanup, self._on_done = upload, cleanup, on_done
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftjob-upload")
-        self._pending: Future[UploadOutcome] | None = None
-        self._done: list[UploadOutcome] = []
-        self._lock = threading.Lock()
-
-    def _run(self, local_dir: str, step: int) -> UploadOutcome:
-        start = time.perf_counter()
-        try:
-            path, error = self._upload(local_dir, step), None
-        except Exception as exc:
-            path, error = None, f"{type(exc).__name__}: {exc}"
-        finally:
-            self._cleanup(local_dir)
-        outcome = UploadOutcome(step, path, error, time.perf_counter() - start)
-        if self._on_done is not None:  # e.g. record it now, before a worker failure can lose it
-            self._on_done(outcome)
-        return outcome
-
-    def wait(self) -> float:
-        """Wait for the pending upload; returns the seconds spent waiting."""
-        start = time.perf_counter()
-        if self._pending is not None:
-            outcome = self._pending.result()
-            with self._lock:
-                self._done.append(outcome)
-            self._pending = None
-        return time.perf_counter() - start
-
-    def submit(self, local_dir: str, step: int) -> float:
-        waited = self.wait()
-        self._pending = self._pool.submit(self._run, local_dir, step)
-        return waited
-
-    def drain(self) -> list[UploadOutcome]:
-        if self._pending is not None and self._pending.done():
-            self.wait()
-        with self._lock:
-            done, self._done = self._done, []
-        return done
-
-    def close(self) -> list[UploadOutcome]:
-        self.wait()
-        self._pool.shutdown(wait=True)
-        return self.drain()

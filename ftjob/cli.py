@@ -14,13 +14,19 @@ import sys
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from ftjob.check import PRIMARY_CONFIG, Composer, Target, swept_values
+from ftjob.compose import (
+    PRIMARY_CONFIG,
+    Composer,
+    Target,
+    override_key,
+    parse_overrides,
+    sweep_values,
+)
 from ftjob.config import ConfigError, load_job, register_schema
 
 # Flags after which Hydra does not run the job: nothing to precheck.
@@ -79,7 +85,7 @@ def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     head = lines[0] if lines else type(exc).__name__
-    given = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    given = parse_overrides(overrides)
     key = getattr(cause, "full_key", None)
     missing = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", head)
     if missing:
@@ -117,16 +123,8 @@ def precheck(argv: list[str]) -> None:
         os.path.join(config_dir, f"{config_name}.yaml")
     )
     target = Target("command line", config_name=config_name, user_primary=user_primary)
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    sweeps = {
-        o.get_key_element(): [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
-        for o in parsed
-        if o.is_discrete_sweep()
-    }
-    first = [
-        sweeps[o.get_key_element()][0] if o.get_key_element() in sweeps else raw
-        for o, raw in zip(parsed, overrides, strict=True)
-    ]
+    given = sweep_values(None, overrides)
+    first = [values[0] for values in given.values.values()] + list(given.unlisted.values())
 
     def check(combo: list[str], hydra: bool = False) -> DictConfig:
         try:
@@ -144,15 +142,11 @@ def precheck(argv: list[str]) -> None:
     if "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN:
         node = cfg.hydra.sweeper.get("params")
         params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
-        listed, _ = swept_values({k: v for k, v in params.items() if k not in sweeps})  # type: ignore[union-attr]
-        preset = [values for values in listed if len(values) > 1]
-        for values in [*(v[1:] for v in sweeps.values()), *preset]:
-            for value in values:
-                key = value.split("=", 1)[0]
-                check(
-                    [o for o in first if o.split("=", 1)[0].lstrip("+~") != key.lstrip("+~")]
-                    + [value]
-                )
+        swept = sweep_values(params, overrides)  # type: ignore[arg-type]
+        for key, values in swept.values.items():
+            if len(values) > 1:
+                for value in values:
+                    check([o for o in first if override_key(o) != key] + [value])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from ftjob.optim import LR_SCHEDULES
+
 # Keys whose missing value deserves more than "set it": what a user actually types.
 _MISSING_HINTS = {
     "dataset.path": "set dataset.path=/data/imagenet (or s3://bucket/imagenet): a folder with "
@@ -35,9 +37,19 @@ class ConfigError(ValueError):
         super().__init__(f"{key}={value!r}: {rule}")
 
 
+class JobError(RuntimeError):
+    """The job cannot run as configured (on this cluster, with this data); the message says
+    what to change."""
+
+
 def _require(ok: bool, group: str, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise ConfigError(f"{group}.{key}" if group else key, value, rule)
+
+
+def _at_least(config: Any, key: str, minimum: float, note: str = "") -> None:
+    value = getattr(config, key)
+    _require(value >= minimum, config._group, key, value, f"must be >= {minimum:g}{note}")
 
 
 @dataclass
@@ -243,8 +255,6 @@ class RayConfig:
         )
 
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-LR_SCHEDULES = ("constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -257,12 +267,9 @@ class TrainerConfig:
     epochs: int = 3
     batch_size: int = 32
     val_batch_size: int | None = None
-    optimizer: str = "adamw"
     lr: float = 1e-3
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
-    momentum: float = 0.9
-    weight_decay: float = 0.0
     validate_every_n_steps: int = 0
     checkpoint_every_n_steps: int = 0
     log_every_n_steps: int = 10
@@ -277,11 +284,22 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         g = self._group
-        _require(self.num_workers >= 1, g, "num_workers", self.num_workers, "must be >= 1")
-        _require(self.epochs >= 1, g, "epochs", self.epochs, "must be >= 1")
-        _require(
-            self.batch_size >= 1, g, "batch_size", self.batch_size, "must be >= 1 (per worker)"
-        )
+        for key, minimum, note in (
+            ("num_workers", 1, ""),
+            ("epochs", 1, ""),
+            ("batch_size", 1, " (per worker)"),
+            ("warmup_steps", 0, ""),
+            ("validate_every_n_steps", 0, " (0 = at the end of each epoch only)"),
+            ("checkpoint_every_n_steps", 0, " (0 = at the end of each epoch only)"),
+            ("log_every_n_steps", 1, ""),
+            ("prefetch_batches", 0, ""),
+            (
+                "validation_cache_mb",
+                0,
+                " (0 = read and decode the validation set at every validation)",
+            ),
+        ):
+            _at_least(self, key, minimum, note)
         _require(
             self.val_batch_size is None or self.val_batch_size >= 1,
             g,
@@ -290,43 +308,14 @@ class TrainerConfig:
             "must be >= 1, or null for batch_size",
         )
         _require(
-            self.optimizer in OPTIMIZERS,
-            g,
-            "optimizer",
-            self.optimizer,
-            f"must be one of {list(OPTIMIZERS)}",
-        )
-        _require(
             self.lr > 0 and math.isfinite(self.lr), g, "lr", self.lr, "must be a finite number > 0"
         )
-        _require(self.weight_decay >= 0, g, "weight_decay", self.weight_decay, "must be >= 0")
         _require(
             self.lr_schedule in LR_SCHEDULES,
             g,
             "lr_schedule",
             self.lr_schedule,
             f"must be one of {list(LR_SCHEDULES)}",
-        )
-        _require(self.warmup_steps >= 0, g, "warmup_steps", self.warmup_steps, "must be >= 0")
-        for key in ("validate_every_n_steps", "checkpoint_every_n_steps"):
-            value = getattr(self, key)
-            _require(value >= 0, g, key, value, "must be >= 0 (0 = at the end of each epoch only)")
-        _require(
-            self.log_every_n_steps >= 1,
-            g,
-            "log_every_n_steps",
-            self.log_every_n_steps,
-            "must be >= 1",
-        )
-        _require(
-            self.prefetch_batches >= 0, g, "prefetch_batches", self.prefetch_batches, "must be >= 0"
-        )
-        _require(
-            self.validation_cache_mb >= 0,
-            g,
-            "validation_cache_mb",
-            self.validation_cache_mb,
-            "must be >= 0 (0 = read and decode the validation set at every validation)",
         )
         _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
         _require(
@@ -348,17 +337,6 @@ class TrainerConfig:
             not bad, g, "resources_per_worker", self.resources_per_worker, "amounts must be >= 0"
         )
 
-    def lr_at(self, step: int, total_steps: int) -> float:
-        """Learning rate for 0-based ``step``: linear warmup, then constant or cosine to 0.
-        A pure function of the step, so a resumed run follows the same curve."""
-        if self.warmup_steps and step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.lr_schedule == "constant":
-            return self.lr
-        span = max(1, total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
     @property
     def global_batch_size(self) -> int:
         return self.batch_size * self.num_workers
@@ -370,10 +348,16 @@ class TrainerConfig:
 
 @dataclass
 class JobConfig:
-    """The whole job. ``model`` and ``dataset`` are ``_target_`` nodes built by the runner."""
+    """The whole job. ``model``, ``dataset`` and ``optimizer`` are ``_target_`` nodes: the
+    dataset is built on the driver, the model and optimizer in each worker (the model with the
+    dataset's ``num_classes``, the optimizer as a partial called with the model's parameters
+    and ``trainer.lr``)."""
 
     model: dict[str, Any] = MISSING
     dataset: dict[str, Any] = MISSING
+    optimizer: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "torch.optim.AdamW", "_partial_": True}
+    )
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
@@ -407,6 +391,11 @@ class JobConfig:
             )
         check_target(self.model, "model", skip=("num_classes",))
         check_target(self.dataset, "dataset")
+        check_target(self.optimizer, "optimizer", skip=("params", "lr"))
+
+
+# Keys Hydra's instantiate reads itself.
+_HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 
 
 def check_target(
@@ -419,7 +408,7 @@ def check_target(
             f"{group}._target_", target, "must name the class or function that builds the " + group
         )
     obj = import_target(target, f"{group}._target_")
-    kwargs = {k: v for k, v in node.items() if k != "_target_" and k not in skip}
+    kwargs = {k: v for k, v in node.items() if k not in _HYDRA_KEYS and k not in skip}
     signature = inspect.signature(obj)
     params = [p for p in signature.parameters if p not in skip and p != "self"]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())

@@ -243,20 +243,6 @@ class ResumableIterator:
         return self.stream.batches(ids, self.batch_size, epoch)
 
 
-class SkipByIterationIterator:
-    """The replay method (Ray's release benchmark): iterate the epoch from its start and drop
-    the batches before ``position``. Kept for comparison in benchmarks/resume_skip.py."""
-
-    def __init__(self, stream: RayDataStream, plan: EpochPlan, rank: int, world_size: int) -> None:
-        self.inner = ResumableIterator(stream, plan, rank, world_size)
-
-    def epoch(self, epoch: int, position: int) -> Iterator[Batch]:
-        to_skip = position // self.inner.plan.global_batch_size
-        for i, batch in enumerate(self.inner.epoch(epoch, 0)):
-            if i >= to_skip:
-                yield batch
-
-
 EPOCH_END = object()  # BatchFeeder's marker after an epoch's last batch
 _DONE = object()
 
@@ -451,7 +437,6 @@ __all__ = [
     "EpochPlan",
     "RayDataStream",
     "ResumableIterator",
-    "SkipByIterationIterator",
     "ValidationSet",
     "WindowSizer",
     "epoch_order",

@@ -22,10 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 TRAIN, VAL = "train", "val"
-SPLITS = (TRAIN, VAL)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:

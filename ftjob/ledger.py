@@ -39,7 +39,8 @@ class RunLedger:
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.lines: list[str] = []
 
-    def _log(self, line: str) -> None:
+    def log(self, line: str) -> None:
+        """A progress line for the driver to print."""
         self.lines.append(line)
 
     # -- attempts ---------------------------------------------------------------------------
@@ -57,7 +58,7 @@ class RunLedger:
             }
         )
         if index:
-            self._log(f"attempt {index + 1}: training workers restarted")
+            self.log(f"attempt {index + 1}: training workers restarted")
         return index
 
     def register_worker(self, attempt: int, rank: int, info: dict[str, Any]) -> None:
@@ -84,17 +85,12 @@ class RunLedger:
             "workers": self.workers(),
         }
 
-    def log(self, line: str) -> None:
-        self._log(line)
-
     def restored(self, attempt: int, info: dict[str, Any]) -> None:
         self.attempts[attempt]["restored"] = info
         self.attempts[attempt]["max_step"] = max(self.attempts[attempt]["max_step"], info["step"])
         for bad in info.get("skipped", []):
-            self._log(
-                f"checkpoint at step {bad['step']} is not usable ({bad['reason']}): fell back"
-            )
-        self._log(
+            self.log(f"checkpoint at step {bad['step']} is not usable ({bad['reason']}): fell back")
+        self.log(
             f"restored step {info['step']} (epoch {info['epoch']}, sample {info['position']}) from "
             f"{info['path']}: download {info['download']:.2f}s, load {info['load']:.2f}s, "
             f"skip {info['skip']:.3f}s"
@@ -120,7 +116,7 @@ class RunLedger:
             self.attempts[attempt]["max_step"], progress["step"]
         )
         p = progress
-        self._log(
+        self.log(
             f"epoch {p['epoch'] + 1}/{p['epochs']} step {p['step']}/{p['total_steps']} "
             f"loss {p['loss']:.4f} | {p['throughput']:.0f} img/s"
         )
@@ -131,16 +127,16 @@ class RunLedger:
         if step in self.validations:
             self.replaced_validations += 1  # the step was trained again after a restore
         self.validations[step] = dict(result, step=step, attempt=attempt)
-        self._log(
+        self.log(
             f"validation at step {step}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
         )
 
     def checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
         self.checkpoints.append(dict(record, attempt=attempt))
         if record.get("path"):
-            self._log(f"checkpoint step {record['step']} committed ({record['seconds']:.2f}s)")
+            self.log(f"checkpoint step {record['step']} committed ({record['seconds']:.2f}s)")
         else:
-            self._log(f"checkpoint step {record['step']} upload FAILED: {record.get('error')}")
+            self.log(f"checkpoint step {record['step']} upload FAILED: {record.get('error')}")
 
     def storage_stats(self, source: str, stats: dict[str, Any]) -> None:
         """Cumulative storage counters of one process (a worker of an attempt, the controller)."""
@@ -157,7 +153,7 @@ class RunLedger:
             return False
         self.pending_failures.discard(step)
         self.injected.append({"time": now, "step": step})
-        self._log(f"chaos: injected failure at step {step}")
+        self.log(f"chaos: injected failure at step {step}")
         return True
 
     def kill(self, record: dict[str, Any]) -> None:
@@ -168,17 +164,17 @@ class RunLedger:
             if record["kind"] == "node"
             else (f"worker rank {target.get('rank')} (pid {target.get('pid')})")
         )
-        self._log(f"chaos: kill {len(self.kills)}: {what}")
+        self.log(f"chaos: kill {len(self.kills)}: {what}")
 
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
         self.failures.append({"noticed": now, "errors": errors})
         first = next(iter(errors.values()), "")
-        self._log(f"failure noticed ({len(errors)} worker(s)): {first[:200]}")
+        self.log(f"failure noticed ({len(errors)} worker(s)): {first[:200]}")
 
     def set_fatal(self, error: str) -> None:
         if self.fatal is None:
             self.fatal = error
-            self._log(f"fatal: {error}")
+            self.log(f"fatal: {error}")
 
     def finish(self, now: float) -> None:
         self.finished = now
@@ -214,6 +210,41 @@ class RunLedger:
                 "fatal": self.fatal,
             }
         )
+
+
+class _FailureWatch:
+    """Ray Train controller callback: tells the ledger when a worker failure is noticed."""
+
+    def __init__(self, ledger: Any) -> None:
+        self.ledger = ledger
+
+    def _send_storage_stats(self, run_context: Any) -> None:
+        # The controller's own storage requests (run state, Ray's checkpoint bookkeeping).
+        fs = getattr(
+            getattr(run_context.run_config.storage_filesystem, "handler", None), "fs", None
+        )
+        if hasattr(fs, "snapshot_stats"):
+            self.ledger.storage_stats.remote("controller", fs.snapshot_stats().as_dict())
+
+    def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
+        self._send_storage_stats(run_context)
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        self._send_storage_stats(run_context)
+        errors = {
+            int(
+                rank
+            ): f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+            for rank, e in worker_exceptions.items()
+        }
+        self.ledger.failure_noticed.remote(time.time(), errors)
+
+
+def failure_watch(ledger: Any) -> Any:
+    from ray.train import UserCallback
+
+    cls = type("FailureWatch", (_FailureWatch, UserCallback), {})
+    return cls(ledger)
 
 
 def start_ledger(plan: dict[str, Any], fail_at_steps: list[int]) -> Any:

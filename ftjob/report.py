@@ -1,264 +1,66 @@
-"""summary.json for a run, and the human summary printed at its end.
+"""``python -m ftjob.report DIR``: rebuild a sweep's report, or print one run's summary.
 
-:func:`build_summary` is a pure function of the ledger snapshot, so every figure in
-summary.json can be recomputed and tested without Ray. Sweep tables and plots live in
-:mod:`ftjob.sweep`; ``python -m ftjob.report DIR`` rebuilds them for a sweep or a run dir.
+A sweep dir (finished, partial or failed) gets its sweep_summary.csv/.md/.png rebuilt from the
+job dirs' own files (:func:`ftjob.sweep.build_sweep_report`); a run dir (one holding
+summary.json) is printed as the run printed it at its end (:func:`ftjob.summary.format_summary`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import statistics
-from typing import Any
+import sys
 
-import numpy as np
-
-from ftjob import metrics as M
-from ftjob.data import epoch_order
-from ftjob.retry import StorageStats
-
-SUMMARY_FILE = "summary.json"
-
-
-def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    kills = [
-        {"time": k["time"], "kind": f"{k['kind']}_kill", "detail": k.get("target")}
-        for k in snap["kills"]
-    ]
-    injected = [
-        {"time": e["time"], "kind": "injected", "detail": {"step": e["step"]}}
-        for e in snap["injected"]
-    ]
-    return sorted(kills + injected, key=lambda e: e["time"])
+from ftjob.summary import SUMMARY_FILE, format_summary
+from ftjob.sweep import (
+    OVERRIDES_FILE,
+    build_sweep_report,
+    find_job_dirs,
+    read_yaml_list,
+    report_text,
+)
 
 
-def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per failure: where it came from and how long each part of recovery took.
-
-    Failure ``i`` ends attempt ``i``; attempt ``i+1`` is its recovery. Times: detection (origin
-    -> Ray Train noticed), restart (noticed -> new worker group in the train function),
-    download/load/skip (restore), time_to_recover (origin -> first trained step after it).
-    The origin is the chaos kill or injected failure that caused it, else the moment noticed.
-    """
-    attempts = snap["attempts"]
-    noticed = sorted(f["noticed"] for f in snap["failures"])
-    errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
-    events = _recovery_events(snap)
-    records = []
-    for i in range(max(len(attempts) - 1, len(noticed))):
-        attempt = attempts[i] if i < len(attempts) else None
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        notice = noticed[i] if i < len(noticed) else (nxt["started"] if nxt else None)
-        lo = attempt["started"] if attempt else 0.0
-        hi = notice if notice is not None else float("inf")
-        cause = [e for e in events if lo <= e["time"] <= hi]
-        origin = cause[-1] if cause else None
-        t0 = origin["time"] if origin else notice
-        record: dict[str, Any] = {
-            "attempt": i + 1,
-            "time": t0,
-            "kind": origin["kind"] if origin else "error",
-            "detail": origin["detail"] if origin else None,
-            "error": next(iter(errors[i].values()), None) if i < len(errors) else None,
-            "detection_s": (notice - t0) if notice is not None and t0 is not None else None,
-            "recovered": False,
-        }
-        if nxt is not None:
-            restored = nxt["restored"] or {}
-            first = nxt["first_step"]
-            restored_step = restored.get("step", 0)
-            record.update(
-                {
-                    "restart_s": nxt["started"] - notice if notice is not None else None,
-                    "restored_step": restored_step,
-                    "checkpoint": restored.get("path"),
-                    "fallbacks": restored.get("skipped", []),
-                    "download_s": restored.get("download", 0.0),
-                    "load_s": restored.get("load", 0.0),
-                    "skip_s": restored.get("skip", 0.0),
-                    "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
-                    "recovered": first is not None,
-                    "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
-                }
-            )
-            record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
-        records.append(record)
-    return records
+def summarise_run(run_dir: str) -> int:
+    try:
+        with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as exc:
+        print(f"ftjob.report: {run_dir}: unreadable {SUMMARY_FILE} ({exc})", file=sys.stderr)
+        return 2
+    overrides_path = os.path.join(run_dir, OVERRIDES_FILE)
+    overrides = read_yaml_list(overrides_path) if os.path.isfile(overrides_path) else []
+    if overrides:
+        print("overrides: " + " ".join(overrides))
+    print(format_summary(summary))
+    return 0
 
 
-def storage_totals(snap: dict[str, Any], extra: StorageStats | None = None) -> StorageStats:
-    total = StorageStats()
-    for stats in snap["storage"].values():
-        total.merge(StorageStats.from_dict(stats))
-    if extra is not None:
-        total.merge(extra)
-    return total
-
-
-def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per epoch: which samples the final model was trained on, across attempts.
-
-    Steps an attempt trained past the checkpoint the next attempt restored were thrown away
-    with that attempt (lost work), so they do not count; everything else must cover each
-    epoch's samples exactly once."""
-    plan = snap["plan"]
-    restored = {a["index"]: (a["restored"] or {}).get("step", 0) for a in snap["attempts"]}
-    last = max(restored) if restored else 0
-    per_epoch: dict[int, list[int]] = {}
-    for entry in snap["audit"]:
-        a, step = entry["attempt"], entry["step"]
-        upper = restored.get(a + 1, float("inf")) if a < last else float("inf")
-        if restored.get(a, 0) < step <= upper:
-            per_epoch.setdefault(entry["epoch"], []).extend(entry["ids"])
-    out = []
-    for epoch in sorted(per_epoch):
-        ids = np.asarray(per_epoch[epoch], dtype=np.int64)
-        expected = epoch_order(plan["num_samples"], plan["seed"], epoch)[
-            : plan["samples_per_epoch"]
-        ]
-        unique = np.unique(ids)
-        out.append(
-            {
-                "epoch": epoch,
-                "trained": int(len(ids)),
-                "unique": int(len(unique)),
-                "duplicates": int(len(ids) - len(unique)),
-                "missing": int(len(np.setdiff1d(expected, unique))),
-                "unexpected": int(len(np.setdiff1d(unique, expected))),
-            }
-        )
-    return out
-
-
-def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
-    return snap["attempts"][0]["first_step"] if snap["attempts"] else None
-
-
-def build_summary(
-    snap: dict[str, Any],
-    *,
-    name: str,
-    status: str,
-    error: str | None,
-    wall_time_s: float,
-    config: dict[str, Any],
-    driver_storage: StorageStats | None = None,
-) -> dict[str, Any]:
-    failures = failure_records(snap)
-    storage = storage_totals(snap, driver_storage)
-    upload = storage.kind("upload")
-    metrics = {key: 0.0 for key in M.METRIC_KEYS}
-    metrics.update({k: v for k, v in snap["metrics"].items() if k in metrics})
-    recovered = [f for f in failures if f.get("time_to_recover_s") is not None]
-    restores = [a["restored"] for a in snap["attempts"] if a["restored"]]
-    download = sum(r.get("download", 0.0) for r in restores)
-    load = sum(r.get("load", 0.0) for r in restores)
-    skip = sum(r.get("skip", 0.0) for r in restores)
-    busy = metrics[M.TRAIN_STEP] + metrics[M.TRAIN_ITER_BATCH] + metrics[M.TRAIN_ITER_FIRST_BATCH]
-    last_val = snap["validations"][-1] if snap["validations"] else None
-    metrics.update(
-        {
-            M.CHECKPOINT_DOWNLOAD: download,
-            M.CHECKPOINT_LOAD: load,
-            M.TRAIN_ITER_SKIP_BATCH: skip,
-            M.CHECKPOINT_RESTORATION_TIME: download + load + skip,
-            M.TRAIN_GLOBAL_THROUGHPUT: metrics[M.TRAIN_ROWS_PROCESSED] / busy if busy else 0.0,
-            M.VALIDATION_LOSS: last_val["loss"] if last_val else 0.0,
-            M.VALIDATION_ACCURACY: last_val["accuracy"] if last_val else 0.0,
-            M.CHECKPOINT_UPLOAD_ATTEMPTS: upload.attempts,
-            M.CHECKPOINT_UPLOAD_RETRIES: upload.retries,
-            M.CHECKPOINT_UPLOAD_FAILURES: upload.failures,
-            M.CHECKPOINT_RETRY_WAIT: storage.as_dict().get("upload", {}).get("retry_wait_s", 0.0),
-            M.CHAOS_KILLS: len(snap["kills"]),
-            M.FAILURES_COUNT: len(failures),
-            M.RECOVERY_TIME_TO_RECOVER: statistics.fmean(f["time_to_recover_s"] for f in recovered)
-            if recovered
-            else 0.0,
-            M.RECOVERY_LOST_STEPS: sum(f.get("lost_steps", 0) for f in failures),
-        }
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ftjob.report",
+        description="Rebuild sweep_summary.csv/.md/.png of a sweep dir (finished, partial or "
+        "failed), or print the summary of a single run dir (one holding summary.json).",
     )
-    committed = [c for c in snap["checkpoints"] if c.get("path")]
-    fallbacks = [fb for r in restores for fb in r.get("skipped", [])]
-    totals = storage.as_dict()
-    all_ops = StorageStats()
-    all_ops.kind("all")
-    for stats in storage.by_kind.values():
-        all_ops.kind("all").merge(stats)
-    summary: dict[str, Any] = {
-        "name": name,
-        "status": status,
-        "error": error,
-        "wall_time_s": wall_time_s,
-        "metrics": metrics,
-        "progress": snap["progress"],
-        "failures": failures,
-        "chaos": {"kills": snap["kills"], "injected": snap["injected"]},
-        "checkpoints": {
-            "committed": len(committed),
-            "failed": len(snap["checkpoints"]) - len(committed),
-            "latest": committed[-1]["path"] if committed else None,
-            "fallbacks": fallbacks,
-        },
-        "storage": {**totals, "total": all_ops.as_dict()["all"]},
-        "timing": {
-            "started": snap["started"],
-            "first_step": first["time"] if (first := _first_step(snap)) else None,
-            "finished": snap["finished"],
-        },
-        "validation": snap["validations"],
-        "validation_replaced": snap["replaced_validations"],
-        "attempts": len(snap["attempts"]),
-        "config": config,
-    }
-    if snap["audit"]:
-        summary["audit"] = audit_report(snap)
-    return M.json_safe(summary)
-
-
-def write_summary(summary: dict[str, Any], run_dir: str) -> str:
-    path = os.path.join(run_dir, SUMMARY_FILE)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(tmp, path)
-    return path
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    m = summary["metrics"]
-    lines = [
-        f"run {summary['name']}: {summary['status'].upper()} in {summary['wall_time_s']:.1f}s"
-        + (f" -- {summary['error']}" if summary["error"] else ""),
-        f"  steps {int(m[M.TRAIN_STEPS_COMPLETED])}, {m[M.TRAIN_GLOBAL_THROUGHPUT]:.0f} img/s, "
-        f"validation accuracy {m[M.VALIDATION_ACCURACY]:.4f} (loss {m[M.VALIDATION_LOSS]:.4f})",
-        f"  checkpoints committed {summary['checkpoints']['committed']}, upload retries "
-        f"{int(m[M.CHECKPOINT_UPLOAD_RETRIES])}, upload failures {int(m[M.CHECKPOINT_UPLOAD_FAILURES])}",
-        f"  kills {int(m[M.CHAOS_KILLS])}, failures {int(m[M.FAILURES_COUNT])}, mean time-to-recover "
-        f"{m[M.RECOVERY_TIME_TO_RECOVER]:.1f}s, restoration {m[M.CHECKPOINT_RESTORATION_TIME]:.2f}s, "
-        f"lost steps {int(m[M.RECOVERY_LOST_STEPS])}",
-    ]
-    for f in summary["failures"]:
-        parts = [f"  failure {f['attempt']}: {f['kind']}"]
-        if f.get("time_to_recover_s") is not None:
-            parts.append(
-                f"detect {f['detection_s']:.1f}s, restart {f['restart_s']:.1f}s, download {f['download_s']:.2f}s, "
-                f"load {f['load_s']:.2f}s, skip {f['skip_s']:.3f}s -> recovered in {f['time_to_recover_s']:.1f}s "
-                f"(lost {f['lost_steps']} steps)"
-            )
-        else:
-            parts.append("not recovered")
-        lines.append(", ".join(parts))
-    for a in summary.get("audit", []):
-        lines.append(
-            f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"
+    parser.add_argument("dir", help="a sweep dir (hydra.sweep.dir) or a run dir")
+    args = parser.parse_args(argv)
+    target: str = args.dir
+    if not os.path.isdir(target):
+        print(f"ftjob.report: {target}: no such directory", file=sys.stderr)
+        return 2
+    if os.path.isfile(os.path.join(target, SUMMARY_FILE)):
+        return summarise_run(target)
+    if not find_job_dirs(target):
+        print(
+            f"ftjob.report: {target}: neither a run dir (no {SUMMARY_FILE}) nor a sweep dir "
+            f"(no job dirs with {OVERRIDES_FILE} or {SUMMARY_FILE})",
+            file=sys.stderr,
         )
-    return "\n".join(lines)
+        return 2
+    print(report_text(build_sweep_report(target)))
+    return 0
 
 
 if __name__ == "__main__":
-    import sys
-
-    from ftjob.sweep import main
-
     sys.exit(main())

@@ -19,6 +19,7 @@ from typing import Any
 import tenacity
 
 from ftjob.config import ConfigError, RetryConfig
+from ftjob.urls import bucket_of
 
 logger = logging.getLogger("ftjob.storage")
 
@@ -106,6 +107,18 @@ TRANSIENT_TYPE_NAMES = (
     "ProtocolError",
     "FSTimeoutError",
 )
+
+
+# Errors of storage clients that are not OSErrors (s3fs and gcsfs translate most into OSError).
+CLIENT_ERROR_TYPE_NAMES = ("BotoCoreError", "ClientError", "ClientResponseError", "HttpError")
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Did the storage fail (an OSError, or a storage client's own error), rather than ftjob's
+    code? Callers that tolerate storage failures catch only these: a bug must surface."""
+    if isinstance(exc, OSError) or type(exc).__name__ == "StorageError":
+        return True
+    return bool(_names(exc) & set(TRANSIENT_TYPE_NAMES + CLIENT_ERROR_TYPE_NAMES))
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -305,26 +318,9 @@ class RetryPolicy:
         next wait). The error that ends the call is re-raised as its own type, with the
         operation, the target and its bucket added to the message; ``answers`` are errors
         that count in ``stats.not_found`` instead of ``stats.failures``."""
-        c = self.config
         stats = stats if stats is not None else OpStats()
         stats.calls += 1
         attempts = 0
-
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            wait = state.upcoming_sleep or 0.0
-            stats.retries += 1
-            stats.retry_wait_s += wait
-            exc = state.outcome.exception() if state.outcome else None
-            logger.warning(
-                "storage retry: %s %s failed on attempt %d/%d (%s: %s); next try in %.2fs",
-                op,
-                target,
-                state.attempt_number,
-                c.max_attempts,
-                type(exc).__name__,
-                _one_line(exc),
-                wait,
-            )
 
         def counted() -> Any:
             nonlocal attempts
@@ -332,17 +328,8 @@ class RetryPolicy:
             stats.attempts += 1
             return fn()
 
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(c.max_attempts)
-            | stop_after_deadline(c.deadline, self.clock),
-            wait=wait_backoff(c.initial_backoff, c.multiplier, c.max_backoff, c.jitter, self.rng),
-            retry=tenacity.retry_if_exception(self.classifier.is_transient),
-            before_sleep=before_sleep,
-            sleep=self.sleep,
-            reraise=True,
-        )
         try:
-            return retrying(counted)
+            return self._retrying(op, target, stats)(counted)
         except Exception as exc:
             if isinstance(exc, answers):
                 stats.not_found += 1
@@ -363,16 +350,40 @@ class RetryPolicy:
                 raise
             raise described from exc
 
+    def _retrying(self, op: str, target: str, stats: OpStats) -> tenacity.Retrying:
+        """One call's tenacity loop; each retry is counted in ``stats`` and logged once."""
+        c = self.config
+
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            wait = state.upcoming_sleep or 0.0
+            stats.retries += 1
+            stats.retry_wait_s += wait
+            exc = state.outcome.exception() if state.outcome else None
+            logger.warning(
+                "storage retry: %s %s failed on attempt %d/%d (%s: %s); next try in %.2fs",
+                op,
+                target,
+                state.attempt_number,
+                c.max_attempts,
+                type(exc).__name__,
+                _one_line(exc),
+                wait,
+            )
+
+        return tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(c.max_attempts)
+            | stop_after_deadline(c.deadline, self.clock),
+            wait=wait_backoff(c.initial_backoff, c.multiplier, c.max_backoff, c.jitter, self.rng),
+            retry=tenacity.retry_if_exception(self.classifier.is_transient),
+            before_sleep=before_sleep,
+            sleep=self.sleep,
+            reraise=True,
+        )
+
 
 def _one_line(exc: object) -> str:
     text = str(exc).strip().splitlines() if exc is not None else []
     return text[0][:300] if text else ""
-
-
-def bucket_of(target: str) -> str | None:
-    """The bucket of an object-store URL (``s3://bucket/key`` -> ``bucket``), else None."""
-    match = re.match(r"^([a-z0-9]+)://([^/]+)", target)
-    return match.group(2) if match and match.group(1) not in ("file", "local", "memory") else None
 
 
 def _with_context(

@@ -31,7 +31,8 @@ import fsspec
 from fsspec import AbstractFileSystem
 
 from ftjob.config import RetryConfig, StorageChaosConfig
-from ftjob.retry import OpStats, RetryPolicy, StorageStats, _one_line, bucket_of
+from ftjob.retry import OpStats, RetryPolicy, StorageStats, _one_line
+from ftjob.urls import bucket_of, is_object_store
 
 logger = logging.getLogger("ftjob.storage")
 
@@ -308,7 +309,7 @@ def preflight(fs: RetryingFileSystem, path: str, key: str = "checkpoint.storage_
     bucket = bucket_of(url)
     probe = f"{path.rstrip('/')}/.ftjob-probe-{uuid.uuid4().hex[:12]}"
     try:
-        if bucket is None:
+        if not is_object_store(fs.protocol):
             # Object stores have no directories (and s3fs's makedirs would create the bucket).
             fs.makedirs(path, exist_ok=True)
         fs.pipe_file(probe, b"ftjob storage probe")

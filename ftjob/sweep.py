@@ -9,14 +9,12 @@ default), each with ``.hydra/overrides.yaml`` and, once the job ended, ``summary
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import logging
 import math
 import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +23,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ftjob import metrics as M
-from ftjob.report import SUMMARY_FILE
+from ftjob.compose import parse_overrides, sweep_values
+from ftjob.summary import SUMMARY_FILE
 
 logger = logging.getLogger("ftjob")
 
@@ -121,21 +120,7 @@ def find_job_dirs(sweep_dir: str) -> list[str]:
     return sorted(found, key=_natural_key)
 
 
-def _override_key(override: str) -> str:
-    # "+sweep=x", "++a.b=1", "~c" name the keys "sweep", "a.b", "c".
-    return override.split("=", 1)[0].lstrip("+~")
-
-
-def parse_overrides(lines: Sequence[str]) -> dict[str, str]:
-    """``key=value`` lines of .hydra/overrides.yaml as {key: value}, in their order."""
-    parsed: dict[str, str] = {}
-    for line in lines:
-        key = _override_key(str(line))
-        parsed[key] = str(line).split("=", 1)[1] if "=" in str(line) else ""
-    return parsed
-
-
-def _read_yaml_list(path: str) -> list[str]:
+def read_yaml_list(path: str) -> list[str]:
     from omegaconf import OmegaConf
 
     try:
@@ -158,7 +143,7 @@ def read_job(sweep_dir: str, job: str) -> JobRow:
     path = os.path.join(sweep_dir, job)
     overrides_path = os.path.join(path, OVERRIDES_FILE)
     overrides = (
-        parse_overrides(_read_yaml_list(overrides_path)) if os.path.isfile(overrides_path) else {}
+        parse_overrides(read_yaml_list(overrides_path)) if os.path.isfile(overrides_path) else {}
     )
     summary_path = os.path.join(path, SUMMARY_FILE)
     if not os.path.isfile(summary_path):
@@ -194,21 +179,16 @@ def declared_sweep_keys(sweep_dir: str) -> list[str]:
     path = os.path.join(sweep_dir, MULTIRUN_FILE)
     if not os.path.isfile(path):
         return []
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     try:
         hydra_cfg = OmegaConf.load(path).hydra
         params = OmegaConf.to_container(hydra_cfg.sweeper.get("params") or {}, resolve=False)
-        requested = [f"{k}={v}" for k, v in (params or {}).items()]
-        requested += [str(o) for o in hydra_cfg.overrides.task]
-        parsed = OverridesParser.create().parse_overrides(requested)
+        values = sweep_values(params, [str(o) for o in hydra_cfg.overrides.task])  # type: ignore[arg-type]
     except Exception as exc:  # an unusual sweeper: fall back to the keys that vary
         logger.debug("cannot read the swept keys from %s: %s", path, exc)
         return []
-    # As in Hydra's BasicSweeper, a command-line override replaces the preset's list.
-    final = {_override_key(o.get_key_element()): o for o in parsed}
-    return [key for key, override in final.items() if override.is_sweep_override()]
+    return values.swept
 
 
 def swept_keys(rows: Sequence[JobRow], declared: Sequence[str] = ()) -> list[str]:
@@ -405,20 +385,6 @@ def build_sweep_report(sweep_dir: str) -> SweepReportPaths:
     return paths
 
 
-def run_table(row: JobRow) -> str:
-    """A single run as a two-column table."""
-    pairs = [("status", row.status), ("name", row.name)]
-    pairs += [
-        (o.header, _format(row.outcomes[o.key], o.decimals))
-        for o in OUTCOMES
-        if o.key in row.outcomes
-    ]
-    if row.error:
-        pairs.append(("error", row.error))
-    width = max(len(label) for label, _ in pairs)
-    return "\n".join(f"{label:<{width}}  {value}" for label, value in pairs)
-
-
 class SweepReportCallback(Callback):
     """Registered in conf/config.yaml: after a ``-m`` sweep, report on all its jobs."""
 
@@ -429,49 +395,10 @@ class SweepReportCallback(Callback):
         except Exception:  # the jobs' own results are already on disk: never lose them here
             logger.exception("could not build the sweep report in %s", sweep_dir)
             return
-        print(_report_text(paths), flush=True)
+        print(report_text(paths), flush=True)
 
 
-def _report_text(paths: SweepReportPaths) -> str:
+def report_text(paths: SweepReportPaths) -> str:
     with open(paths.markdown) as f:
         table = "\n".join(line for line in f.read().splitlines() if line.startswith("|"))
     return f"{table}\nsweep report: {paths.csv}, {paths.markdown}, {paths.plot}"
-
-
-def _summarise_run(run_dir: str) -> int:
-    path = os.path.abspath(run_dir)
-    row = read_job(os.path.dirname(path), os.path.basename(path))
-    if not row.finished:
-        print(f"ftjob.report: {run_dir}: {row.error}", file=sys.stderr)
-        return 2
-    overrides = _read_yaml_list(os.path.join(path, OVERRIDES_FILE))
-    if overrides:
-        print("overrides: " + " ".join(overrides))
-    print(run_table(row))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ftjob.report DIR``: rebuild a sweep's report, or summarise one run."""
-    parser = argparse.ArgumentParser(
-        prog="python -m ftjob.report",
-        description="Rebuild sweep_summary.csv/.md/.png of a sweep dir (finished, partial or "
-        "failed), or print the summary of a single run dir (one holding summary.json).",
-    )
-    parser.add_argument("dir", help="a sweep dir (hydra.sweep.dir) or a run dir")
-    args = parser.parse_args(argv)
-    target: str = args.dir
-    if not os.path.isdir(target):
-        print(f"ftjob.report: {target}: no such directory", file=sys.stderr)
-        return 2
-    if os.path.isfile(os.path.join(target, SUMMARY_FILE)):
-        return _summarise_run(target)
-    if not find_job_dirs(target):
-        print(
-            f"ftjob.report: {target}: neither a run dir (no {SUMMARY_FILE}) nor a sweep dir "
-            f"(no job dirs with {OVERRIDES_FILE} or {SUMMARY_FILE})",
-            file=sys.stderr,
-        )
-        return 2
-    print(_report_text(build_sweep_report(target)))
-    return 0

@@ -8,9 +8,7 @@ steps and checkpointing every M steps (rank 0 writes and uploads, every rank rep
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,10 +20,10 @@ import ray.train
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from ray.train import Checkpoint, CheckpointUploadMode
 
 from ftjob import metrics as M
-from ftjob.checkpoint import AsyncUploader, CheckpointStore, UploadOutcome
+from ftjob.checkpointer import Checkpointer, TrainState
+from ftjob.collective import broadcast
 from ftjob.config import JobConfig, to_plain
 from ftjob.data import (
     EPOCH_END,
@@ -38,20 +36,12 @@ from ftjob.data import (
 )
 from ftjob.datasets import TRAIN, VAL, ImageDataset
 from ftjob.models import build_model
-from ftjob.storage import set_fault_stream
+from ftjob.optim import LRSchedule, build_optimizer
+from ftjob.storage import RetryingFileSystem, set_fault_stream
 
 
 class InjectedFailure(RuntimeError):
     """Raised at a step listed in chaos.fail_at_steps (once per run)."""
-
-
-@dataclass
-class TrainState:
-    """Where training stands: the next step trains global batch ``position // B`` of ``epoch``."""
-
-    step: int = 0
-    epoch: int = 0
-    position: int = 0
 
 
 @dataclass
@@ -62,16 +52,8 @@ class WorkerSpec:
     dataset: ImageDataset
     catalogs: dict[str, Any]  # split -> ObjectRef of a pyarrow.Table
     ledger: Any  # ActorHandle[RunLedger]
-    run_path: str  # the run's directory on the storage filesystem
-
-
-def _broadcast(obj: Any, world_size: int) -> Any:
-    """``obj`` from rank 0 on every rank."""
-    if world_size == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    fs: RetryingFileSystem  # the run's storage, with its retry policy (pickles)
+    run_path: str  # the run's directory on ``fs``
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -80,7 +62,8 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 
 class Worker:
-    """One training worker's attempt. ``run()`` is the whole attempt."""
+    """One training worker's attempt. ``run()`` is the whole attempt; checkpoints are the
+    :class:`~ftjob.checkpointer.Checkpointer`'s, data order and position the iterator's."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -88,10 +71,7 @@ class Worker:
         self.trainer = job.trainer
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        storage = ctx.get_storage()
-        self.pa_fs = storage.storage_filesystem
-        self.fs = self.pa_fs.handler.fs  # our RetryingFileSystem
-        self.store = CheckpointStore(self.fs, spec.run_path)
+        self.fs = spec.fs  # the run's retrying filesystem, as the driver built it
         self.ledger = spec.ledger
         self.metrics = M.MetricSet()
         self.state = TrainState()
@@ -102,18 +82,17 @@ class Worker:
             self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
         )
         self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
-        self.local_root = tempfile.mkdtemp(prefix="ftjob-ckpt-")
-        self.uploader: AsyncUploader | None = None
-        self.failed_uploads = 0
+        self.lr = LRSchedule(
+            self.trainer.lr, self.trainer.lr_schedule, self.trainer.warmup_steps, self.total_steps
+        )
         self.validated_step = -1
-        self.pending_report: dict[str, Any] | None = None
         self.restore_info: dict[str, Any] | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
     def _register(self) -> None:
         attempt = ray.get(self.ledger.begin_attempt.remote(time.time())) if self.rank == 0 else None
-        self.attempt = _broadcast(attempt, self.world)
+        self.attempt = broadcast(attempt, self.world)
         set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
         ctx = ray.get_runtime_context()
         self.ledger.register_worker.remote(
@@ -126,6 +105,19 @@ class Worker:
                 "time": time.time(),
             },
         )
+        self.checkpointer = Checkpointer(
+            fs=self.fs,
+            report_fs=ray.train.get_context().get_storage().storage_filesystem,
+            run_path=self.spec.run_path,
+            config=self.job.checkpoint,
+            job_config=to_plain(self.job),
+            rank=self.rank,
+            world=self.world,
+            ledger=self.ledger,
+            attempt=self.attempt,
+            metrics=self.metrics,
+            local_root=tempfile.mkdtemp(prefix="ftjob-ckpt-"),
+        )
 
     def _build(self) -> None:
         torch.manual_seed(self.trainer.seed)
@@ -134,15 +126,9 @@ class Worker:
             model = model.to(memory_format=torch.channels_last)
         self.model = ray.train.torch.prepare_model(model)
         self.module = self.model.module if hasattr(self.model, "module") else self.model
-        params, t = self.module.parameters(), self.trainer
-        if t.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(
-                params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay
-            )
-        elif t.optimizer == "adam":
-            self.optimizer = torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(
+            self.job.optimizer, self.module.parameters(), self.trainer.lr
+        )
         self.autocast = self.trainer.precision == "bf16"
         pin = self.device.type == "cuda"
         common = {
@@ -164,178 +150,23 @@ class Worker:
         )
         self.iterator = ResumableIterator(train_stream, self.plan, self.rank, self.world)
 
-    # -- restore --------------------------------------------------------------------------
-
     def _restore(self) -> None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that one."""
-        download_s = load_s = 0.0
-        start = time.perf_counter()
-        chosen = None
-        if self.rank == 0:
-            result = self.store.restore_latest(self.local_root)
-            chosen = (
-                None
-                if result is None
-                else (result.step, result.path, result.local_dir, result.skipped)
-            )
-            if result is not None:
-                self.store.delete_newer_than(result.step)
-            elif self.store.steps():
-                self.store.delete_newer_than(-1)
-        chosen = _broadcast(chosen, self.world)
-        if chosen is None:
-            return
-        step, path, local_dir, skipped = chosen
-        if self.rank != 0:
-            local_dir = os.path.join(self.local_root, self.store.dir_name(step))
-            self.store.download(step, local_dir)
-        download_s = time.perf_counter() - start
-        with self.metrics.timer(M.CHECKPOINT_LOAD):
-            load_start = time.perf_counter()
-            state = json.loads(open(os.path.join(local_dir, "state.json")).read())
-            self.module.load_state_dict(
-                torch.load(os.path.join(local_dir, "model.pt"), map_location=self.device)
-            )
-            self.optimizer.load_state_dict(
-                torch.load(os.path.join(local_dir, "optimizer.pt"), map_location=self.device)
-            )
-            load_s = time.perf_counter() - load_start
-        if state["global_batch_size"] != self.plan.global_batch_size:
-            raise RuntimeError(
-                f"checkpoint {path} was trained with global batch {state['global_batch_size']}, this run uses "
-                f"{self.plan.global_batch_size}: resuming would break exact-once data order"
-            )
-        shutil.rmtree(local_dir, ignore_errors=True)
-        self.metrics.load_state_dict(state["metrics"])
-        self.state = TrainState(
-            step=state["step"], epoch=state["epoch"], position=state["position"]
+        restored = self.checkpointer.restore(
+            self.module, self.optimizer, self.device, self.plan.global_batch_size
         )
+        if restored is None:
+            return
+        self.metrics.load_state_dict(restored.metrics)
+        self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
+        self.state = restored.state
         self.validated_step = self.state.step
-        self.restore_info = {
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "position": self.state.position,
-            "path": path,
-            "download": download_s,
-            "load": load_s,
-            "skipped": skipped,
-        }
-        self.metrics.add(M.CHECKPOINT_DOWNLOAD, download_s)
-
-    # -- checkpoint -----------------------------------------------------------------------
-
-    def _write_local(self) -> str:
-        local_dir = os.path.join(self.local_root, f"out_{self.state.step:09d}")
-        os.makedirs(local_dir, exist_ok=True)
-        torch.save(self.module.state_dict(), os.path.join(local_dir, "model.pt"))
-        torch.save(self.optimizer.state_dict(), os.path.join(local_dir, "optimizer.pt"))
-        state = {
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "position": self.state.position,
-            "global_batch_size": self.plan.global_batch_size,
-            "world_size": self.world,
-            "metrics": self.metrics.state_dict(),
-            "time": time.time(),
-        }
-        with open(os.path.join(local_dir, "state.json"), "w") as f:
-            json.dump(state, f)
-        with open(os.path.join(local_dir, "config.json"), "w") as f:
-            json.dump(to_plain(self.job), f, indent=1)
-        return local_dir
-
-    def _upload_done(self, outcome: UploadOutcome) -> None:
-        """Record a finished upload in the ledger. Any thread: the async uploader calls it the
-        moment an upload ends, so a worker dying right after cannot lose the record."""
-        record = {
-            "step": outcome.step,
-            "path": outcome.path,
-            "error": outcome.error,
-            "seconds": outcome.seconds,
-            "time": time.time(),
-        }
-        self.ledger.checkpoint.remote(self.attempt, record)
-        self._send_storage_stats()
-
-    def _send_storage_stats(self) -> None:
-        stats = self.fs.snapshot_stats().as_dict()
-        self.ledger.storage_stats.remote(f"attempt {self.attempt} rank {self.rank}", stats)
-
-    def _account(self, outcomes: list[UploadOutcome]) -> str | None:
-        """Soft-failure accounting on the training thread: the fatal error, if any."""
-        fatal = None
-        for outcome in outcomes:
-            if outcome.path is not None:
-                self.failed_uploads = 0
-                self.pending_report = {"step": outcome.step, "path": outcome.path}
-                continue
-            self.failed_uploads += 1
-            allowed = self.job.checkpoint.max_consecutive_upload_failures
-            if self.failed_uploads > allowed:
-                fatal = (
-                    f"{self.failed_uploads} checkpoint upload(s) in a row failed "
-                    f"(checkpoint.max_consecutive_upload_failures={allowed}); last: {outcome.error}"
-                )
-        return fatal
-
-    def _upload_now(self, local_dir: str) -> UploadOutcome:
-        start = time.perf_counter()
-        try:
-            path, error = self.store.commit(local_dir, self.state.step), None
-        except Exception as exc:
-            path, error = None, f"{type(exc).__name__}: {exc}"
-        finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
-        outcome = UploadOutcome(self.state.step, path, error, time.perf_counter() - start)
-        self._upload_done(outcome)
-        return outcome
+        self.restore_info = restored.record()
 
     def _checkpoint(self) -> bool:
-        """Save and upload (rank 0), agree on the outcome, report. False: the job must stop."""
-        fatal = None
-        if self.rank == 0:
-            with self.metrics.timer(M.CHECKPOINT_SAVE):
-                local_dir = self._write_local()
-            if self.uploader is None:
-                outcome = self._upload_now(local_dir)
-                self.metrics.add(M.CHECKPOINT_UPLOAD, outcome.seconds)
-                fatal = self._account([outcome])
-            else:  # only the wait for a still-running previous upload stalls training
-                waited = self.uploader.submit(local_dir, self.state.step)
-                self.metrics.add(M.CHECKPOINT_UPLOAD, waited)
-                fatal = self._account(self.uploader.drain())
-        return self._agree_and_report(fatal)
-
-    def _finish_uploads(self) -> bool:
-        """Async mode, every rank, at the end: wait for the pending upload, then report it."""
-        fatal = self._account(self.uploader.close()) if self.uploader is not None else None
-        return self._agree_and_report(fatal)
-
-    def _agree_and_report(self, fatal: str | None) -> bool:
-        fatal = _broadcast(fatal, self.world)
-        if fatal:
-            if self.rank == 0:
-                self.ledger.set_fatal.remote(fatal)
-            return False
-        self._report()
-        return True
-
-    def _report(self) -> None:
-        """Every rank calls ray.train.report (a barrier); rank 0 attaches the newest committed
-        checkpoint, which ftjob already uploaded (NO_UPLOAD)."""
-        checkpoint, name = None, None
-        if self.rank == 0 and self.pending_report is not None:
-            checkpoint = Checkpoint(path=self.pending_report["path"], filesystem=self.pa_fs)
-            name = self.store.dir_name(self.pending_report["step"])
-            self.pending_report = None
-        name = _broadcast(name, self.world)
-        with self.metrics.timer(M.CHECKPOINT_REPORT):
-            ray.train.report(
-                {"step": self.state.step, "epoch": self.state.epoch},
-                checkpoint=checkpoint,
-                checkpoint_dir_name=name,
-                checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-            )
+        """False: the job must stop (a fatal upload failure; every rank agrees)."""
+        return self.checkpointer.save(
+            self.state, self.module, self.optimizer, self.plan.global_batch_size
+        )
 
     # -- validation -----------------------------------------------------------------------
 
@@ -373,7 +204,7 @@ class Worker:
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
-        lr = self.trainer.lr_at(self.state.step, self.total_steps)
+        lr = self.lr(self.state.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -420,7 +251,7 @@ class Worker:
         )
         skip_s = time.perf_counter() - start
         self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
-        self._send_storage_stats()
+        self.checkpointer.send_storage_stats()
         if self.rank == 0 and self.restore_info is not None:
             self.ledger.restored.remote(self.attempt, {**self.restore_info, "skip": skip_s})
         return BatchFeeder(
@@ -438,12 +269,6 @@ class Worker:
         self._register()
         self._build()
         self._restore()
-        if self.job.checkpoint.upload_mode == "async" and self.rank == 0:
-            self.uploader = AsyncUploader(
-                self.store.commit,
-                lambda d: shutil.rmtree(d, ignore_errors=True),
-                on_done=self._upload_done,
-            )
         feeder = self._start_feeder()
         try:
             if not self._train(feeder):
@@ -451,9 +276,9 @@ class Worker:
         finally:
             feeder.close()
             self.val_set.close()
-        if self.job.checkpoint.upload_mode == "async" and not self._finish_uploads():
+        if not self.checkpointer.finish(self.state):
             return
-        self._send_storage_stats()
+        self.checkpointer.send_storage_stats()
         if self.rank == 0:
             self._log_final()
             self.ledger.finish.remote(time.time())
@@ -533,4 +358,5 @@ def train_loop(spec: WorkerSpec) -> None:
     try:
         worker.run()
     finally:
-        shutil.rmtree(worker.local_root, ignore_errors=True)
+        if hasattr(worker, "checkpointer"):
+            worker.checkpointer.close()

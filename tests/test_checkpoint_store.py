@@ -17,7 +17,8 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.checkpoint import MANIFEST, AsyncUploader, CheckpointStore, CorruptCheckpoint
+from ftjob.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint
+from ftjob.checkpointer import AsyncUploader, UploadOutcome, upload_checkpoint
 from ftjob.config import RetryConfig
 from ftjob.retry import RetryPolicy
 from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem
@@ -235,12 +236,6 @@ def test_restore_returns_none_when_no_checkpoint_is_valid(
     assert store.restore_latest(str(tmp_path / "restore")) is None
 
 
-def test_restore_respects_max_step(storage: tuple[AbstractFileSystem, str], tmp_path: Path) -> None:
-    store = committed_store(storage, tmp_path, [10, 20, 30])
-    result = store.restore_latest(str(tmp_path / "restore"), max_step=25)
-    assert result is not None and result.step == 20 and result.skipped == []
-
-
 def test_an_upload_killed_midway_is_never_restored(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path
 ) -> None:
@@ -293,70 +288,93 @@ def test_delete_newer_than_removes_only_newer_directories(
     assert result is not None and result.step == 10
 
 
-# -- AsyncUploader ----------------------------------------------------------------------------
+# -- AsyncUploader and upload outcomes -------------------------------------------------------
 
 
-class BlockingUpload:
-    """An upload function that waits until released; records what it uploaded."""
+class BlockingStore:
+    """A checkpoint store whose commit waits until released; records what it committed."""
 
-    def __init__(self, fail_steps: tuple[int, ...] = ()) -> None:
+    def __init__(self, fail_steps: tuple[int, ...] = (), bug_steps: tuple[int, ...] = ()) -> None:
         self.release = threading.Event()
         self.started = threading.Event()
         self.uploaded: list[int] = []
-        self.cleaned: list[str] = []
-        self.fail_steps = fail_steps
+        self.fail_steps, self.bug_steps = fail_steps, bug_steps
 
-    def upload(self, local_dir: str, step: int) -> str:
+    def commit(self, local_dir: str, step: int) -> str:
         self.started.set()
         assert self.release.wait(timeout=30)
         if step in self.fail_steps:
             raise OSError(errno.EBUSY, f"SlowDown [storage put_file s3://b/step_{step}: gave up]")
+        if step in self.bug_steps:
+            raise KeyError("a bug in checkpoint code")
         self.uploaded.append(step)
         return f"s3://b/step_{step}"
 
-    def cleanup(self, local_dir: str) -> None:
-        self.cleaned.append(local_dir)
+    def upload(self, local_dir: str, step: int) -> UploadOutcome:
+        return upload_checkpoint(self, local_dir, step)  # type: ignore[arg-type]
 
 
-def test_async_upload_runs_in_the_background_and_close_waits_for_it() -> None:
-    upload = BlockingUpload()
-    uploader = AsyncUploader(upload.upload, upload.cleanup)
-    uploader.submit("/tmp/out_10", 10)  # returns while the upload is still blocked
-    assert upload.started.wait(timeout=30)
+def scratch(tmp_path: Path, step: int) -> str:
+    local = tmp_path / f"out_{step}"
+    local.mkdir()
+    (local / "model.pt").write_bytes(b"weights")
+    return str(local)
+
+
+def test_async_upload_runs_in_the_background_and_close_waits_for_it(tmp_path: Path) -> None:
+    store = BlockingStore()
+    uploader = AsyncUploader(store.upload)
+    local = scratch(tmp_path, 10)
+    uploader.submit(local, 10)  # returns while the upload is still blocked
+    assert store.started.wait(timeout=30)
     assert uploader.drain() == []  # still running: nothing to report yet
     closed: list[Any] = []
     closer = threading.Thread(target=lambda: closed.extend(uploader.close()))
     closer.start()
     closer.join(timeout=0.2)
     assert closer.is_alive()  # close() is waiting for the pending upload
-    upload.release.set()
+    store.release.set()
     closer.join(timeout=30)
     assert not closer.is_alive()
     assert [(o.step, o.path, o.error) for o in closed] == [(10, "s3://b/step_10", None)]
-    assert upload.uploaded == [10] and upload.cleaned == ["/tmp/out_10"]
+    assert store.uploaded == [10] and not os.path.exists(local)
 
 
-def test_async_upload_failures_are_reported_never_lost() -> None:
-    upload = BlockingUpload(fail_steps=(10,))
-    upload.release.set()
-    uploader = AsyncUploader(upload.upload, upload.cleanup)
-    uploader.submit("/tmp/out_10", 10)
-    uploader.submit("/tmp/out_20", 20)  # waits for step 10 to finish first
+def test_async_upload_failures_are_reported_never_lost(tmp_path: Path) -> None:
+    store = BlockingStore(fail_steps=(10,))
+    store.release.set()
+    uploader = AsyncUploader(store.upload)
+    first, second = scratch(tmp_path, 10), scratch(tmp_path, 20)
+    uploader.submit(first, 10)
+    uploader.submit(second, 20)  # waits for step 10 to finish first
     failed = uploader.drain()
     assert [(o.step, o.path) for o in failed] == [(10, None)]
     assert failed[0].error is not None
     assert failed[0].error.startswith("OSError:") and "SlowDown" in failed[0].error
     rest = uploader.close()
     assert [(o.step, o.path, o.error) for o in rest] == [(20, "s3://b/step_20", None)]
-    assert upload.cleaned == ["/tmp/out_10", "/tmp/out_20"]  # local copies removed either way
+    assert not os.path.exists(first) and not os.path.exists(second)  # removed either way
     assert uploader.drain() == []
+
+
+def test_a_bug_in_an_upload_surfaces_instead_of_counting_as_a_failed_upload(
+    tmp_path: Path,
+) -> None:
+    store = BlockingStore(bug_steps=(10,))
+    store.release.set()
+    with pytest.raises(KeyError, match="a bug"):
+        store.upload(scratch(tmp_path, 10), 10)
+    uploader = AsyncUploader(store.upload)
+    uploader.submit(scratch(tmp_path, 10), 10)
+    with pytest.raises(KeyError, match="a bug"):
+        uploader.close()
 
 
 def test_async_uploader_commits_through_a_checkpoint_store(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path
 ) -> None:
     store = committed_store(storage, tmp_path, [])
-    uploader = AsyncUploader(store.commit, lambda d: None)
+    uploader = AsyncUploader(lambda d, step: upload_checkpoint(store, d, step))
     for step in (10, 20):
         uploader.submit(write_checkpoint(tmp_path / "local", step), step)
     outcomes = uploader.close()

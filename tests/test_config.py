@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob.check import Composer, Target
 from ftjob.cli import precheck
+from ftjob.compose import Composer, Target
 from ftjob.config import (
     ChaosConfig,
     ConfigError,
@@ -82,7 +82,7 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("chaos.storage.failure_rate=1.5", "chaos.storage.failure_rate"),
         ("chaos.storage.errors=[flood]", "chaos.storage.errors"),
         ("checkpoint.upload_mode=later", "checkpoint.upload_mode"),
-        ("trainer.optimizer=lbfgs", "trainer.optimizer"),
+        ("optimizer=lbfgs", "optimizer"),
         ("model=nope", "model"),
         ("resume=true", "resume"),
         ("chaos=node_killer", "chaos.kind"),
@@ -112,15 +112,6 @@ def test_value_rules_in_dataclasses():
         ChaosConfig(fail_at_steps=[0])
     with pytest.raises(ConfigError, match="trainer.lr"):
         TrainerConfig(lr=float("nan"))
-
-
-def test_lr_schedule_is_a_function_of_the_step():
-    t = TrainerConfig(lr=0.1, lr_schedule="cosine", warmup_steps=10)
-    assert t.lr_at(0, 110) == pytest.approx(0.01)
-    assert t.lr_at(10, 110) == pytest.approx(0.1)
-    assert t.lr_at(60, 110) == pytest.approx(0.05)
-    assert t.lr_at(110, 110) == pytest.approx(0.0, abs=1e-12)
-    assert TrainerConfig(lr=0.1, lr_schedule="constant").lr_at(99, 100) == 0.1
 
 
 def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ftjob import metrics as M
+from ftjob.report import main
 from ftjob.sweep import (
     INCOMPLETE,
     SWEEP_CSV,
@@ -22,7 +23,6 @@ from ftjob.sweep import (
     SweepReportCallback,
     build_sweep_report,
     declared_sweep_keys,
-    main,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -219,7 +219,7 @@ def test_report_command_summarises_a_single_run_dir(tmp_path: Path, capsys) -> N
 
     out = capsys.readouterr().out
     assert "overrides: +experiment=digits_ft chaos=worker_killer" in out
-    assert "succeeded" in out and "wall time (s)" in out and "12.5" in out
+    assert "succeeded" in out and "wall time 12.5 s" in out and "kills 1" in out
     assert not (run_dir / SWEEP_CSV).exists()
 
 

@@ -9,7 +9,7 @@ import pytest
 from ftjob import metrics as M
 from ftjob.data import EpochPlan
 from ftjob.ledger import RunLedger
-from ftjob.report import build_summary, failure_records, write_summary
+from ftjob.summary import FitOutcome, build_summary, decide_status, failure_records, write_summary
 
 PLAN = EpochPlan(num_samples=40, global_batch_size=8, seed=0)
 
@@ -125,3 +125,60 @@ def test_audit_catches_a_replayed_batch():
         ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
     )["audit"]
     assert a["duplicates"] == 8 and a["missing"] == 0
+
+
+# -- the verdict: a pure function of the ledger snapshot and how fit() ended ----------------
+
+
+def finished_snapshot(fatal: str | None = None, finished: bool = True) -> dict:
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 6), audit=False)
+    ledger.failure_noticed(3.0, {0: "ActorDiedError: killed"})
+    if fatal:
+        ledger.set_fatal(fatal)
+    if finished:
+        ledger.finish(9.0)
+    return ledger.snapshot()
+
+
+def test_a_run_that_trained_to_the_end_succeeded():
+    assert decide_status(finished_snapshot(), FitOutcome(), max_failures=3) == ("succeeded", None)
+
+
+def test_a_fatal_upload_failure_fails_the_run_with_its_reason():
+    fatal = "2 checkpoint upload(s) in a row failed (checkpoint.max_consecutive_upload_failures=1)"
+    status, error = decide_status(
+        finished_snapshot(fatal=fatal, finished=False), FitOutcome(), max_failures=3
+    )
+    assert (status, error) == ("failed", fatal)
+
+
+def test_an_exhausted_failure_budget_names_count_and_budget():
+    fit = FitOutcome("ActorDiedError: worker killed", budget_exhausted=True)
+    status, error = decide_status(finished_snapshot(finished=False), fit, max_failures=0)
+    assert status == "failed"
+    assert error == (
+        "training failed after 1 failure(s), over the budget failure.max_failures=0: "
+        "ActorDiedError: worker killed"
+    )
+
+
+def test_fit_raising_for_another_reason_fails_with_that_error():
+    fit = FitOutcome("ControllerError: storage marker missing")
+    assert decide_status(finished_snapshot(), fit, 3) == (
+        "failed",
+        "ControllerError: storage marker missing",
+    )
+
+
+def test_a_run_that_ended_before_its_last_step_is_not_a_success():
+    assert decide_status(finished_snapshot(finished=False), FitOutcome(), 3) == (
+        "failed",
+        "training ended before the last epoch",
+    )
+
+
+def test_an_interrupted_run_failed_whatever_else_happened():
+    status, error = decide_status(finished_snapshot(), FitOutcome(interrupted=True), 3)
+    assert status == "failed" and "interrupted" in error

@@ -1,0 +1,190 @@
+"""The Ray cluster a run uses, and whether the job fits on it.
+
+``ray.*`` picks one of three: an existing cluster (``ray.address``; token authentication
+when this machine has a Ray token), a simulated multi-node cluster on this machine
+(``ray.local_nodes > 1``: :class:`LocalCluster`, whose killed nodes come back as an
+autoscaler's would), or an embedded single-node Ray (``address="local"``, never a stale
+cluster from ``/tmp/ray``). :func:`cluster` stops only what it started. While it runs, the
+raylet-death dumps Ray prints straight to stdout are folded into one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ftjob.config import JobConfig, JobError
+
+logger = logging.getLogger("ftjob.cluster")
+
+
+class _RayNoiseFilter:
+    """A stdout wrapper that turns Ray's raylet-death reports (a header plus the dead raylet's
+    last 20 log lines, printed straight to stdout by the driver) into one short line. The
+    ledger already reports every kill and failure; the log dump stays in Ray's log files."""
+
+    _DUMP_LINE = re.compile(r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\))|^\s*$")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.buffer = ""
+        self.in_dump = False
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            self._line(line)
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if "Raylet is terminated" in line:
+            self.in_dump = True
+            self.stream.write(
+                "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs\n"
+            )
+            return
+        if self.in_dump and self._DUMP_LINE.match(line):
+            return
+        self.in_dump = False
+        self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def _quiet_ray_console(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    original = sys.stdout
+    sys.stdout = _RayNoiseFilter(original)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = original
+
+
+def _use_token_if_available() -> None:
+    """Connect with token authentication when this machine has a Ray token, as `ray start`
+    does (Ray 2.60 enables token auth for clusters it starts; a driver joining one must send
+    the token, and Ray only does that when RAY_AUTH_MODE=token)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+@contextmanager
+def cluster(job: JobConfig) -> Iterator[Any]:
+    """Connect to or start the cluster ``job.ray`` describes; yields the LocalCluster (or None).
+    Stops only what it started."""
+    r = job.ray
+    if r.address is not None:
+        _use_token_if_available()  # before Ray is imported: it reads RAY_AUTH_MODE once
+    import ray
+
+    common: dict[str, Any] = {
+        "log_to_driver": r.log_to_driver,
+        "logging_level": logging.WARNING if r.log_to_driver else logging.ERROR,
+        "runtime_env": dict(r.runtime_env) or None,
+    }
+    local: LocalCluster | None = None
+    with _quiet_ray_console(not r.log_to_driver):
+        try:
+            if r.address is not None:
+                ray.init(address=r.address, **common)
+            elif r.local_nodes > 1:
+                local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay)
+                ray.init(address=local.address, **common)
+            else:
+                train_cpus = job.trainer.num_workers * job.trainer.worker_cpus
+                # Training workers hold their CPUs for the whole run; data decoding needs its own.
+                num_cpus = r.num_cpus or (os.cpu_count() or 1) + math.ceil(train_cpus)
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
+            yield local
+        finally:
+            ray.shutdown()
+            if local is not None:
+                local.shutdown()
+
+
+def check_resources(job: JobConfig) -> None:
+    """Refuse a job the cluster can never schedule, instead of waiting forever."""
+    import ray
+
+    total = ray.cluster_resources()
+    t = job.trainer
+    if t.use_gpu:
+        need = t.num_workers * float(t.resources_per_worker.get("GPU", 1.0))
+        if total.get("GPU", 0.0) < need:
+            raise JobError(
+                f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {total.get('GPU', 0.0):g}: "
+                "set trainer.use_gpu=false to train on CPUs, or connect to a GPU cluster with ray.address"
+            )
+    need_cpu = t.num_workers * t.worker_cpus + t.decode_cpus
+    if total.get("CPU", 0.0) < need_cpu:
+        raise JobError(
+            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {t.num_workers} workers x {t.worker_cpus:g} "
+            f"CPUs plus trainer.decode_cpus={t.decode_cpus:g} for data decoding need {need_cpu:g}: lower "
+            "trainer.num_workers or trainer.resources_per_worker.CPU"
+        )
+    for key, amount in t.resources_per_worker.items():
+        if key not in ("CPU", "GPU") and total.get(key, 0.0) < amount * t.num_workers:
+            raise JobError(
+                f"trainer.resources_per_worker.{key}={amount:g}: the cluster has {total.get(key, 0.0):g} {key}"
+            )
+
+
+class LocalCluster:
+    """A simulated multi-node cluster on this machine (``ray.local_nodes=N``): a head node with
+    no CPUs (so training never lands on it) and N-1 worker nodes. Killed nodes are replaced
+    after ``replace_delay`` seconds, as an autoscaler would. ``Cluster.add_node`` must run on
+    the driver's main thread, so the runner calls :meth:`service` from there."""
+
+    def __init__(self, nodes: int, node_cpus: int, replace_delay: float) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.node_cpus, self.replace_delay = node_cpus, replace_delay
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        for _ in range(nodes - 1):
+            self.cluster.add_node(num_cpus=node_cpus)
+        self.replaced: set[int] = set()
+        self.replacements = 0
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def service(self, kills: list[dict[str, Any]], now: float) -> None:
+        """Add a node for every node kill older than replace_delay that was not replaced yet."""
+        for i, kill in enumerate(kills):
+            if (
+                kill["kind"] == "node"
+                and i not in self.replaced
+                and now - kill["time"] >= self.replace_delay
+            ):
+                self.replaced.add(i)
+                self.cluster.add_node(num_cpus=self.node_cpus)
+                self.replacements += 1
+                logger.info(
+                    "local cluster: replaced killed node %s", kill["target"]["node_id"][:12]
+                )
+
+    def shutdown(self) -> None:
+        try:
+            self.cluster.shutdown()
+        except Exception as exc:  # dead nodes may refuse a clean stop
+            logger.debug("local cluster shutdown: %s", exc)

@@ -1,0 +1,118 @@
+"""Composing configs the way ``python -m ftjob`` does, and reading overrides and sweeps.
+
+One place for what the command line, ``python -m ftjob.check`` and the sweep report all need:
+a :class:`Composer` over ftjob's packaged conf (plus a user's ``--config-dir``), the key an
+override sets (:func:`override_key`), and the values a sweep runs (:func:`sweep_values`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig
+
+CONFIG_MODULE = "ftjob.conf"
+PRIMARY_CONFIG = "config"
+JOB, SWEEP = "job", "sweep"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One config file to compose (and check), and how."""
+
+    label: str  # the file as reported, e.g. "experiment/digits_ft.yaml"
+    overrides: tuple[str, ...] = ()
+    config_name: str = PRIMARY_CONFIG
+    # JOB: the whole job is validated (primary configs, experiments, `@package _global_`
+    # options). SWEEP: the whole job, once per combination of swept values. Otherwise the key
+    # of the group's node: a group option is validated on its own, because an option may be
+    # valid only with others (chaos=node_killer needs a multi-node ray.*).
+    scope: str = JOB
+    group: str = ""  # the config group of an option file ("" for a primary config)
+    user_primary: bool = False  # a primary config in the user's config dir
+
+
+class Composer:
+    """Composes configs from ftjob's conf plus an optional user config dir, searched after
+    ftjob's conf as ``python -m ftjob --config-dir DIR`` does. A primary config that lives in
+    the user's dir is composed from that dir, with ftjob's conf added to its search path
+    (Hydra looks primary configs up before it applies ``hydra.searchpath``)."""
+
+    def __init__(self, config_dir: str | None = None) -> None:
+        self.config_dir = os.path.abspath(config_dir) if config_dir else None
+
+    def compose(self, target: Target, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
+        GlobalHydra.instance().clear()
+        if target.user_primary and self.config_dir:
+            context: Any = initialize_config_dir(config_dir=self.config_dir, version_base="1.3")
+            search = [f"hydra.searchpath=[pkg://{CONFIG_MODULE}]"]
+        else:
+            context = initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3")
+            search = [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir else []
+        with context:
+            return compose(
+                config_name=target.config_name,
+                overrides=[*target.overrides, *overrides, *search],
+                return_hydra_config=hydra,
+            )
+
+    def default_groups(self) -> set[str]:
+        choices = self.compose(Target(PRIMARY_CONFIG), (), hydra=True).hydra.runtime.choices
+        return {group for group in choices if not str(group).startswith("hydra/")}
+
+
+def override_key(override: str) -> str:
+    """The key an override sets: ``+sweep=x``, ``++a.b=1``, ``~c`` set ``sweep``, ``a.b``, ``c``."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def parse_overrides(lines: Sequence[str]) -> dict[str, str]:
+    """``key=value`` lines (e.g. of .hydra/overrides.yaml) as {key: value}, in their order."""
+    parsed: dict[str, str] = {}
+    for line in lines:
+        text = str(line)
+        parsed[override_key(text)] = text.split("=", 1)[1] if "=" in text else ""
+    return parsed
+
+
+@dataclass
+class SweepValues:
+    """What a sweep runs, per key (keys as :func:`override_key` gives them, in order)."""
+
+    # key -> one override per value; a key set to one value has a list of one
+    values: dict[str, list[str]] = field(default_factory=dict)
+    # key -> its override, for sweeps that cannot be listed (``interval(0,1)`` for an
+    # optimizing sweeper): they keep their config value wherever values are enumerated
+    unlisted: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def swept(self) -> list[str]:
+        """Keys that take more than one value."""
+        listed = [key for key, values in self.values.items() if len(values) > 1]
+        return listed + list(self.unlisted)
+
+
+def sweep_values(params: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> SweepValues:
+    """The values of a sweep: a preset's ``hydra.sweeper.params`` first, then command-line
+    overrides, whose value for a key replaces the preset's (as Hydra's BasicSweeper does)."""
+    requested = [f"{key}={value}" for key, value in (params or {}).items()] + list(overrides)
+    result = SweepValues()
+    for o in OverridesParser.create().parse_overrides(requested):
+        element = o.get_key_element()
+        key = override_key(element)
+        if o.is_discrete_sweep():
+            result.unlisted.pop(key, None)
+            result.values[key] = [f"{element}={v}" for v in o.sweep_string_iterator()]
+        elif o.is_sweep_override():
+            result.values.pop(key, None)
+            result.unlisted[key] = o.input_line
+        else:
+            result.unlisted.pop(key, None)
+            result.values[key] = [o.input_line]
+    return result
