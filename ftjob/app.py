@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -26,16 +28,30 @@ def _job(cfg: DictConfig) -> str:
     logging.getLogger("ray").setLevel(logging.ERROR)
     try:
         job = load_job(cfg)
-        result = runner.run(job, run_dir)
+        result = runner.run(job, run_dir, overrides=list(hc.overrides.task))
+    except KeyboardInterrupt:
+        # Ctrl-C before training started (training itself handles its own): nothing to keep.
+        print("ftjob: interrupted before training started", file=sys.stderr)
+        sys.exit(130)
     except Exception as exc:
         bad_input = isinstance(
             exc, (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError)
         )
         if not multirun:
-            if not bad_input:
-                raise
-            print(f"ftjob: error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            if bad_input:
+                print(f"ftjob: error: {exc}", file=sys.stderr)
+                sys.exit(2)
+            # A bug: the record (summary.json with the error) and the traceback stay in the
+            # run dir; the console gets one line.
+            trace = os.path.join(run_dir, "traceback.txt")
+            with open(trace, "w") as f:
+                traceback.print_exc(file=f)
+            write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
+            print(
+                f"ftjob: error: {type(exc).__name__}: {exc} (unexpected: traceback in {trace})",
+                file=sys.stderr,
+            )
+            sys.exit(1)
         # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
         # recorded as failed and reported with the others.
         if not bad_input:
@@ -46,7 +62,7 @@ def _job(cfg: DictConfig) -> str:
     if not result.ok:
         _failed_jobs.append(run_dir)
         if not multirun:
-            sys.exit(1)
+            sys.exit(130 if result.status == "interrupted" else 1)
     return result.status
 
 

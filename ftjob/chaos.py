@@ -81,10 +81,12 @@ def _kill_on_node(kind: str, pid: int | None) -> int:
 
 
 class ChaosKiller:
-    """Carries out a :class:`KillSchedule` against the run's training workers.
+    """Carries out a :class:`KillSchedule` (or ``at_steps``) against the run's training workers.
 
     ``ledger`` is the run ledger (training workers, attempts, kill records); ``execute`` does a
-    kill and ``clock``/``wait`` are injectable so the logic is tested without Ray or sleeping.
+    kill, ``confirm`` tells whether a killed node is gone, and ``clock``/``wait`` are
+    injectable so the logic is tested without Ray or sleeping. Every window ends in a kill or
+    a skip record with its reason: chaos that did not happen is never silent.
     """
 
     def __init__(
@@ -94,38 +96,32 @@ class ChaosKiller:
         ledger: Any,
         protected_nodes: set[str],
         *,
+        at_steps: list[int] | None = None,
         execute: Callable[[str, dict[str, Any]], int] | None = None,
+        confirm: Callable[[dict[str, Any]], bool] | None = None,
         clock: Callable[[], float] = time.time,
         wait: Callable[[float], bool] | None = None,
         poll_s: float = 0.5,
     ) -> None:
         self.schedule, self.kind, self.ledger = schedule, kind, ledger
+        self.at_steps = sorted(at_steps or [])
         self.protected = set(protected_nodes)
         self.execute = execute or _ray_kill
+        self.confirm = confirm or _node_gone
         self.clock = clock
         self._stop = threading.Event()
         self.wait = wait or self._stop.wait
         self.poll_s = poll_s
         self.rng = random.Random(schedule.seed + 1)
         self.kills: list[dict[str, Any]] = []
+        self.skipped: list[dict[str, Any]] = []
         self.last_attempt = -1
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _view(self) -> dict[str, Any]:
         return self.ledger.chaos_view()
-
-    def _training_start(self) -> float | None:
-        return self._snapshot()["training_started"]
-
-    def _ready_targets(self) -> tuple[int, list[dict[str, Any]]] | None:
-        view = self._snapshot()
-        attempt = view["attempt"]
-        if attempt is None or attempt <= self.last_attempt or not view["training"]:
-            return None
-        targets = eligible_targets(self.kind, view["workers"], self.protected)
-        return (attempt, targets) if targets else None
 
     def run(self) -> list[dict[str, Any]]:
         try:
@@ -135,33 +131,70 @@ class ChaosKiller:
             self.ledger.report_error(f"chaos killer stopped: {type(exc).__name__}: {exc}")
             return self.kills
 
+    def _wait_until(self, ready: Callable[[dict[str, Any]], Any]) -> Any:
+        """Poll the ledger until ``ready(view)`` is not None; None if told to stop."""
+        while (result := ready(self._view())) is None:
+            if self.wait(self.poll_s):
+                return None
+        return result
+
+    def _due(self, view: dict[str, Any], index: int, start: float) -> bool:
+        if self.at_steps:
+            return view["step"] >= self.at_steps[index]
+        return self.clock() >= start + self.schedule.times()[index]
+
     def _run(self) -> list[dict[str, Any]]:
-        start = None
-        while start is None:
-            start = self._training_start()
-            if start is None and self.wait(self.poll_s):
+        start = self._wait_until(lambda v: v["training_started"])
+        count = len(self.at_steps) if self.at_steps else self.schedule.max_kills
+        for index in range(count if start is not None else 0):
+            # Due, and an attempt the previous kill did not already hit is training.
+            view = self._wait_until(
+                lambda v, i=index: (
+                    v
+                    if v["training"] and v["attempt"] > self.last_attempt and self._due(v, i, start)
+                    else None
+                )
+            )
+            if view is None:
                 return self.kills
-        for due in self.schedule.times():
-            while self.clock() < start + due:
-                if self.wait(min(self.poll_s, start + due - self.clock())):
-                    return self.kills
-            ready = self._ready_targets()
-            while ready is None:
-                if self.wait(self.poll_s):
-                    return self.kills
-                ready = self._ready_targets()
-            attempt, targets = ready
-            target = choose_target(self.kind, targets, self.rng)
-            record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
-            try:
-                record["killed_pid"] = self.execute(self.kind, target)
-            except Exception as exc:  # a target that vanished on its own is not a kill
-                logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
-                continue
-            self.last_attempt = attempt
-            self.kills.append(record)
-            self.ledger.record_kill(record)
+            self._strike(index, view)
         return self.kills
+
+    def _skip(self, index: int, view: dict[str, Any], reason: str) -> None:
+        record = {"time": self.clock(), "kind": self.kind, "window": index + 1, "reason": reason}
+        record["attempt"] = view["attempt"]
+        self.skipped.append(record)
+        self.ledger.record_skip(record)
+
+    def _strike(self, index: int, view: dict[str, Any]) -> None:
+        attempt = view["attempt"]
+        targets = eligible_targets(self.kind, view["workers"], self.protected)
+        if not targets:
+            self._skip(
+                index,
+                view,
+                "no eligible target: every training worker runs on the head "
+                "or the driver's node, which node chaos never kills (trainer.placement=SPREAD "
+                "or more nodes give it one)",
+            )
+            return
+        target = choose_target(self.kind, targets, self.rng)
+        record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
+        try:
+            record["killed_pid"] = self.execute(self.kind, target)
+        except Exception as exc:  # a target that vanished on its own is not a kill
+            logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
+            self._skip(index, view, f"the kill of {target} failed: {type(exc).__name__}: {exc}")
+            return
+        self.last_attempt = attempt
+        self.ledger.record_kill(record)  # now: a simulated cluster replaces the node from it
+        if self.kind == "node":
+            confirmed = self.confirm(target)
+            self.ledger.confirm_kill(record["time"], confirmed)
+            if not confirmed:
+                self.skipped.append({**record, "reason": "the node was not confirmed dead"})
+                return
+        self.kills.append(record)
 
 
 def _ray_kill(kind: str, target: dict[str, Any]) -> int:
@@ -178,6 +211,20 @@ def _ray_kill(kind: str, target: dict[str, Any]) -> int:
     return int(ray.get(ref, timeout=30))
 
 
+def _node_gone(target: dict[str, Any], timeout: float = 60.0) -> bool:
+    """Is the killed node gone? Its raylet no longer answers the GCS (Ray marks the node dead)
+    or, before that, its workers are gone (the kill task died with its raylet)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if target["node_id"] not in alive:
+            return True
+        time.sleep(0.5)
+    return False
+
+
 class _LedgerView:
     """Synchronous view of the ledger actor for the killer."""
 
@@ -192,6 +239,12 @@ class _LedgerView:
     def record_kill(self, record: dict[str, Any]) -> None:
         self.handle.kill.remote(record)
 
+    def record_skip(self, record: dict[str, Any]) -> None:
+        self.handle.chaos_skipped.remote(record)
+
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
+        self.handle.confirm_kill.remote(time_of_kill, confirmed)
+
     def report_error(self, message: str) -> None:
         self.handle.log.remote(message)
 
@@ -201,7 +254,11 @@ class KillerActor:
 
     def __init__(self, chaos: ChaosConfig, ledger: Any, protected_nodes: list[str]) -> None:
         self.killer = ChaosKiller(
-            KillSchedule.from_config(chaos), chaos.kind, _LedgerView(ledger), set(protected_nodes)
+            KillSchedule.from_config(chaos),
+            chaos.kind,
+            _LedgerView(ledger),
+            set(protected_nodes),
+            at_steps=list(chaos.at_steps),
         )
         self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
         self.thread.start()
@@ -222,6 +279,18 @@ def protected_nodes() -> list[str]:
         if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
     ]
     return sorted(set(head) | {ray.get_runtime_context().get_node_id()})
+
+
+def node_chaos_targets() -> list[str]:
+    """Alive nodes with CPUs that node chaos may kill (not the head, not the driver's)."""
+    import ray
+
+    protected = set(protected_nodes())
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and n["NodeID"] not in protected and n["Resources"].get("CPU", 0) > 0
+    ]
 
 
 def start_killer(chaos: ChaosConfig, ledger: Any) -> Any:

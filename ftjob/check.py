@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.compose import CONFIG_MODULE, JOB, SWEEP, Composer, Target, sweep_values
-from ftjob.config import ConfigError, load_job, register_schema
+from ftjob.config import TARGET_GROUPS, ConfigError, check_group_target, load_job, register_schema
 from ftjob.config import check_target as config_check_target
 
 EXPERIMENT_GROUP = "experiment"
@@ -173,6 +173,8 @@ def validate_job(cfg: DictConfig) -> tuple[str, str]:
     try:
         load_job(cfg)
     except ConfigError as exc:
+        if exc.supply:  # e.g. checkpoint storage on a cluster: the user's bucket
+            return NEEDS, ", ".join([*missing, exc.key]) + f" ({exc.rule})"
         if exc.value != "???" or exc.key not in missing:
             return ERROR, str(exc)
     return (NEEDS, ", ".join(missing) + hint) if missing else (OK, "")
@@ -187,7 +189,11 @@ def validate_node(cfg: DictConfig, key: str) -> tuple[str, str]:
     missing = fill_missing(cfg, node)
     try:
         if "_target_" in node:
-            config_check_target(OmegaConf.to_container(node, resolve=False), key)  # type: ignore[arg-type]
+            plain = OmegaConf.to_container(node, resolve=False)
+            if key in TARGET_GROUPS:
+                check_group_target(plain, key)  # type: ignore[arg-type]
+            else:
+                config_check_target(plain, key)  # type: ignore[arg-type]
         else:
             OmegaConf.to_object(node)  # runs the group dataclass's __post_init__ rules
     except ConfigError as exc:

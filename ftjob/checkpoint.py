@@ -4,7 +4,9 @@ A checkpoint is a directory ``{run}/checkpoints/step_{step:09d}/`` holding the f
 training loop wrote plus ``manifest.json`` -- each file's size and SHA-256 -- uploaded *last*,
 after every file went up. Restoring downloads the newest checkpoint and verifies it against its
 manifest; an incomplete or corrupt one (missing manifest, missing or truncated file, checksum
-mismatch) is skipped, logged, and the next older one is tried.
+mismatch) is skipped, logged, and the next older one is tried. What does not verify is moved
+to ``{run}/quarantine/`` with a note, never deleted; only committed checkpoints past the
+retention count are deleted (:meth:`CheckpointStore.prune`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ logger = logging.getLogger("ftjob.checkpoint")
 
 MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
+QUARANTINE_DIR = "quarantine"  # beside checkpoints/: directories that did not verify
+QUARANTINE_NOTE = "QUARANTINED.json"
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _CHUNK = 8 * 1024 * 1024
 
@@ -52,6 +56,10 @@ def build_manifest(local_dir: str, step: int) -> dict[str, Any]:
 
 class CorruptCheckpoint(Exception):
     """A checkpoint that is incomplete or does not match its manifest."""
+
+
+class UncommittedCheckpoint(CorruptCheckpoint):
+    """A directory without a manifest: an upload that never completed (never a checkpoint)."""
 
 
 def _check_manifest(manifest: Any, step: int) -> None:
@@ -125,7 +133,7 @@ class CheckpointStore:
         try:
             raw = self.fs.cat_file(posixpath.join(self.path_for(step), MANIFEST))
         except FileNotFoundError:
-            raise CorruptCheckpoint("no manifest: the upload never completed") from None
+            raise UncommittedCheckpoint("no manifest: the upload never completed") from None
         try:
             manifest = json.loads(raw)
         except ValueError as exc:
@@ -154,12 +162,16 @@ class CheckpointStore:
                 raise CorruptCheckpoint(f"{name} does not match its checksum")
         return manifest
 
-    def restore_latest(self, local_root: str) -> RestoreResult | None:
+    def restore_latest(
+        self, local_root: str, skipped: list[dict[str, Any]] | None = None
+    ) -> RestoreResult | None:
         """The newest valid checkpoint, downloaded under ``local_root``; None if there is none.
-        Invalid newer ones are reported in ``skipped``. Storage errors that outlast the retry
-        policy propagate: an unreachable store must not pass for a corrupt checkpoint (that
-        would restart training from an older one)."""
-        skipped: list[dict[str, Any]] = []
+        Invalid newer ones are reported in the result's ``skipped`` (and appended to
+        ``skipped`` if given, also when there is no valid one): step, path, reason, and
+        whether it had been committed. Storage errors that outlast the retry policy propagate:
+        an unreachable store must not pass for a corrupt checkpoint (that would restart
+        training from an older one)."""
+        skipped = [] if skipped is None else skipped
         for step in self.steps():
             local_dir = os.path.join(local_root, self.dir_name(step))
             try:
@@ -170,7 +182,14 @@ class CheckpointStore:
                     self.path_for(step),
                     exc,
                 )
-                skipped.append({"step": step, "path": self.path_for(step), "reason": str(exc)})
+                skipped.append(
+                    {
+                        "step": step,
+                        "path": self.path_for(step),
+                        "reason": str(exc),
+                        "committed": not isinstance(exc, UncommittedCheckpoint),
+                    }
+                )
                 shutil.rmtree(local_dir, ignore_errors=True)
                 continue
             return RestoreResult(
@@ -178,13 +197,34 @@ class CheckpointStore:
             )
         return None
 
-    def delete_newer_than(self, step: int) -> list[int]:
-        """Remove checkpoint directories past ``step`` (left by a failed attempt, never valid or
-        never restored), so a later restore cannot mistake them for progress."""
-        removed = [s for s in self.steps() if s > step]
-        for s in removed:
+    # -- lifecycle: ftjob is the one owner of the run's checkpoint directories ----------------
+
+    @property
+    def quarantine_root(self) -> str:
+        return posixpath.join(posixpath.dirname(self.root), QUARANTINE_DIR)
+
+    def quarantine(self, step: int, reason: str) -> str:
+        """Move the directory of ``step`` aside, with a note of why: a checkpoint that does not
+        verify is evidence, never deleted. Returns where it went."""
+        destination = posixpath.join(
+            self.quarantine_root, f"{self.dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}"
+        )
+        self.fs.mv(self.path_for(step), destination, recursive=True)
+        note = {"step": step, "reason": reason, "time": time.time(), "from": self.path_for(step)}
+        self.fs.pipe_file(posixpath.join(destination, QUARANTINE_NOTE), json.dumps(note).encode())
+        return destination
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete committed checkpoints older than the newest ``keep`` committed ones (Ray
+        Train's own retention is off: one owner). Directories without a manifest are left."""
+        committed = [s for s in self.steps() if self.fs.exists(self.manifest_path(s))]
+        removed = committed[keep:]
+        for step in removed:
             try:
-                self.fs.rm(self.path_for(s), recursive=True)
+                self.fs.rm(self.path_for(step), recursive=True)
             except FileNotFoundError:
                 pass
         return removed
+
+    def manifest_path(self, step: int) -> str:
+        return posixpath.join(self.path_for(step), MANIFEST)

@@ -8,18 +8,22 @@ thread (``async``, one upload in flight). Each upload ends in an :class:`UploadO
 sent to the run ledger the moment it ends. Storage errors that outlast the retry policy are
 *tolerated* failures, counted against ``checkpoint.max_consecutive_upload_failures``; anything
 else is a bug and propagates. Rank 0 broadcasts the verdict, so every rank either reports to
-Ray Train (a barrier; rank 0 attaches the newest committed checkpoint, already uploaded:
-``NO_UPLOAD``) or returns, together.
+Ray Train (a barrier, with the step; the checkpoint stays ftjob's alone) or returns, together.
+Retention is ftjob's too (:meth:`~ftjob.checkpoint.CheckpointStore.prune`).
 
-Restoring: rank 0 picks the newest checkpoint whose manifest verifies and broadcasts the
-choice; every rank downloads and loads it (timed: download, load).
+Restoring: rank 0 picks the newest checkpoint whose manifest verifies (moving aside any newer
+one that does not) and broadcasts the choice; every rank downloads and loads it (timed:
+download, load).
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,10 +36,32 @@ from ftjob.collective import broadcast
 from ftjob.config import CheckpointConfig
 from ftjob.retry import is_storage_error
 
+logger = logging.getLogger("ftjob.checkpointer")
+
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.json"
 CONFIG_FILE = "config.json"
+
+
+def run_scratch_dir(run_name: str) -> str:
+    """This node's local scratch for a run's checkpoints (written there, then uploaded). One
+    directory per run, so a killed attempt's leftovers are found and removed, and the driver
+    removes the whole of it when the run ends."""
+    return os.path.join(tempfile.gettempdir(), "ftjob-scratch", run_name)
+
+
+def attempt_scratch_dir(run_name: str, attempt: int, rank: int) -> str:
+    """Scratch of one worker of one attempt; leftovers of earlier attempts on this node (a
+    SIGKILLed worker cleans nothing) are removed first."""
+    root = run_scratch_dir(run_name)
+    for old in glob.glob(os.path.join(root, "attempt*-rank*")):
+        number = os.path.basename(old)[len("attempt") :].split("-", 1)[0]
+        if number.isdigit() and int(number) < attempt:
+            shutil.rmtree(old, ignore_errors=True)
+    path = os.path.join(root, f"attempt{attempt:04d}-rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 @dataclass
@@ -117,6 +143,10 @@ class AsyncUploader:
         return self.drain()
 
 
+class NoUsableCheckpoint(RuntimeError):
+    """Committed checkpoints exist, none verifies: starting over would silently lose them."""
+
+
 @dataclass
 class Restored:
     """A checkpoint loaded into the model and optimizer, and how long that took."""
@@ -144,15 +174,12 @@ class Restored:
 class Checkpointer:
     """One worker's side of saving, agreeing on, reporting and restoring checkpoints.
 
-    ``fs`` is the run's retrying filesystem as the driver handed it to the worker;
-    ``report_fs`` is Ray Train's view of the same storage (a checkpoint reported to Ray Train
-    must name Ray's own filesystem object). ``source`` names this process in storage stats."""
+    ``fs`` is the run's retrying filesystem as the driver handed it to the worker."""
 
     def __init__(
         self,
         *,
         fs: Any,
-        report_fs: Any,
         run_path: str,
         config: CheckpointConfig,
         job_config: dict[str, Any],
@@ -162,8 +189,10 @@ class Checkpointer:
         attempt: int,
         metrics: M.MetricSet,
         local_root: str,
+        data: dict[str, Any] | None = None,
     ) -> None:
-        self.fs, self.report_fs = fs, report_fs
+        self.fs = fs
+        self.data = data or {}
         self.store = CheckpointStore(fs, run_path)
         self.config, self.job_config = config, job_config
         self.rank, self.world = rank, world
@@ -171,7 +200,8 @@ class Checkpointer:
         self.local_root = local_root
         self.source = f"attempt {attempt} rank {rank}"
         self.failed_uploads = 0
-        self.pending_report: UploadOutcome | None = None
+        self.last_error: str | None = None
+        self.last_committed: str | None = None
         self.uploader: AsyncUploader | None = None
         if config.upload_mode == "async" and rank == 0:
             self.uploader = AsyncUploader(self._upload)
@@ -181,19 +211,18 @@ class Checkpointer:
     def restore(
         self, module: Any, optimizer: Any, device: Any, global_batch: int
     ) -> Restored | None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that one."""
+        """Rank 0 picks the newest valid checkpoint; every rank loads that one. Raises
+        :class:`NoUsableCheckpoint` on every rank when committed checkpoints exist but none
+        verifies (unless checkpoint.restart_if_unrecoverable)."""
         import torch
 
         start = time.perf_counter()
-        chosen = None
+        chosen: Any = None
         if self.rank == 0:
-            result = self.store.restore_latest(self.local_root)
-            if result is not None:
-                self.store.delete_newer_than(result.step)
-                chosen = (result.step, result.path, result.local_dir, result.skipped)
-            elif self.store.steps():
-                self.store.delete_newer_than(-1)
+            chosen = self._choose()
         chosen = broadcast(chosen, self.world)
+        if isinstance(chosen, str):
+            raise NoUsableCheckpoint(chosen)
         if chosen is None:
             return None
         step, path, local_dir, skipped = chosen
@@ -227,6 +256,26 @@ class Checkpointer:
             skipped,
         )
 
+    def _choose(self) -> tuple[int, str, str, list[dict[str, Any]]] | str | None:
+        """Rank 0: (step, path, local dir, quarantined) of the checkpoint to restore, None to
+        start from step 0, or the error that stops the job. Whatever does not verify is
+        quarantined on the way."""
+        skipped: list[dict[str, Any]] = []
+        result = self.store.restore_latest(self.local_root, skipped)
+        for bad in skipped:
+            bad["quarantined_to"] = self.store.quarantine(bad["step"], bad["reason"])
+        if result is not None:
+            return result.step, result.path, result.local_dir, skipped
+        lost = [bad for bad in skipped if bad["committed"]]
+        if not lost or self.config.restart_if_unrecoverable:
+            return None
+        details = "; ".join(f"step {b['step']}: {b['reason']}" for b in lost)
+        return (
+            f"no committed checkpoint of this run verifies ({details}); nothing was deleted: "
+            f"they were moved to {self.store.quarantine_root}. Inspect them, or set "
+            "checkpoint.restart_if_unrecoverable=true to start over from step 0"
+        )
+
     # -- save -----------------------------------------------------------------------------
 
     def _write_local(
@@ -245,6 +294,7 @@ class Checkpointer:
             "global_batch_size": global_batch,
             "world_size": self.world,
             "metrics": self.metrics.state_dict(),
+            "data": self.data,  # what resume=true checks the train data against
             "time": time.time(),
         }
         with open(os.path.join(local_dir, STATE_FILE), "w") as f:
@@ -257,6 +307,8 @@ class Checkpointer:
         """Upload and record the outcome at once (any thread), so a worker dying right after
         cannot lose the record."""
         outcome = upload_checkpoint(self.store, local_dir, step)
+        if outcome.path is not None:
+            self._prune()
         record = {
             "step": outcome.step,
             "path": outcome.path,
@@ -268,15 +320,24 @@ class Checkpointer:
         self.send_storage_stats()
         return outcome
 
+    def _prune(self) -> None:
+        try:
+            self.store.prune(self.config.num_to_keep)
+        except Exception as exc:  # retention is housekeeping: a failed delete only costs space
+            if not is_storage_error(exc):
+                raise
+            logger.warning("pruning old checkpoints failed: %s", exc)
+
     def _account(self, outcomes: list[UploadOutcome]) -> str | None:
         """Soft-failure accounting on the training thread: the fatal error, if any."""
         fatal = None
         for outcome in outcomes:
             if outcome.path is not None:
                 self.failed_uploads = 0
-                self.pending_report = outcome
+                self.last_committed = outcome.path
                 continue
             self.failed_uploads += 1
+            self.last_error = outcome.error
             allowed = self.config.max_consecutive_upload_failures
             if self.failed_uploads > allowed:
                 fatal = (
@@ -302,11 +363,24 @@ class Checkpointer:
         return self._agree_and_report(fatal, state)
 
     def finish(self, state: TrainState) -> bool:
-        """At the end of training, every rank: wait for a pending async upload and report it."""
-        if self.config.upload_mode != "async":
-            return True
-        fatal = self._account(self.uploader.close()) if self.uploader is not None else None
-        return self._agree_and_report(fatal, state)
+        """At the end of training, every rank: wait for a pending async upload and report it.
+        A run must end with its final checkpoint committed: if the last upload failed (even
+        within checkpoint.max_consecutive_upload_failures), the job fails and says so."""
+        fatal = None
+        if self.rank == 0:
+            fatal = self._account(self.uploader.close()) if self.uploader is not None else None
+            if fatal is None and self.failed_uploads:
+                fatal = (
+                    f"the final checkpoint (step {state.step}) was not committed: its upload "
+                    f"failed ({self.last_error}); the newest committed checkpoint is "
+                    f"{self.last_committed or 'none'}"
+                )
+        if self.config.upload_mode == "async":
+            return self._agree_and_report(fatal, state)
+        fatal = broadcast(fatal, self.world)
+        if fatal and self.rank == 0:
+            self.ledger.set_fatal.remote(fatal)
+        return not fatal
 
     def close(self) -> None:
         """Stop the upload thread (an attempt that ends early) and drop local scratch."""
@@ -324,24 +398,15 @@ class Checkpointer:
         return True
 
     def _report(self, state: TrainState) -> None:
-        """Every rank calls ray.train.report (a barrier); rank 0 attaches the newest committed
-        checkpoint, which ftjob already uploaded (NO_UPLOAD)."""
+        """Every rank calls ray.train.report: a barrier, and Ray Train's view of progress. The
+        checkpoint itself is not handed to Ray Train: ftjob alone owns checkpoint directories
+        (commit, restore, quarantine, retention), so Ray's run snapshot never refers to a
+        directory ftjob moved or pruned."""
         import ray.train
-        from ray.train import Checkpoint, CheckpointUploadMode
 
-        checkpoint, name = None, None
-        if self.rank == 0 and self.pending_report is not None:
-            checkpoint = Checkpoint(path=self.pending_report.path, filesystem=self.report_fs)
-            name = self.store.dir_name(self.pending_report.step)
-            self.pending_report = None
-        name = broadcast(name, self.world)
+        committed = self.last_committed if self.rank == 0 else None
         with self.metrics.timer(M.CHECKPOINT_REPORT):
-            ray.train.report(
-                {"step": state.step, "epoch": state.epoch},
-                checkpoint=checkpoint,
-                checkpoint_dir_name=name,
-                checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,
-            )
+            ray.train.report({"step": state.step, "epoch": state.epoch, "checkpoint": committed})
 
     def send_storage_stats(self) -> None:
         """This process's cumulative storage counters, to the ledger."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
@@ -80,7 +81,9 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return flags, overrides
 
 
-def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
+def _explain(
+    exc: Exception, overrides: list[str], options: Callable[[str], list[str]] | None = None
+) -> ConfigError:
     """One ConfigError (key, value, rule) from a Hydra/OmegaConf composition error."""
     cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -90,10 +93,16 @@ def _explain(exc: Exception, overrides: list[str]) -> ConfigError:
     missing = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", head)
     if missing:
         group, option = missing.groups()
+        try:
+            known = ", ".join(options(group)) if options else ""
+        except Exception:  # listing is a courtesy: the error stands without it
+            known = ""
         return ConfigError(
             group.split("/")[-1],
             option,
-            f"no such config '{group}/{option}' (see conf/{group}/ for the options)",
+            f"no such {group} option; the options are: {known}"
+            if known
+            else f"no such config '{group}/{option}'",
         )
     unknown = re.search(r"Could not override '([^']+)'", head)
     if unknown and not key:
@@ -130,7 +139,7 @@ def precheck(argv: list[str]) -> None:
         try:
             cfg = composer.compose(target, combo, hydra=hydra)
         except (HydraException, OmegaConfBaseException) as exc:
-            raise _explain(exc, combo) from None
+            raise _explain(exc, combo, lambda g: composer.group_options(g, target)) from None
         job = cfg.copy()
         if hydra:
             with open_dict(job):

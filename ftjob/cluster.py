@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,6 +88,51 @@ def _use_token_if_available() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+RAY_CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"
+
+
+def resolve_address(address: str) -> str | None:
+    """``host:port`` of the cluster ``ray.address`` names (``auto``: RAY_ADDRESS, or the cluster
+    started last on this machine), None for a Ray Client address (``ray://``)."""
+    if address.startswith("ray://"):
+        return None
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address and os.path.exists(RAY_CURRENT_CLUSTER):
+            with open(RAY_CURRENT_CLUSTER) as f:
+                address = f.read().strip()
+        if not address:
+            raise JobError(
+                "ray.address='auto': no running Ray cluster found on this machine (no RAY_ADDRESS, "
+                f"no {RAY_CURRENT_CLUSTER}): start one with `ray start --head`, set "
+                "ray.address=HOST:6379, or ray.address=null for an embedded Ray"
+            )
+        if address.startswith("ray://"):
+            return None
+    return address
+
+
+def probe_cluster(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with what to do, when nothing answers at ``ray.address`` (Ray itself
+    retries for minutes, printing GCS warnings)."""
+    target = resolve_address(address)
+    if target is None:
+        return
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise JobError(
+            f"ray.address={address!r}: expected HOST:PORT (e.g. 10.0.0.1:6379), 'auto' or ray://"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        via = "" if target == address else f" (from ray.address={address!r})"
+        raise JobError(
+            f"ray.address={address!r}: no Ray cluster answers at {target}{via}: {exc}; start one with "
+            "`ray start --head`, fix the address, or set ray.address=null for an embedded Ray"
+        ) from None
+
+
 @contextmanager
 def cluster(job: JobConfig) -> Iterator[Any]:
     """Connect to or start the cluster ``job.ray`` describes; yields the LocalCluster (or None).
@@ -128,11 +174,23 @@ def check_resources(job: JobConfig) -> None:
     total = ray.cluster_resources()
     t = job.trainer
     if t.use_gpu:
-        need = t.num_workers * float(t.resources_per_worker.get("GPU", 1.0))
+        per_worker = float(t.resources_per_worker.get("GPU", 1.0))
+        need = t.num_workers * per_worker
+        cpu_hint = (
+            "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
+        )
         if total.get("GPU", 0.0) < need:
             raise JobError(
                 f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {total.get('GPU', 0.0):g}: "
-                "set trainer.use_gpu=false to train on CPUs, or connect to a GPU cluster with ray.address"
+                f"{cpu_hint}, or connect to a GPU cluster with ray.address"
+            )
+        largest = max(
+            (n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0
+        )
+        if per_worker > largest:
+            raise JobError(
+                f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
+                f"many GPUs (the largest has {largest:g}): lower it, or {cpu_hint}"
             )
     need_cpu = t.num_workers * t.worker_cpus + t.decode_cpus
     if total.get("CPU", 0.0) < need_cpu:

@@ -47,19 +47,32 @@ class Composer:
     def __init__(self, config_dir: str | None = None) -> None:
         self.config_dir = os.path.abspath(config_dir) if config_dir else None
 
-    def compose(self, target: Target, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
+    def _context(self, target: Target) -> tuple[Any, list[str]]:
+        """Hydra's initialize context for ``target`` and the search-path override it needs."""
         GlobalHydra.instance().clear()
         if target.user_primary and self.config_dir:
             context: Any = initialize_config_dir(config_dir=self.config_dir, version_base="1.3")
-            search = [f"hydra.searchpath=[pkg://{CONFIG_MODULE}]"]
-        else:
-            context = initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3")
-            search = [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir else []
+            return context, [f"hydra.searchpath=[pkg://{CONFIG_MODULE}]"]
+        context = initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3")
+        return context, [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir else []
+
+    def compose(self, target: Target, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
+        context, search = self._context(target)
         with context:
             return compose(
                 config_name=target.config_name,
                 overrides=[*target.overrides, *overrides, *search],
                 return_hydra_config=hydra,
+            )
+
+    def group_options(self, group: str, target: Target | None = None) -> list[str]:
+        """The options of ``group`` that exist (ftjob's conf plus the user's config dir)."""
+        target = target or Target(PRIMARY_CONFIG)
+        context, search = self._context(target)
+        with context:
+            loader = GlobalHydra.instance().config_loader()
+            return sorted(
+                loader.get_group_options(group, config_name=target.config_name, overrides=search)
             )
 
     def default_groups(self) -> set[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
@@ -26,14 +27,18 @@ _MISSING_HINTS = {
     "dataset.path": "set dataset.path=/data/imagenet (or s3://bucket/imagenet): a folder with "
     "train/ and val/ class subfolders",
     "name": "set name=RUN_NAME",
+    "checkpoint.storage_path": "set checkpoint.storage_path=s3://bucket/prefix (or gs://..., or a "
+    "path every node mounts, with checkpoint.shared_filesystem=true)",
 }
 
 
 class ConfigError(ValueError):
-    """A config value breaks a rule. ``str()`` is one line: key, value, rule."""
+    """A config value breaks a rule. ``str()`` is one line: key, value, rule. ``supply``: the
+    value is one the user must give at run time (``python -m ftjob.check`` reports it as
+    "needs", not as an error of the config file)."""
 
-    def __init__(self, key: str, value: Any, rule: str) -> None:
-        self.key, self.value, self.rule = key, value, rule
+    def __init__(self, key: str, value: Any, rule: str, supply: bool = False) -> None:
+        self.key, self.value, self.rule, self.supply = key, value, rule, supply
         super().__init__(f"{key}={value!r}: {rule}")
 
 
@@ -98,6 +103,20 @@ class RetryConfig:
             self.deadline,
             "must be > 0 seconds, or null for no deadline",
         )
+        check_error_rules(self.retry_on, f"{g}.retry_on")
+        check_error_rules(self.give_up_on, f"{g}.give_up_on")
+
+
+def check_error_rules(rules: list[str] | tuple[str, ...], key: str) -> None:
+    """Each rule is an exception type name or a regex of the message: a bad regex is refused
+    at startup (and by ``python -m ftjob.check``), not at the first storage error."""
+    for rule in rules:
+        try:
+            re.compile(rule)
+        except re.error as exc:
+            raise ConfigError(
+                key, list(rules), f"{rule!r} is neither an exception type name nor a regex ({exc})"
+            ) from None
 
 
 UPLOAD_MODES = ("sync", "async")
@@ -111,11 +130,21 @@ class CheckpointConfig:
     num_to_keep: int = 2
     upload_mode: str = "sync"
     max_consecutive_upload_failures: int = 0
+    shared_filesystem: bool = False
+    restart_if_unrecoverable: bool = False
+    lease_timeout: float = 60.0
     retry: RetryConfig = field(default_factory=RetryConfig)
 
     def __post_init__(self) -> None:
         g = self._group
         _require(self.num_to_keep >= 1, g, "num_to_keep", self.num_to_keep, "must be >= 1")
+        _require(
+            self.lease_timeout >= 5,
+            g,
+            "lease_timeout",
+            self.lease_timeout,
+            "must be >= 5 seconds (the driver renews its lease every quarter of it)",
+        )
         _require(
             self.upload_mode in UPLOAD_MODES,
             g,
@@ -173,6 +202,7 @@ class ChaosConfig:
     jitter: bool = True
     seed: int = 0
     fail_at_steps: list[int] = field(default_factory=list)
+    at_steps: list[int] = field(default_factory=list)
     storage: StorageChaosConfig = field(default_factory=StorageChaosConfig)
 
     def __post_init__(self) -> None:
@@ -190,6 +220,25 @@ class ChaosConfig:
             self.fail_at_steps,
             "steps are 1-based: each must be >= 1",
         )
+        _require(
+            all(s > 0 for s in self.at_steps),
+            g,
+            "at_steps",
+            self.at_steps,
+            "steps are 1-based: each must be >= 1",
+        )
+        _require(
+            not self.at_steps or self.kind != "none",
+            g,
+            "at_steps",
+            self.at_steps,
+            "kills at steps need a kind: set chaos=node_killer or chaos=worker_killer",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Does the run have a kill schedule at all?"""
+        return self.kind != "none" and (self.max_kills > 0 or bool(self.at_steps))
 
 
 @dataclass
@@ -256,6 +305,7 @@ class RayConfig:
 
 
 PRECISIONS = ("fp32", "bf16")
+PLACEMENTS = ("PACK", "SPREAD")
 
 
 @dataclass
@@ -275,12 +325,14 @@ class TrainerConfig:
     log_every_n_steps: int = 10
     seed: int = 0
     audit_samples: bool = False
+    stop_on_nonfinite_loss: bool = True
     prefetch_batches: int = 2
     validation_cache_mb: int = 512
     decode_cpus: float = 1.0
     decode_window_mb: float = 256
     precision: str = "fp32"
     channels_last: bool = False
+    placement: str | None = None
 
     def __post_init__(self) -> None:
         g = self._group
@@ -332,6 +384,26 @@ class TrainerConfig:
             self.precision,
             f"must be one of {list(PRECISIONS)}",
         )
+        self._check_resources()
+
+    def _check_resources(self) -> None:
+        g = self._group
+        _require(
+            self.placement is None or self.placement in PLACEMENTS,
+            g,
+            "placement",
+            self.placement,
+            f"must be one of {list(PLACEMENTS)}, or null (SPREAD on a simulated cluster, else PACK)",
+        )
+        gpus = self.resources_per_worker.get("GPU", 0)
+        _require(
+            self.use_gpu or not gpus,
+            g,
+            "resources_per_worker",
+            self.resources_per_worker,
+            f"asks for {gpus:g} GPU per worker while trainer.use_gpu=false: set trainer.use_gpu=true, "
+            "or drop the GPU with 'trainer.resources_per_worker={CPU: 1}'",
+        )
         bad = {k: v for k, v in self.resources_per_worker.items() if v < 0}
         _require(
             not bad, g, "resources_per_worker", self.resources_per_worker, "amounts must be >= 0"
@@ -381,7 +453,7 @@ class JobConfig:
             self.name,
             "must be a non-empty run name without '/'",
         )
-        if self.chaos.kind == "node" and self.chaos.max_kills > 0:
+        if self.chaos.kind == "node" and self.chaos.enabled:
             _require(
                 self.ray.local_nodes > 1 or self.ray.address is not None,
                 "chaos",
@@ -389,19 +461,91 @@ class JobConfig:
                 self.chaos.kind,
                 "node kills need a multi-node cluster: set ray.local_nodes=3 (simulated) or ray.address",
             )
-        check_target(self.model, "model", skip=("num_classes",))
-        check_target(self.dataset, "dataset")
-        check_target(self.optimizer, "optimizer", skip=("params", "lr"))
+        self._check_storage_on_cluster()
+        if self.checkpoint.storage_path:
+            check_backend(self.checkpoint.storage_path, "checkpoint.storage_path")
+        dataset_path = self.dataset.get("path")
+        if isinstance(dataset_path, str) and not _is_placeholder(dataset_path):
+            check_backend(dataset_path, "dataset.path")
+        for group in TARGET_GROUPS:
+            check_group_target(getattr(self, group), group)
+
+    def _check_storage_on_cluster(self) -> None:
+        """On an existing cluster, nodes other than the driver's cannot read the driver's
+        disk: a checkpoint there is lost to every other node (after a node kill, training
+        would silently start over). Object stores, and paths every node mounts, work."""
+        path = self.checkpoint.storage_path
+        local = path is None or fsspec_protocol(path) in ("file", "local")
+        if self.ray.address is None or not local or self.checkpoint.shared_filesystem:
+            return
+        raise ConfigError(
+            "checkpoint.storage_path",
+            path,
+            f"with ray.address={self.ray.address!r} checkpoints must be on storage every node "
+            "reaches: set checkpoint.storage_path to a URL (s3://bucket/prefix, gs://...), or to "
+            "a path mounted on every node and declare it with checkpoint.shared_filesystem=true",
+            supply=path is None,
+        )
 
 
 # Keys Hydra's instantiate reads itself.
 _HYDRA_KEYS = ("_target_", "_partial_", "_convert_", "_recursive_", "_args_")
 
 
+def fsspec_protocol(url: str) -> str:
+    """``s3`` for ``s3://b/k``, ``file`` for a plain path (fsspec's rule, without importing it)."""
+    match = re.match(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://", url)
+    return match.group(1).lower() if match else "file"
+
+
+# The package that brings each storage backend ftjob names in its errors (fsspec's own message
+# names the module).
+INSTALL_HINTS = {
+    "gs": "pip install 'ftjob[gcs]'",
+    "gcs": "pip install 'ftjob[gcs]'",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
+}
+
+
+def check_backend(url: str, key: str) -> None:
+    """The fsspec backend for ``url`` is known and installed (without touching the storage)."""
+    import fsspec
+
+    protocol = fsspec_protocol(url)
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        hint = INSTALL_HINTS.get(protocol, "install the fsspec package it names")
+        raise ConfigError(
+            key, url, f"the {protocol}:// backend is not installed ({exc}): {hint}"
+        ) from None
+    except ValueError:
+        raise ConfigError(
+            key, url, f"unknown storage protocol {protocol}://: use a path, s3://, gs://, ..."
+        ) from None
+
+
+# The `_target_` groups, and the arguments ftjob passes to each itself (the node must not set
+# them; the target must accept them).
+TARGET_GROUPS: dict[str, tuple[str, ...]] = {
+    "model": ("num_classes",),
+    "dataset": (),
+    "optimizer": ("params", "lr"),
+}
+
+
+def check_group_target(node: dict[str, Any], group: str) -> Callable[..., Any]:
+    passed = TARGET_GROUPS[group]
+    return check_target(node, group, skip=passed, needs=passed)
+
+
 def check_target(
-    node: dict[str, Any], group: str, skip: tuple[str, ...] = ()
+    node: dict[str, Any], group: str, skip: tuple[str, ...] = (), needs: tuple[str, ...] = ()
 ) -> Callable[..., Any]:
-    """Import ``node['_target_']`` and bind the node's other keys to its signature."""
+    """Import ``node['_target_']`` and bind the node's other keys to its signature; ``needs``
+    are arguments ftjob passes itself, which the target must accept."""
     target = node.get("_target_")
     if not isinstance(target, str) or not target:
         raise ConfigError(
@@ -409,9 +553,20 @@ def check_target(
         )
     obj = import_target(target, f"{group}._target_")
     kwargs = {k: v for k, v in node.items() if k not in _HYDRA_KEYS and k not in skip}
-    signature = inspect.signature(obj)
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return obj
     params = [p for p in signature.parameters if p not in skip and p != "self"]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    refused = [n for n in needs if n not in signature.parameters and not takes_any]
+    if refused:
+        raise ConfigError(
+            f"{group}._target_",
+            target,
+            f"takes no {refused[0]!r} argument, which ftjob passes to every {group} "
+            f"(it takes {params})",
+        )
     unknown = [k for k in kwargs if k not in signature.parameters]
     if unknown and not takes_any:
         raise ConfigError(
@@ -420,12 +575,26 @@ def check_target(
             f"{target} takes no such argument; it takes {params}",
         )
     try:
-        signature.bind_partial(**kwargs)
+        bound = signature.bind_partial(**kwargs)
     except TypeError as exc:
         raise ConfigError(
             group, sorted(kwargs), f"{target} cannot take these keys ({exc}); it takes {params}"
         ) from None
+    check_args = getattr(obj, "check_args", None)
+    if callable(check_args) and not any(_is_placeholder(v) for v in kwargs.values()):
+        arguments = {
+            name: p.default
+            for name, p in signature.parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+        arguments.update(bound.arguments)
+        check_args(**arguments)
     return obj
+
+
+def _is_placeholder(value: Any) -> bool:
+    # A `???` value that `python -m ftjob.check` stands in for: the node is checked at run time.
+    return isinstance(value, str) and value.startswith("<") and value.endswith(">")
 
 
 def import_target(path: str, key: str) -> Any:

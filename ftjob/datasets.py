@@ -21,8 +21,18 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
+from ftjob.config import ConfigError
+
 TRAIN, VAL = "train", "val"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+def _dataset_rule(ok: bool, key: str, args: dict[str, Any], rule: str) -> None:
+    if not ok:
+        value = args[key]
+        raise ConfigError(
+            f"dataset.{key}", list(value) if isinstance(value, tuple) else value, rule
+        )
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
@@ -48,6 +58,14 @@ class ImageDataset(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> None:
+        """Refuse constructor arguments that could only fail later, inside decode tasks on the
+        cluster (raise :class:`~ftjob.config.ConfigError` naming ``dataset.KEY``). Called with
+        every argument, defaults included, by config validation and ``python -m ftjob.check``:
+        it must not read any data."""
+        return None
+
 
 def _normalise(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """uint8/float HWC images (N,H,W,C) in [0,1] -> normalised float32 NCHW."""
@@ -68,14 +86,18 @@ class DigitsDataset(ImageDataset):
         split_seed: int = 0,
         augment: bool = False,
     ) -> None:
-        if image_size < 8:
-            raise ValueError(f"dataset.image_size={image_size}: must be >= 8 (digits are 8x8)")
-        if not 0 < val_fraction < 1:
-            raise ValueError(f"dataset.val_fraction={val_fraction}: must be in (0, 1)")
+        self.check_args(image_size=image_size, val_fraction=val_fraction)
         self.image_size = image_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
         self.augment = augment
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> None:
+        _dataset_rule(
+            kwargs["image_size"] >= 8, "image_size", kwargs, "must be >= 8 (digits are 8x8)"
+        )
+        _dataset_rule(0 < kwargs["val_fraction"] < 1, "val_fraction", kwargs, "must be in (0, 1)")
 
     @property
     def num_classes(self) -> int:
@@ -136,19 +158,24 @@ class SyntheticDataset(ImageDataset):
         noise: float = 0.5,
         data_seed: int = 0,
     ) -> None:
-        for key, value in {"num_samples": num_samples, "num_val_samples": num_val_samples}.items():
-            if value < 1:
-                raise ValueError(f"dataset.{key}={value}: must be >= 1")
-        if image_size < 1 or num_classes < 2:
-            raise ValueError(
-                f"dataset.image_size={image_size}, dataset.num_classes={num_classes}: need >= 1 and >= 2"
-            )
+        self.check_args(
+            num_samples=num_samples,
+            num_val_samples=num_val_samples,
+            image_size=image_size,
+            num_classes=num_classes,
+        )
         self.num_samples = num_samples
         self.num_val_samples = num_val_samples
         self.image_size = image_size
         self._num_classes = num_classes
         self.noise = noise
         self.data_seed = data_seed
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> None:
+        for key in ("num_samples", "num_val_samples", "image_size"):
+            _dataset_rule(kwargs[key] >= 1, key, kwargs, "must be >= 1")
+        _dataset_rule(kwargs["num_classes"] >= 2, "num_classes", kwargs, "must be >= 2")
 
     @property
     def num_classes(self) -> int:
@@ -204,6 +231,13 @@ class ImageFolderDataset(ImageDataset):
         std: tuple[float, ...] = (0.5, 0.5, 0.5),
         storage_options: dict[str, Any] | None = None,
     ) -> None:
+        self.check_args(
+            image_size=image_size,
+            resize_size=resize_size,
+            num_classes=num_classes,
+            mean=mean,
+            std=std,
+        )
         self.path = str(path).rstrip("/")
         self.train_dir, self.val_dir = train_dir, val_dir
         self.image_size, self.resize_size = image_size, resize_size
@@ -214,6 +248,30 @@ class ImageFolderDataset(ImageDataset):
         self._classes: list[str] | None = None
         self._listings: dict[str, dict[str, list[str]]] = {}
         self._fs: Any = None
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> None:
+        for key in ("image_size", "resize_size"):
+            _dataset_rule(kwargs[key] >= 1, key, kwargs, "must be >= 1 pixel")
+        _dataset_rule(
+            kwargs["resize_size"] >= kwargs["image_size"],
+            "resize_size",
+            kwargs,
+            f"must be >= dataset.image_size ({kwargs['image_size']}): validation images are "
+            "resized to it, then centre-cropped to image_size",
+        )
+        classes = kwargs.get("num_classes")
+        _dataset_rule(
+            classes is None or classes >= 2,
+            "num_classes",
+            kwargs,
+            "must be >= 2, or null to count the class folders",
+        )
+        for key in ("mean", "std"):
+            _dataset_rule(
+                len(kwargs[key]) == 3, key, kwargs, "must have 3 values, one per RGB channel"
+            )
+        _dataset_rule(all(v > 0 for v in kwargs["std"]), "std", kwargs, "every value must be > 0")
 
     def __getstate__(self) -> dict[str, Any]:
         # Filesystem clients are per process; listings stay on the driver (they can be large).

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from ftjob.metrics import json_safe
+from ftjob.metrics import fmt, json_safe
 
 
 class RunLedger:
@@ -24,7 +24,9 @@ class RunLedger:
         self.started = time.time()
         self.attempts: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
-        self.kills: list[dict[str, Any]] = []
+        self.kills: list[dict[str, Any]] = []  # confirmed kills
+        self.pending_kills: list[dict[str, Any]] = []  # node kills not yet confirmed
+        self.skipped_kills: list[dict[str, Any]] = []
         self.injected: list[dict[str, Any]] = []
         self.validations: dict[int, dict[str, Any]] = {}
         self.replaced_validations = 0
@@ -73,7 +75,13 @@ class RunLedger:
     def chaos_view(self) -> dict[str, Any]:
         """What the chaos killer needs: when training began, and the current attempt."""
         if not self.attempts:
-            return {"training_started": None, "attempt": None, "training": False, "workers": []}
+            return {
+                "training_started": None,
+                "attempt": None,
+                "training": False,
+                "workers": [],
+                "step": 0,
+            }
         first = self.attempts[0]["first_step"]
         latest = self.attempts[-1]
         return {
@@ -83,6 +91,7 @@ class RunLedger:
             and not self.trained_all
             and self.finished is None,
             "workers": self.workers(),
+            "step": latest["max_step"],
         }
 
     def restored(self, attempt: int, info: dict[str, Any]) -> None:
@@ -118,7 +127,7 @@ class RunLedger:
         p = progress
         self.log(
             f"epoch {p['epoch'] + 1}/{p['epochs']} step {p['step']}/{p['total_steps']} "
-            f"loss {p['loss']:.4f} | {p['throughput']:.0f} img/s"
+            f"loss {fmt(p['loss'])} | {fmt(p['throughput'], '.0f')} img/s"
         )
 
     # -- events -----------------------------------------------------------------------------
@@ -128,7 +137,7 @@ class RunLedger:
             self.replaced_validations += 1  # the step was trained again after a restore
         self.validations[step] = dict(result, step=step, attempt=attempt)
         self.log(
-            f"validation at step {step}: loss {result['loss']:.4f}, accuracy {result['accuracy']:.4f}"
+            f"validation at step {step}: loss {fmt(result['loss'])}, accuracy {fmt(result['accuracy'])}"
         )
 
     def checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
@@ -157,14 +166,38 @@ class RunLedger:
         return True
 
     def kill(self, record: dict[str, Any]) -> None:
-        self.kills.append(record)
+        """A kill the killer carried out. A node kill counts once confirmed (the node is gone:
+        :meth:`confirm_kill`); until then it is pending, though a simulated cluster already
+        replaces the node."""
+        pending = record["kind"] == "node"
+        entry = dict(record, confirmed=not pending)
+        (self.pending_kills if pending else self.kills).append(entry)
         target = record.get("target", {})
-        what = (
-            f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
-            if record["kind"] == "node"
-            else (f"worker rank {target.get('rank')} (pid {target.get('pid')})")
-        )
-        self.log(f"chaos: kill {len(self.kills)}: {what}")
+        if pending:
+            what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+            self.log(f"chaos: killing {what}")
+        else:
+            what = f"worker rank {target.get('rank')} (pid {target.get('pid')})"
+            self.log(f"chaos: kill {len(self.kills)}: {what}")
+
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
+        entry = next((k for k in self.pending_kills if k["time"] == time_of_kill), None)
+        if entry is None:
+            return
+        self.pending_kills.remove(entry)
+        target = entry.get("target", {})
+        what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+        if confirmed:
+            self.kills.append(dict(entry, confirmed=True))
+            self.kills.sort(key=lambda k: k["time"])
+            self.log(f"chaos: kill {len(self.kills)}: {what} is gone")
+        else:
+            self.chaos_skipped(dict(entry, reason="the node was not confirmed dead"))
+
+    def chaos_skipped(self, record: dict[str, Any]) -> None:
+        """A kill window that ended without a kill, and why."""
+        self.skipped_kills.append(record)
+        self.log(f"chaos: no {record['kind']} kill: {record['reason']}")
 
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
         self.failures.append({"noticed": now, "errors": errors})
@@ -182,7 +215,8 @@ class RunLedger:
     # -- reading ----------------------------------------------------------------------------
 
     def snapshot_kills(self) -> list[dict[str, Any]]:
-        return list(self.kills)
+        """Every kill carried out, pending node kills included (to replace their nodes)."""
+        return sorted(self.kills + self.pending_kills, key=lambda k: k["time"])
 
     def poll(self, cursor: int) -> tuple[list[str], int]:
         return self.lines[cursor:], len(self.lines)
@@ -196,6 +230,11 @@ class RunLedger:
                 "attempts": self.attempts,
                 "failures": self.failures,
                 "kills": self.kills,
+                "chaos_skipped": self.skipped_kills
+                + [
+                    dict(k, reason="not confirmed dead before the run ended")
+                    for k in self.pending_kills
+                ],
                 "injected": self.injected,
                 "validations": [self.validations[s] for s in sorted(self.validations)],
                 "replaced_validations": self.replaced_validations,

@@ -1,7 +1,8 @@
 """Metric keys, a Timer, and the metric set that rides in every checkpoint.
 
 Every key in :data:`METRIC_KEYS` is always present (0 when unused) and JSON-safe, so summary
-files from different runs always line up column for column.
+files from different runs always line up column for column. A non-finite value (a diverged
+loss) is written as ``null``, never as a number: 0 would read as a perfect loss.
 """
 
 from __future__ import annotations
@@ -70,13 +71,13 @@ METRIC_KEYS: tuple[str, ...] = (
 
 
 def json_safe(value: Any) -> Any:
-    """Numbers as finite floats/ints (inf and NaN become 0.0), recursively."""
+    """Numbers as finite floats/ints, inf and NaN as None (JSON ``null``), recursively."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, int):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else 0.0
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -84,6 +85,21 @@ def json_safe(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy / torch scalars
         return json_safe(value.item())
     return value
+
+
+def finite(value: Any, default: float = 0.0) -> float:
+    """``value`` as a float for arithmetic; ``default`` for None (a value written as null)."""
+    if value is None:
+        return default
+    number = float(value)
+    return number if math.isfinite(number) else default
+
+
+def fmt(value: Any, spec: str = ".4f") -> str:
+    """A number for a progress line or a table; ``null`` for a non-finite or missing one."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "null"
+    return format(value, spec)
 
 
 class MetricSet:

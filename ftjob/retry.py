@@ -18,7 +18,7 @@ from typing import Any
 
 import tenacity
 
-from ftjob.config import ConfigError, RetryConfig
+from ftjob.config import RetryConfig, check_error_rules
 from ftjob.urls import bucket_of
 
 logger = logging.getLogger("ftjob.storage")
@@ -132,17 +132,6 @@ def _chain(exc: BaseException) -> list[BaseException]:
 
 def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
-
-
-def check_rules(rules: tuple[str, ...] | list[str], key: str) -> None:
-    """A bad regex in ``retry_on``/``give_up_on`` fails at startup, not at the first error."""
-    for rule in rules:
-        try:
-            re.compile(rule)
-        except re.error as exc:
-            raise ConfigError(
-                key, list(rules), f"{rule!r} is neither an exception type name nor a regex ({exc})"
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -291,8 +280,8 @@ class RetryPolicy:
         rng: random.Random | None = None,
     ) -> None:
         self.config = config or RetryConfig()
-        check_rules(self.config.retry_on, f"{RetryConfig._group}.retry_on")
-        check_rules(self.config.give_up_on, f"{RetryConfig._group}.give_up_on")
+        check_error_rules(self.config.retry_on, f"{RetryConfig._group}.retry_on")
+        check_error_rules(self.config.give_up_on, f"{RetryConfig._group}.give_up_on")
         self.sleep, self.clock = sleep, clock
         self.rng = rng or random.Random()
         self.classifier = ErrorClassifier(

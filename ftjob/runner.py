@@ -13,20 +13,38 @@ import logging
 import os
 import posixpath
 import secrets
+import shlex
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.chaos import node_chaos_targets
 from ftjob.checkpoint import CheckpointStore
-from ftjob.cluster import check_resources, cluster
+from ftjob.checkpointer import run_scratch_dir
+from ftjob.cluster import check_resources, cluster, probe_cluster
+from ftjob.compose import override_key
 from ftjob.config import ConfigError, JobConfig, JobError, to_plain
 from ftjob.data import EpochPlan
 from ftjob.datasets import TRAIN, VAL, ImageDataset, build_dataset
-from ftjob.resume import ResumeError, check_resume
-from ftjob.storage import RetryingFileSystem, StorageError, build_filesystem, preflight, to_pyarrow
-from ftjob.summary import FitOutcome, build_summary, decide_status, format_summary, write_summary
+from ftjob.lease import LeaseHeld, RunLease
+from ftjob.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.storage import (
+    RetryingFileSystem,
+    StorageError,
+    build_filesystem,
+    preflight,
+    to_pyarrow,
+)
+from ftjob.summary import (
+    FitOutcome,
+    build_summary,
+    decide_status,
+    format_summary,
+    write_summary,
+)
 
 logger = logging.getLogger("ftjob")
 
@@ -59,10 +77,16 @@ class Prepared:
     dataset: ImageDataset
     catalogs: dict[str, Any]
     plan: EpochPlan
+    data: dict[str, Any]  # the train catalog's fingerprint, kept in every checkpoint
+    lease: RunLease  # this driver's hold on the run
+    notes: list[str]  # said before training: a lease taken over, allowed resume changes
 
 
 def prepare(job: JobConfig, run_dir: str) -> Prepared:
-    """All checks that need no cluster: storage, resume target, dataset, batch sizes."""
+    """All checks that need no training: the cluster answers, storage, resume target,
+    dataset, batch sizes."""
+    if job.ray.address is not None:
+        probe_cluster(job.ray.address)
     name = job.name or unique_run_name()
     url = job.checkpoint.storage_path or os.path.join(os.path.abspath(run_dir), "checkpoints")
     probe_fs, root = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
@@ -75,36 +99,55 @@ def prepare(job: JobConfig, run_dir: str) -> Prepared:
         seed=job.chaos.seed,
     )
     run_path = posixpath.join(root.rstrip("/"), name)
-    check_resume(job, CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path))
+    store, url = CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path)
+    check_run_name(job, store, url)
     dataset = build_dataset(job.dataset)
     catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+    data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
+    stated = check_resume(job, store, url, data)
     plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
     if job.trainer.num_workers > catalogs[VAL].num_rows:
         raise JobError(
             f"trainer.num_workers={job.trainer.num_workers}: more workers than validation samples"
         )
-    return Prepared(name, fs, root, run_path, dataset, catalogs, plan)
+    lease = RunLease(probe_fs, run_path, job.checkpoint.lease_timeout)  # last: nothing fails after
+    try:
+        lease_note = lease.acquire(name)
+    except LeaseHeld as exc:
+        raise JobError(str(exc)) from None
+    notes = ([lease_note] if lease_note else []) + [
+        f"resume: {change} (changed since the checkpoint; allowed)" for change in stated
+    ]
+    return Prepared(name, fs, root, run_path, dataset, catalogs, plan, data, lease, notes)
 
 
 def _fit_outcome(exc: BaseException | None, interrupted: bool) -> FitOutcome:
-    """How fit() ended, as the plain data :func:`ftjob.summary.decide_status` decides on."""
+    """How fit() ended, as the plain data :func:`ftjob.summary.decide_status` decides on. Only
+    worker-group failures spend the failure budget; Ray Train's controller failing is said as
+    such."""
     if exc is None:
         return FitOutcome(interrupted=interrupted)
-    from ray.train import TrainingFailedError
+    from ray.train import ControllerError, WorkerGroupError
 
     text = str(exc).strip().splitlines()
     root = next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:400]
-    if isinstance(exc, TrainingFailedError):
+    if isinstance(exc, WorkerGroupError):
         return FitOutcome(root, budget_exhausted=True, interrupted=interrupted)
+    if isinstance(exc, ControllerError):
+        return FitOutcome(f"Ray Train's controller failed: {root}", interrupted=interrupted)
     return FitOutcome(f"{type(exc).__name__}: {root}", interrupted=interrupted)
 
 
-# -- the run --------------------------------------------------------------------------------
-
-
-def run(job: JobConfig, run_dir: str, echo: Callable[[str], None] | None = None) -> RunResult:
+def run(
+    job: JobConfig,
+    run_dir: str,
+    echo: Callable[[str], None] | None = None,
+    overrides: list[str] | None = None,
+) -> RunResult:
     """Run ``job``; write summary.json in ``run_dir``. Never raises for a failed training run
-    (status "failed" in the result); raises JobError/StorageError/ConfigError for bad input."""
+    (status "failed" or "interrupted" in the result); raises JobError/StorageError/ConfigError
+    for bad input. ``overrides`` (the command line's) make the printed command that resumes a
+    run that did not succeed."""
     echo = echo or (lambda line: print(f"[ftjob] {line}", flush=True))
     started = time.time()
     os.makedirs(run_dir, exist_ok=True)
@@ -120,7 +163,13 @@ def run(job: JobConfig, run_dir: str, echo: Callable[[str], None] | None = None)
         f"{prep.plan.steps_per_epoch} steps/epoch x {job.trainer.epochs} epochs"
     )
     echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
-    snapshot, fit = _train_on_cluster(job, prep, echo)
+    for note in prep.notes:
+        echo(note)
+    try:
+        snapshot, fit = _train_on_cluster(job, prep, echo)
+    finally:  # checkpoint scratch of every attempt on this node, killed ones' included
+        shutil.rmtree(run_scratch_dir(prep.name), ignore_errors=True)
+        prep.lease.release()
     status, error = decide_status(snapshot, fit, job.failure.max_failures)
     summary = build_summary(
         snapshot,
@@ -131,11 +180,24 @@ def run(job: JobConfig, run_dir: str, echo: Callable[[str], None] | None = None)
         config=to_plain(job),
         driver_storage=prep.fs.snapshot_stats(),
     )
+    if status != "succeeded" and summary["checkpoints"]["latest"]:
+        summary["resume_command"] = resume_command(overrides or [], prep)
     path = write_summary(summary, run_dir)
     for line in format_summary(summary).splitlines():
         echo(line)
+    if "resume_command" in summary:
+        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
     echo(f"summary: {path}")
     return RunResult(prep.name, status, error, summary, path)
+
+
+def resume_command(overrides: list[str], prep: Prepared) -> str:
+    """The command that continues this run from its latest committed checkpoint."""
+    replaced = {"name", "resume", "checkpoint.storage_path"}
+    kept = [o for o in overrides if override_key(o) not in replaced]
+    storage = prep.fs.unstrip_protocol(prep.storage_root)
+    args = [*kept, f"name={prep.name}", "resume=true", f"checkpoint.storage_path={storage}"]
+    return "python -m ftjob " + " ".join(shlex.quote(a) for a in args)
 
 
 def _train_on_cluster(
@@ -149,8 +211,13 @@ def _train_on_cluster(
         import ray
 
         check_resources(job)
+        if job.chaos.enabled and job.chaos.kind == "node" and not node_chaos_targets():
+            echo(
+                "warning: chaos kind=node: every node of this cluster is the head or the driver's "
+                "node, which node chaos never kills; each kill window will be skipped"
+            )
         ledger, killer = _start_run_actors(job, prep)
-        monitor = _Monitor(ledger, echo, local)
+        monitor = _Monitor(ledger, echo, local, prep.lease)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
@@ -188,7 +255,7 @@ def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
     }
     ledger = start_ledger(plan, list(job.chaos.fail_at_steps))
     killer = None
-    if job.chaos.kind != "none" and job.chaos.max_kills > 0:
+    if job.chaos.enabled:
         killer = start_killer(job.chaos, ledger)
     return ledger, killer
 
@@ -210,6 +277,8 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
         ledger=ledger,
         fs=prep.fs,
         run_path=prep.run_path,
+        run_name=prep.name,
+        data=prep.data,
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.
@@ -221,14 +290,13 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
             num_workers=t.num_workers,
             use_gpu=t.use_gpu,
             resources_per_worker=dict(t.resources_per_worker),
-            placement_strategy="SPREAD" if job.ray.local_nodes > 1 else "PACK",
+            placement_strategy=t.placement or ("SPREAD" if job.ray.local_nodes > 1 else "PACK"),
         ),
         run_config=ray.train.RunConfig(
             name=prep.name,
             storage_path=prep.storage_root,
             storage_filesystem=to_pyarrow(prep.fs),
             failure_config=ray.train.FailureConfig(max_failures=job.failure.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=job.checkpoint.num_to_keep),
             callbacks=[failure_watch(ledger)],
         ),
     )
@@ -241,14 +309,17 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
 class _Monitor:
     """Prints the ledger's progress lines and replaces killed nodes of a local cluster."""
 
-    def __init__(self, ledger: Any, echo: Callable[[str], None], local: Any) -> None:
-        self.ledger, self.echo, self.local = ledger, echo, local
+    def __init__(
+        self, ledger: Any, echo: Callable[[str], None], local: Any, lease: RunLease
+    ) -> None:
+        self.ledger, self.echo, self.local, self.lease = ledger, echo, local, lease
         self.cursor = 0
         self.started = time.time()
 
     def tick(self) -> None:
         import ray
 
+        self.lease.renew()
         try:
             lines, self.cursor = ray.get(self.ledger.poll.remote(self.cursor), timeout=10)
         except Exception as exc:

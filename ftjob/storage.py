@@ -108,8 +108,9 @@ for _name in OPERATIONS:
 class _UploadOnClose(io.BytesIO):
     """A write handle that uploads its whole content in one (retryable) request on close.
 
-    Leaving a ``with`` block by an exception discards the content: a writer that failed half
-    way never publishes half a file."""
+    Only an explicit ``close()`` (or leaving a ``with`` block normally) publishes. Leaving it by
+    an exception, or dropping the handle without closing it (garbage collection), discards the
+    content: a writer that failed half way never publishes half a file."""
 
     def __init__(self, upload: Callable[[bytes], Any]) -> None:
         super().__init__()
@@ -130,6 +131,10 @@ class _UploadOnClose(io.BytesIO):
             self.discard()
         else:
             self.close()
+
+    def __del__(self) -> None:
+        # io.IOBase.__del__ would call close(), publishing whatever was written so far.
+        self.discard()
 
 
 def innermost(fs: AbstractFileSystem) -> AbstractFileSystem:

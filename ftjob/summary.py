@@ -18,6 +18,7 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.data import epoch_order
+from ftjob.metrics import finite, fmt
 from ftjob.retry import StorageStats
 
 SUMMARY_FILE = "summary.json"
@@ -35,10 +36,11 @@ class FitOutcome:
 def decide_status(
     snap: dict[str, Any], fit: FitOutcome, max_failures: int
 ) -> tuple[str, str | None]:
-    """("succeeded" | "failed", the one-line error). A run succeeds only when fit() returned,
-    no rank declared the job fatally failed, and the last step was trained."""
+    """("succeeded" | "failed" | "interrupted", the one-line error). A run succeeds only when
+    fit() returned, no rank declared the job fatally failed, the last step was trained and,
+    when audited, every sample was trained exactly once."""
     if fit.interrupted:
-        return "failed", "interrupted (Ctrl-C)"
+        return "interrupted", "interrupted (Ctrl-C) before the last step"
     if fit.error is not None:
         if fit.budget_exhausted:
             return "failed", (
@@ -50,7 +52,19 @@ def decide_status(
         return "failed", snap["fatal"]
     if snap["finished"] is None:
         return "failed", "training ended before the last epoch"
+    broken = [a for a in (audit_report(snap) if snap["audit"] else []) if not exactly_once(a)]
+    if broken:
+        a = broken[0]
+        return "failed", (
+            f"exact-once broken: epoch {a['epoch']} trained {a['duplicates']} duplicate, "
+            f"{a['missing']} missing and {a['unexpected']} unexpected sample(s) "
+            f"({len(broken)} epoch(s) affected; see summary.json audit)"
+        )
     return "succeeded", None
+
+
+def exactly_once(epoch_audit: dict[str, Any]) -> bool:
+    return not (epoch_audit["duplicates"] or epoch_audit["missing"] or epoch_audit["unexpected"])
 
 
 def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -133,8 +147,12 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
 
     Steps an attempt trained past the checkpoint the next attempt restored were thrown away
     with that attempt (lost work), so they do not count; everything else must cover each
-    epoch's samples exactly once."""
+    epoch's samples exactly once. A resumed run (``resume=true``) starts in the middle of an
+    epoch: the samples before the position it resumed at were trained by the run it continues
+    (``resumed_at`` counts them) and are not expected again."""
     plan = snap["plan"]
+    first = (snap["attempts"][0]["restored"] or {}) if snap["attempts"] else {}
+    resumed_epoch, resumed_at = first.get("epoch"), first.get("position", 0)
     restored = {a["index"]: (a["restored"] or {}).get("step", 0) for a in snap["attempts"]}
     last = max(restored) if restored else 0
     per_epoch: dict[int, list[int]] = {}
@@ -146,13 +164,15 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for epoch in sorted(per_epoch):
         ids = np.asarray(per_epoch[epoch], dtype=np.int64)
+        start = resumed_at if epoch == resumed_epoch else 0
         expected = epoch_order(plan["num_samples"], plan["seed"], epoch)[
-            : plan["samples_per_epoch"]
+            start : plan["samples_per_epoch"]
         ]
         unique = np.unique(ids)
         out.append(
             {
                 "epoch": epoch,
+                "resumed_at": start,
                 "trained": int(len(ids)),
                 "unique": int(len(unique)),
                 "duplicates": int(len(ids) - len(unique)),
@@ -180,7 +200,10 @@ def summary_metrics(
     download = sum(r.get("download", 0.0) for r in restores)
     load = sum(r.get("load", 0.0) for r in restores)
     skip = sum(r.get("skip", 0.0) for r in restores)
-    busy = metrics[M.TRAIN_STEP] + metrics[M.TRAIN_ITER_BATCH] + metrics[M.TRAIN_ITER_FIRST_BATCH]
+    # Timers are finite unless a clock misbehaved; a null one does not poison the rate.
+    busy = sum(
+        finite(metrics[k]) for k in (M.TRAIN_STEP, M.TRAIN_ITER_BATCH, M.TRAIN_ITER_FIRST_BATCH)
+    )
     last_val = snap["validations"][-1] if snap["validations"] else None
     metrics.update(
         {
@@ -188,7 +211,9 @@ def summary_metrics(
             M.CHECKPOINT_LOAD: load,
             M.TRAIN_ITER_SKIP_BATCH: skip,
             M.CHECKPOINT_RESTORATION_TIME: download + load + skip,
-            M.TRAIN_GLOBAL_THROUGHPUT: metrics[M.TRAIN_ROWS_PROCESSED] / busy if busy else 0.0,
+            M.TRAIN_GLOBAL_THROUGHPUT: finite(metrics[M.TRAIN_ROWS_PROCESSED]) / busy
+            if busy
+            else 0.0,
             M.VALIDATION_LOSS: last_val["loss"] if last_val else 0.0,
             M.VALIDATION_ACCURACY: last_val["accuracy"] if last_val else 0.0,
             M.CHECKPOINT_UPLOAD_ATTEMPTS: upload.attempts,
@@ -235,12 +260,16 @@ def build_summary(
         "metrics": metrics,
         "progress": snap["progress"],
         "failures": failures,
-        "chaos": {"kills": snap["kills"], "injected": snap["injected"]},
+        "chaos": {
+            "kills": snap["kills"],
+            "skipped": snap.get("chaos_skipped", []),
+            "injected": snap["injected"],
+        },
         "checkpoints": {
             "committed": len(committed),
             "failed": len(snap["checkpoints"]) - len(committed),
             "latest": committed[-1]["path"] if committed else None,
-            "fallbacks": fallbacks,
+            "fallbacks": fallbacks,  # checkpoints that did not verify, and where they went
         },
         "storage": {**totals, "total": all_ops.as_dict()["all"]},
         "timing": {
@@ -271,19 +300,20 @@ def format_summary(summary: dict[str, Any]) -> str:
     """The summary a person reads: at the end of a run, and from ``python -m ftjob.report``.
     Reads any summary.json, also one of a job that never started (figures then 0)."""
     m = dict.fromkeys(M.METRIC_KEYS, 0.0)
-    m.update({k: v for k, v in (summary.get("metrics") or {}).items() if v is not None})
+    m.update(summary.get("metrics") or {})
     error = summary.get("error")
     checkpoints = summary.get("checkpoints") or {}
     lines = [
         f"run {summary.get('name') or '?'}: {summary.get('status', 'failed')}, wall time "
         f"{float(summary.get('wall_time_s') or 0.0):.1f} s" + (f" -- {error}" if error else ""),
-        f"  steps {int(m[M.TRAIN_STEPS_COMPLETED])}, {m[M.TRAIN_GLOBAL_THROUGHPUT]:.0f} img/s, "
-        f"validation accuracy {m[M.VALIDATION_ACCURACY]:.4f} (loss {m[M.VALIDATION_LOSS]:.4f})",
+        f"  steps {fmt(m[M.TRAIN_STEPS_COMPLETED], '.0f')}, {fmt(m[M.TRAIN_GLOBAL_THROUGHPUT], '.0f')} img/s, "
+        f"train loss {fmt(m[M.TRAIN_LOSS])}, validation accuracy {fmt(m[M.VALIDATION_ACCURACY])} "
+        f"(loss {fmt(m[M.VALIDATION_LOSS])})",
         f"  checkpoints committed {checkpoints.get('committed', 0)}, upload retries "
-        f"{int(m[M.CHECKPOINT_UPLOAD_RETRIES])}, upload failures {int(m[M.CHECKPOINT_UPLOAD_FAILURES])}",
-        f"  kills {int(m[M.CHAOS_KILLS])}, failures {int(m[M.FAILURES_COUNT])}, mean time-to-recover "
-        f"{m[M.RECOVERY_TIME_TO_RECOVER]:.1f}s, restoration {m[M.CHECKPOINT_RESTORATION_TIME]:.2f}s, "
-        f"lost steps {int(m[M.RECOVERY_LOST_STEPS])}",
+        f"{fmt(m[M.CHECKPOINT_UPLOAD_RETRIES], '.0f')}, upload failures {fmt(m[M.CHECKPOINT_UPLOAD_FAILURES], '.0f')}",
+        f"  kills {fmt(m[M.CHAOS_KILLS], '.0f')}, failures {fmt(m[M.FAILURES_COUNT], '.0f')}, mean time-to-recover "
+        f"{fmt(m[M.RECOVERY_TIME_TO_RECOVER], '.1f')}s, restoration {fmt(m[M.CHECKPOINT_RESTORATION_TIME], '.2f')}s, "
+        f"lost steps {fmt(m[M.RECOVERY_LOST_STEPS], '.0f')}",
     ]
     for f in summary.get("failures", []):
         parts = [f"  failure {f['attempt']}: {f['kind']}"]
@@ -296,6 +326,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         else:
             parts.append("not recovered")
         lines.append(", ".join(parts))
+    for skip in (summary.get("chaos") or {}).get("skipped", []):
+        lines.append(
+            f"  chaos: no {skip.get('kind')} kill at {skip.get('time', 0):.0f}: {skip.get('reason')}"
+        )
     for a in summary.get("audit", []):
         lines.append(
             f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"

@@ -79,7 +79,8 @@ class JobRow:
     status: str
     name: str = ""
     error: str | None = None
-    outcomes: dict[str, float] = field(default_factory=dict)  # empty when incomplete
+    # empty when incomplete; None for a figure written as null
+    outcomes: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -131,12 +132,13 @@ def read_yaml_list(path: str) -> list[str]:
     return [str(item) for item in loaded] if isinstance(loaded, Sequence) else []
 
 
-def _number(value: Any) -> float:
+def _number(value: Any) -> float | None:
+    """A summary figure; None for one written as null (non-finite, e.g. a diverged loss)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
-        return 0.0
-    return number if math.isfinite(number) else 0.0
+        return None
+    return number if math.isfinite(number) else None
 
 
 def read_job(sweep_dir: str, job: str) -> JobRow:
@@ -212,25 +214,28 @@ def read_sweep(sweep_dir: str) -> tuple[list[JobRow], list[str]]:
 # -- tables --------------------------------------------------------------------------------
 
 
-def _format(value: float, decimals: int) -> str:
-    return f"{value:.{decimals}f}"
+def _format(value: float | None, decimals: int) -> str:
+    return "null" if value is None else f"{value:.{decimals}f}"
 
 
-def _csv_cell(value: float) -> str:
-    # Counts as integers, measurements with enough digits to compare runs.
+def _csv_cell(value: float | None) -> str:
+    # Counts as integers, measurements with enough digits to compare runs; null as JSON says.
+    if value is None:
+        return "null"
     return str(int(value)) if value.is_integer() else f"{value:.6g}"
 
 
 def table_rows(rows: Sequence[JobRow], keys: Sequence[str]) -> list[dict[str, str]]:
-    """One dict per job, CSV column -> cell text. Unknown outcomes (incomplete job) are empty."""
+    """One dict per job, CSV column -> cell text. Unknown outcomes (incomplete job) are empty;
+    figures written as null are ``null``."""
     table = []
     for row in rows:
         cells = {"job": row.job}
         cells.update({key: row.overrides.get(key, "") for key in keys})
         cells.update({"status": row.status, "name": row.name})
         for outcome in OUTCOMES:
-            value = row.outcomes.get(outcome.key)
-            cells[outcome.key] = "" if value is None else _csv_cell(value)
+            known = outcome.key in row.outcomes
+            cells[outcome.key] = _csv_cell(row.outcomes[outcome.key]) if known else ""
         cells["error"] = row.error or ""
         table.append(cells)
     return table
@@ -345,7 +350,7 @@ def write_plot(path: str, rows: Sequence[JobRow], keys: Sequence[str]) -> None:
         for label, members in series.items():
             members = sorted(members, key=lambda r: positions[x_value(r)])
             xs = [positions[x_value(r)] for r in members]
-            ys = [r.outcomes[metric] for r in members]
+            ys = [math.nan if r.outcomes[metric] is None else r.outcomes[metric] for r in members]
             ax.plot(xs, ys, marker="o", label=label or None)
             failed = [
                 (x, y) for x, y, r in zip(xs, ys, members, strict=True) if r.status != "succeeded"

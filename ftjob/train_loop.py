@@ -8,8 +8,8 @@ steps and checkpointing every M steps (rank 0 writes and uploads, every rank rep
 
 from __future__ import annotations
 
+import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +22,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftjob import metrics as M
-from ftjob.checkpointer import Checkpointer, TrainState
+from ftjob.checkpointer import (
+    Checkpointer,
+    NoUsableCheckpoint,
+    TrainState,
+    attempt_scratch_dir,
+)
 from ftjob.collective import broadcast
 from ftjob.config import JobConfig, to_plain
 from ftjob.data import (
@@ -40,6 +45,65 @@ from ftjob.optim import LRSchedule, build_optimizer
 from ftjob.storage import RetryingFileSystem, set_fault_stream
 
 
+class LossWindow:
+    """The training loss since the last progress line, summed on the device: read back (the
+    one host sync) and all-reduced across ranks only at a progress line or a checkpoint."""
+
+    def __init__(self, device: torch.device, world: int) -> None:
+        self.device, self.world = device, world
+        self.last_finite_step = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.total = torch.zeros((), device=self.device)
+        self.steps, self.rows, self.started = 0, 0, time.perf_counter()
+
+    def add(self, loss: torch.Tensor, rows: int) -> None:
+        self.total += loss
+        self.steps += 1
+        self.rows += rows
+
+    def peek(self, step: int) -> float:
+        """The mean loss of the window over every rank (inf or nan if any rank's was)."""
+        summed = torch.stack(
+            [self.total.float(), torch.tensor(float(self.steps), device=self.device)]
+        )
+        if self.world > 1:
+            dist.all_reduce(summed)
+        loss_sum, steps = summed.tolist()
+        loss = loss_sum / steps if steps else 0.0
+        if math.isfinite(loss):
+            self.last_finite_step = step
+        return loss
+
+    def read(self, step: int) -> tuple[float, float]:
+        """(mean loss, images/s of this rank) of the window, which then starts anew."""
+        loss = self.peek(step)
+        throughput = self.rows / max(time.perf_counter() - self.started, 1e-9)
+        self._reset()
+        return loss, throughput
+
+
+@torch.inference_mode()
+def evaluate(
+    module: torch.nn.Module, batches: Any, device: torch.device, autocast: bool, world: int
+) -> tuple[float, float, float]:
+    """(summed loss, correct, count) over every rank's validation shard."""
+    module.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = module(batch.images)
+        totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == batch.labels).sum()
+        totals[2] += len(batch.labels)
+    if world > 1:
+        dist.all_reduce(totals)
+    module.train()
+    loss, correct, count = totals.tolist()
+    return loss, correct, count
+
+
 class InjectedFailure(RuntimeError):
     """Raised at a step listed in chaos.fail_at_steps (once per run)."""
 
@@ -54,6 +118,8 @@ class WorkerSpec:
     ledger: Any  # ActorHandle[RunLedger]
     fs: RetryingFileSystem  # the run's storage, with its retry policy (pickles)
     run_path: str  # the run's directory on ``fs``
+    run_name: str
+    data: dict[str, Any]  # the train catalog's fingerprint (ftjob.resume.catalog_fingerprint)
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -87,6 +153,7 @@ class Worker:
         )
         self.validated_step = -1
         self.restore_info: dict[str, Any] | None = None
+        self.losses = LossWindow(self.device, self.world)
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -107,16 +174,16 @@ class Worker:
         )
         self.checkpointer = Checkpointer(
             fs=self.fs,
-            report_fs=ray.train.get_context().get_storage().storage_filesystem,
             run_path=self.spec.run_path,
             config=self.job.checkpoint,
             job_config=to_plain(self.job),
+            data=self.spec.data,
             rank=self.rank,
             world=self.world,
             ledger=self.ledger,
             attempt=self.attempt,
             metrics=self.metrics,
-            local_root=tempfile.mkdtemp(prefix="ftjob-ckpt-"),
+            local_root=attempt_scratch_dir(self.spec.run_name, self.attempt, self.rank),
         )
 
     def _build(self) -> None:
@@ -163,31 +230,26 @@ class Worker:
         self.restore_info = restored.record()
 
     def _checkpoint(self) -> bool:
-        """False: the job must stop (a fatal upload failure; every rank agrees)."""
+        """False: the job must stop (a fatal upload failure, or a non-finite loss since the
+        last check: diverged weights are never written over a good checkpoint)."""
+        if self._diverged(self.losses.peek(self.state.step)):
+            return False
+        if not all(torch.isfinite(p).all() for p in self.module.parameters()):
+            return not self._diverged(math.nan)  # a finite loss, but the step made them NaN
         return self.checkpointer.save(
             self.state, self.module, self.optimizer, self.plan.global_batch_size
         )
 
     # -- validation -----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def _validate(self, epoch: int) -> None:
         if self.validated_step == self.state.step:
             return
         self.validated_step = self.state.step
         with self.metrics.timer(M.VALIDATION_STEP):
-            self.module.eval()
-            totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-            for batch in self.val_set:
-                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                    logits = self.module(batch.images)
-                totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-                totals[1] += (logits.argmax(1) == batch.labels).sum()
-                totals[2] += len(batch.labels)
-            if self.world > 1:
-                dist.all_reduce(totals)
-            loss, correct, count = totals.tolist()
-            self.module.train()
+            loss, correct, count = evaluate(
+                self.module, self.val_set, self.device, self.autocast, self.world
+            )
         result = {
             "epoch": epoch,
             "loss": loss / max(count, 1),
@@ -214,11 +276,24 @@ class Worker:
         self.optimizer.step()
         return loss.detach()
 
-    def _log_progress(
-        self, loss_sum: torch.Tensor, loss_steps: int, window_start: float, window_rows: int
-    ) -> None:
-        loss = float(loss_sum.item()) / max(loss_steps, 1)  # the one host sync per log interval
-        throughput = window_rows / max(time.perf_counter() - window_start, 1e-9)
+    def _diverged(self, loss: float) -> bool:
+        """A non-finite loss stops the job (every rank sees the same all-reduced loss, so all
+        stop together), unless trainer.stop_on_nonfinite_loss=false. Retrying would diverge
+        again: the job ends as failed, not through the failure budget."""
+        if math.isfinite(loss) or not self.trainer.stop_on_nonfinite_loss:
+            return False
+        if self.rank == 0:
+            self.ledger.set_fatal.remote(
+                f"training diverged: the loss became non-finite ({loss}) by step {self.state.step} "
+                f"(last finite at step {self.losses.last_finite_step}); not retried, and no "
+                "checkpoint of the diverged weights was written "
+                "(trainer.stop_on_nonfinite_loss=false trains on)"
+            )
+        return True
+
+    def _log_progress(self) -> bool:
+        """A progress line with the mean loss since the last one. False: training diverged."""
+        loss, throughput = self.losses.read(self.state.step)
         self.metrics.set(M.TRAIN_LOSS, loss)
         if self.rank == 0:
             progress = {
@@ -231,6 +306,7 @@ class Worker:
                 "time": time.time(),
             }
             self.ledger.progress_update.remote(self.attempt, progress, self.metrics.as_dict())
+        return not self._diverged(loss)
 
     def _maybe_fail(self) -> None:
         if self.rank == 0 and self.state.step in self.job.chaos.fail_at_steps:
@@ -268,7 +344,12 @@ class Worker:
     def run(self) -> None:
         self._register()
         self._build()
-        self._restore()
+        try:
+            self._restore()
+        except NoUsableCheckpoint as exc:  # every rank: retrying would find the same
+            if self.rank == 0:
+                self.ledger.set_fatal.remote(str(exc))
+            return
         feeder = self._start_feeder()
         try:
             if not self._train(feeder):
@@ -284,11 +365,9 @@ class Worker:
             self.ledger.finish.remote(time.time())
 
     def _train(self, feeder: BatchFeeder) -> bool:
-        """Train to the end; False if the job must stop (a fatal upload failure)."""
+        """Train to the end; False if the job must stop (a fatal upload failure, divergence)."""
         t, B = self.trainer, self.plan.global_batch_size
         first_step_done, new_epoch = False, True
-        loss_sum, loss_steps = torch.zeros((), device=self.device), 0
-        window_start, window_rows = time.perf_counter(), 0
         wait_start = time.perf_counter()
         for epoch, batch in feeder:
             waited = time.perf_counter() - wait_start
@@ -304,11 +383,9 @@ class Worker:
             self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
             new_epoch = False
             with self.metrics.timer(M.TRAIN_STEP):
-                loss_sum += self._train_step(batch.images, batch.labels)
-            loss_steps += 1
+                self.losses.add(self._train_step(batch.images, batch.labels), B)
             self.state.step += 1
             self.state.position += B
-            window_rows += B
             self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
             self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
             if t.audit_samples:
@@ -324,10 +401,8 @@ class Worker:
                 self.val_set.prefetch()
             first_step_done = True
             self._maybe_fail()
-            if self.state.step % t.log_every_n_steps == 0:
-                self._log_progress(loss_sum, loss_steps, window_start, window_rows)
-                loss_sum, loss_steps = torch.zeros((), device=self.device), 0
-                window_start, window_rows = time.perf_counter(), 0
+            if self.state.step % t.log_every_n_steps == 0 and not self._log_progress():
+                return False
             # The epoch's last step validates and checkpoints at EPOCH_END.
             if self.state.position < self.plan.samples_per_epoch:
                 if t.validate_every_n_steps and self.state.step % t.validate_every_n_steps == 0:

@@ -53,8 +53,11 @@ class FakeLedger:
             "attempt": None,
             "training": False,
             "workers": [],
+            "step": 0,
         }
         self.recorded: list[dict[str, Any]] = []
+        self.confirmed: list[tuple[float, bool]] = []
+        self.skipped: list[dict[str, Any]] = []
         self.errors: list[str] = []
 
     def chaos_view(self) -> dict[str, Any]:
@@ -62,6 +65,12 @@ class FakeLedger:
 
     def record_kill(self, record: dict[str, Any]) -> None:
         self.recorded.append(record)
+
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
+        self.confirmed.append((time_of_kill, confirmed))
+
+    def record_skip(self, record: dict[str, Any]) -> None:
+        self.skipped.append(record)
 
     def report_error(self, message: str) -> None:
         self.errors.append(message)
@@ -102,10 +111,19 @@ def test_killer_waits_for_training_then_kills_once_per_attempt():
 
     schedule = KillSchedule(interval=10, max_kills=2, jitter=False)
     killer = ChaosKiller(
-        schedule, "node", ledger, {"head"}, execute=execute, clock=t.clock, wait=t.wait, poll_s=0.5
+        schedule,
+        "node",
+        ledger,
+        {"head"},
+        execute=execute,
+        confirm=lambda target: True,
+        clock=t.clock,
+        wait=t.wait,
+        poll_s=0.5,
     )
     records = killer.run()
     assert len(records) == 2 == len(ledger.recorded)
+    assert ledger.confirmed == [(r["time"], True) for r in records]
     assert records[0]["time"] == pytest.approx(1013, abs=0.6)  # 10 s after the first step
     assert records[1]["attempt"] == 1  # the second kill waited for the recovered attempt
     assert records[1]["time"] >= records[0]["time"] + 20
@@ -120,7 +138,7 @@ def test_killer_stops_when_told():
     assert killer.run() == []
 
 
-def test_failed_kill_is_not_counted():
+def test_failed_kill_is_not_counted_but_recorded_with_its_reason():
     ledger = FakeLedger()
     ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS[1:2])
     calls = []
@@ -143,6 +161,74 @@ def test_failed_kill_is_not_counted():
         wait=lambda s: False,
     )
     assert len(killer.run()) == 0 and len(calls) == 1
+    [skip] = ledger.skipped
+    assert "ProcessLookupError: gone" in skip["reason"] and skip["window"] == 1
+
+
+def test_a_window_without_an_eligible_target_is_skipped_and_says_why():
+    ledger = FakeLedger()
+    on_head = [{"rank": 0, "node_id": "head", "pid": 10}, {"rank": 1, "node_id": "head", "pid": 11}]
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=on_head)
+    clock = iter(range(0, 10_000)).__next__
+    killer = ChaosKiller(
+        KillSchedule(1, 2, jitter=False),
+        "node",
+        ledger,
+        {"head"},
+        execute=lambda kind, target: pytest.fail("nothing may be killed"),
+        clock=lambda: float(clock()),
+        wait=lambda s: False,
+    )
+    assert killer.run() == []
+    assert [s["window"] for s in ledger.skipped] == [1, 2]  # each window: a kill or a reason
+    assert all("no eligible target" in s["reason"] for s in ledger.skipped)
+
+
+def test_a_node_kill_that_is_not_confirmed_is_not_counted():
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "node",
+        ledger,
+        {"head"},
+        execute=lambda kind, target: -1,
+        confirm=lambda target: False,
+        clock=lambda: 5.0,
+        wait=lambda s: False,
+    )
+    assert killer.run() == []
+    assert len(ledger.recorded) == 1 and ledger.confirmed == [(5.0, False)]
+
+
+def test_kills_at_steps_wait_for_the_step_not_the_clock():
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    kills: list[int] = []
+
+    def world(now: float) -> None:
+        ledger.view["step"] += 1  # one step per wait
+        if kills and ledger.view["attempt"] == len(kills) - 1:
+            ledger.view.update(attempt=len(kills), step=kills[-1] - 2)  # restored 2 steps back
+
+    t = FakeTime(world)
+
+    def execute(kind: str, target: dict[str, Any]) -> int:
+        kills.append(ledger.view["step"])
+        return 1
+
+    killer = ChaosKiller(
+        KillSchedule(interval=1e9, max_kills=0),
+        "worker",
+        ledger,
+        set(),
+        at_steps=[5, 12],
+        execute=execute,
+        clock=t.clock,
+        wait=t.wait,
+    )
+    assert len(killer.run()) == 2
+    assert kills == [5, 12]
 
 
 def test_a_broken_killer_reports_instead_of_dying_silently():

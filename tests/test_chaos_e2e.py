@@ -11,9 +11,9 @@ from tests.conftest import run_ftjob
 pytestmark = pytest.mark.ray
 
 JOB = ["+experiment=digits_ft", "trainer.epochs=6"]
-# Kills at fixed times (4 s after the first step, then as soon as the next attempt trains), so
-# every kill lands while there is training left to interrupt, however fast this machine is.
-EARLY_KILLS = ["chaos.interval=4", "chaos.jitter=false", "chaos.max_kills=2"]
+# Kills at training steps (132 in all), not at times: every kill lands while there is training
+# left to interrupt, however fast or slow this machine is.
+EARLY_KILLS = ["chaos.at_steps=[20,70]"]
 
 
 def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path):

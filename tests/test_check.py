@@ -73,6 +73,11 @@ BROKEN_FILES = {
     "sweep/no_params.yaml": "# @package _global_\ntrainer:\n  epochs: 1\n",
     "dataset/typo.yaml": "_target_: ftjob.datasets.DigitsDataset\nimage_sise: 16\n",
     "trainer/zero_workers.yaml": "num_workers: 0\n",
+    "checkpoint/bad_regex.yaml": "defaults:\n  - default\n  - _self_\nretry:\n  retry_on: ['(unclosed']\n",
+    "dataset/two_channel_mean.yaml": "_target_: ftjob.datasets.ImageFolderDataset\npath: /data\nmean: [0.5, 0.5]\n",
+    "trainer/gpu_without_use_gpu.yaml": "defaults:\n  - default\n  - _self_\nresources_per_worker: {CPU: 1, GPU: 1}\n",
+    "model/no_num_classes.yaml": "_target_: torch.nn.Flatten\n",
+    "experiment/local_disk_on_cluster.yaml": "# @package _global_\nray:\n  address: 10.0.0.1:6379\ncheckpoint:\n  storage_path: /scratch/ckpt\n",
 }
 # What the ERROR line must name: the rule's key (and, for sweeps, the swept value).
 EXPECTED_KEYS = {
@@ -86,6 +91,11 @@ EXPECTED_KEYS = {
     "sweep/no_params.yaml": "hydra.sweeper.params",
     "dataset/typo.yaml": "dataset.image_sise",
     "trainer/zero_workers.yaml": "trainer.num_workers=0",
+    "checkpoint/bad_regex.yaml": "checkpoint.retry.retry_on",
+    "dataset/two_channel_mean.yaml": "dataset.mean=[0.5, 0.5]: must have 3 values",
+    "trainer/gpu_without_use_gpu.yaml": "trainer.resources_per_worker",
+    "model/no_num_classes.yaml": "takes no 'num_classes' argument",
+    "experiment/local_disk_on_cluster.yaml": "checkpoint.storage_path='/scratch/ckpt'",
 }
 GOOD_FILES = {
     "experiment/tiny.yaml": "# @package _global_\ndefaults:\n  - override /chaos: worker_killer\ntrainer:\n  epochs: 1\n",

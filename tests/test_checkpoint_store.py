@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import posixpath
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,8 +18,14 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.checkpoint import MANIFEST, CheckpointStore, CorruptCheckpoint
-from ftjob.checkpointer import AsyncUploader, UploadOutcome, upload_checkpoint
+from ftjob.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore, CorruptCheckpoint
+from ftjob.checkpointer import (
+    AsyncUploader,
+    UploadOutcome,
+    attempt_scratch_dir,
+    run_scratch_dir,
+    upload_checkpoint,
+)
 from ftjob.config import RetryConfig
 from ftjob.retry import RetryPolicy
 from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem
@@ -276,16 +283,42 @@ def test_restore_does_not_mistake_an_unreachable_store_for_a_corrupt_checkpoint(
         flaky.restore_latest(str(tmp_path / "restore"))
 
 
-def test_delete_newer_than_removes_only_newer_directories(
+def test_quarantine_moves_a_damaged_checkpoint_aside_with_a_note(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path
 ) -> None:
-    store = committed_store(storage, tmp_path, [10, 20, 30])
-    _drop_manifest(store, 30)
-    assert sorted(store.delete_newer_than(10)) == [20, 30]
-    assert store.steps() == [10]
-    assert store.delete_newer_than(10) == []
-    result = store.restore_latest(str(tmp_path / "restore"))
-    assert result is not None and result.step == 10
+    store = committed_store(storage, tmp_path, [10, 20])
+    _truncate(store, 20)
+    skipped: list[dict[str, Any]] = []
+    result = store.restore_latest(str(tmp_path / "restore"), skipped)
+    assert result is not None and result.step == 10 and skipped == result.skipped
+    assert skipped[0]["committed"] is True  # it had a manifest: a checkpoint that went bad
+    moved = store.quarantine(20, skipped[0]["reason"])
+    assert store.steps() == [10]  # no longer a candidate...
+    assert store.fs.exists(posixpath.join(moved, "model.pt"))  # ...and not deleted
+    note = json.loads(store.fs.cat_file(posixpath.join(moved, QUARANTINE_NOTE)))
+    assert note["step"] == 20 and "manifest says" in note["reason"]
+    assert posixpath.dirname(moved) == store.quarantine_root
+
+
+def test_restore_reports_what_did_not_verify_even_when_nothing_does(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20])
+    _flip_bytes(store, 20)
+    _drop_manifest(store, 10)
+    skipped: list[dict[str, Any]] = []
+    assert store.restore_latest(str(tmp_path / "restore"), skipped) is None
+    assert [(s["step"], s["committed"]) for s in skipped] == [(20, True), (10, False)]
+
+
+def test_prune_keeps_the_newest_committed_and_leaves_uncommitted_directories(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20, 30, 40])
+    _drop_manifest(store, 20)  # an upload that never completed: not ours to judge here
+    assert store.prune(keep=2) == [10]
+    assert store.steps() == [40, 30, 20]
+    assert store.prune(keep=2) == []
 
 
 # -- AsyncUploader and upload outcomes -------------------------------------------------------
@@ -381,3 +414,17 @@ def test_async_uploader_commits_through_a_checkpoint_store(
     assert [(o.step, o.error) for o in outcomes] == [(10, None), (20, None)]
     assert [o.path for o in outcomes] == [store.path_for(10), store.path_for(20)]
     assert store.steps() == [20, 10] and store.read_manifest(20)["step"] == 20
+
+
+def test_scratch_of_killed_attempts_is_removed_when_a_later_attempt_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    old = [attempt_scratch_dir("run-a", 0, 0), attempt_scratch_dir("run-a", 0, 1)]
+    for path in old:
+        Path(path, "model.pt").write_bytes(b"x" * 1024)  # left behind by a SIGKILL
+    other_run = attempt_scratch_dir("run-b", 0, 0)
+    current = attempt_scratch_dir("run-a", 1, 1)
+    assert not any(os.path.exists(p) for p in old)
+    assert os.path.isdir(current) and os.path.isdir(other_run)
+    assert os.path.dirname(current) == run_scratch_dir("run-a")

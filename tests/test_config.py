@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -47,20 +50,40 @@ def test_default_config_composes_to_a_runnable_job():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     overrides = [f"+experiment={experiment}"]
-    if experiment == "imagenet_ft":  # needs a path and a cluster; everything else is shipped
-        overrides += ["dataset.path=/data/imagenet"]
+    if experiment == "imagenet_ft":  # needs data and storage on a cluster; the rest is shipped
+        overrides += ["dataset.path=/data/imagenet", "checkpoint.storage_path=s3://b/ftjob"]
     job = compose_job(*overrides)
     assert job.trainer.num_workers >= 1
     assert job.failure.max_failures == 4
 
 
 def test_imagenet_ft_is_the_seed_benchmark_job():
-    job = compose_job("+experiment=imagenet_ft", "dataset.path=s3://b/imagenet")
+    job = compose_job(
+        "+experiment=imagenet_ft",
+        "dataset.path=s3://b/imagenet",
+        "checkpoint.storage_path=s3://b/c",
+    )
     assert job.ray.address == "auto"
     assert job.model["_target_"] == "torchvision.models.resnet50"
     assert job.dataset["num_classes"] == 1000
     assert job.trainer.use_gpu and job.trainer.validate_every_n_steps > 0
     assert (job.chaos.kind, job.chaos.interval, job.chaos.max_kills) == ("node", 480.0, 2)
+
+
+def test_a_cluster_job_needs_checkpoint_storage_every_node_reaches():
+    with pytest.raises(ConfigError) as err:
+        compose_job("+experiment=imagenet_ft", "dataset.path=s3://b/imagenet")
+    assert err.value.key == "checkpoint.storage_path" and err.value.supply
+    assert "s3://" in err.value.rule and "shared_filesystem=true" in err.value.rule
+    with pytest.raises(ConfigError, match="mounted on every node"):
+        compose_job("ray.address=10.0.0.1:6379", "checkpoint.storage_path=/scratch/ck")
+    shared = compose_job(
+        "ray.address=10.0.0.1:6379",
+        "checkpoint.storage_path=/nfs/ck",
+        "checkpoint.shared_filesystem=true",
+    )
+    assert shared.checkpoint.storage_path == "/nfs/ck"
+    assert compose_job("ray.local_nodes=3").checkpoint.storage_path is None  # one machine
 
 
 def test_imagenet_ft_without_path_names_dataset_path():
@@ -89,6 +112,14 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("model.widht=8", "model.widht"),
         ("+model.widht=8", "model.widht"),
         ("+dataset.path=/x", "dataset.path"),
+        ("+trainer.resources_per_worker.GPU=1", "trainer.resources_per_worker"),
+        ('checkpoint.retry.retry_on=["("]', "checkpoint.retry.retry_on"),
+        ("model._target_=torch.nn.Flatten", "model._target_"),
+        ("checkpoint.storage_path=gs://bucket/ck", "checkpoint.storage_path"),
+        ("checkpoint.storage_path=nosuch://bucket/ck", "checkpoint.storage_path"),
+        ("dataset.image_size=4", "dataset.image_size"),
+        ("trainer.placement=STRICT", "trainer.placement"),
+        ("chaos.at_steps=[10]", "chaos.at_steps"),
     ],
 )
 def test_bad_input_is_refused_naming_the_key(override, key):
@@ -96,6 +127,33 @@ def test_bad_input_is_refused_naming_the_key(override, key):
         precheck([override])
     assert err.value.key == key
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, key, rule",
+    [
+        (["dataset.image_size=0"], "dataset.image_size", "must be >= 1 pixel"),
+        (["dataset.mean=[0.5]"], "dataset.mean", "3 values"),
+        (["dataset.std=[0.5,0,0.5]"], "dataset.std", "> 0"),
+        (["dataset.resize_size=8"], "dataset.resize_size", "must be >= dataset.image_size"),
+    ],
+)
+def test_dataset_values_that_would_fail_in_decode_tasks_are_refused_first(overrides, key, rule):
+    with pytest.raises(ConfigError) as err:
+        precheck(["dataset=imagefolder", "dataset.path=/data/images", *overrides])
+    assert err.value.key == key and rule in err.value.rule
+
+
+def test_a_missing_option_lists_the_options_that_exist():
+    with pytest.raises(ConfigError) as err:
+        precheck(["model=resnet99"])
+    assert err.value.rule == "no such model option; the options are: resnet18, resnet50, small_cnn"
+
+
+def test_a_storage_backend_that_is_not_installed_names_what_to_install():
+    with pytest.raises(ConfigError) as err:
+        precheck(["checkpoint.storage_path=gs://bucket/ck"])
+    assert "pip install 'ftjob[gcs]'" in err.value.rule
 
 
 def test_sweep_values_are_all_checked_before_any_job():
@@ -128,6 +186,37 @@ def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.num_wrkers" in lines[0]
     assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run dir
+
+
+def _ftjob(args: list[str], tmp_path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_ctrl_c_while_the_dataset_is_listed_exits_with_one_line(tmp_path):
+    proc = _ftjob(["dataset._target_=tests.cli_datasets.SlowListingDataset"], tmp_path)
+    time.sleep(6)  # past start-up, into the minute-long listing
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert stderr.strip() == "ftjob: interrupted before training started"
+
+
+def test_an_unexpected_error_exits_1_with_a_summary_and_its_traceback_kept(tmp_path):
+    proc = _ftjob(["dataset._target_=tests.cli_datasets.BuggyDataset"], tmp_path)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftjob: error: KeyError: 'no such key'")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == "KeyError: 'no such key'"
+    assert "cli_datasets.py" in (tmp_path / "run" / "traceback.txt").read_text()
 
 
 def test_config_dir_from_an_installed_wheel_elsewhere(tmp_path):

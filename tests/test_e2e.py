@@ -35,7 +35,8 @@ def test_forced_failures_restore_mid_epoch_and_train_every_sample_once(tmp_path)
     assert m[M.TRAIN_STEPS_COMPLETED] == 4 * 22
     assert m[M.FAILURES_COUNT] == 2
     assert m[M.CHECKPOINT_DOWNLOAD] > 0 and m[M.CHECKPOINT_LOAD] > 0
-    assert m[M.CHECKPOINT_RESTORATION_TIME] >= m[M.CHECKPOINT_DOWNLOAD] + m[M.CHECKPOINT_LOAD]
+    for f in s["failures"]:  # each restore measured in its parts; skipping reads no data
+        assert f["download_s"] > 0 and f["load_s"] > 0 and 0 <= f["skip_s"] < 1.0
     assert m[M.RECOVERY_TIME_TO_RECOVER] > 0
     first, second = s["failures"]
     assert (first["kind"], first["restored_step"], first["lost_steps"]) == ("injected", 22, 3)
@@ -89,7 +90,9 @@ def test_resume_by_name_with_fewer_workers_continues_exactly(tmp_path):
     assert s2["status"] == "succeeded"
     epoch0, epoch1 = s2["audit"]
     assert epoch0["duplicates"] == 0 and epoch0["unexpected"] == 0
-    assert epoch0["unique"] == 12 * 64 and epoch0["missing"] == 10 * 64  # trained by the first run
+    # The first 10 x 64 samples of epoch 0 were trained by the first run: not expected again.
+    assert epoch0["resumed_at"] == 10 * 64
+    assert epoch0["unique"] == 12 * 64 and epoch0["missing"] == 0
     assert epoch1["unique"] == 1408 and epoch1["missing"] == 0 and epoch1["duplicates"] == 0
 
 
@@ -155,6 +158,9 @@ def test_existing_cluster_started_with_ray_start_cli(tmp_path):
             "trainer.batch_size=8",
             "trainer.lr=0.01",
             f"ray.address=127.0.0.1:{port}",
+            # One machine: every node of this cluster mounts the same disk.
+            f"checkpoint.storage_path={tmp_path / 'ckpt'}",
+            "checkpoint.shared_filesystem=true",
         ]
         proc, s = run_ftjob(job, tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -4,6 +4,7 @@ and jitter are injected, failures are scripted."""
 from __future__ import annotations
 
 import errno
+import gc
 import http.client
 import logging
 import pickle
@@ -409,6 +410,19 @@ def test_a_write_handle_left_by_an_exception_publishes_nothing(memfs: MemoryFile
             f.write(b"first half")
             raise RuntimeError("writer died")
     assert not memfs.exists("/handles/half.bin")
+
+
+def test_a_write_handle_dropped_without_close_publishes_nothing(memfs: MemoryFileSystem) -> None:
+    fs = retrying(memfs, FakeTime())
+    f = fs.open("/handles/dropped.bin", "wb")
+    f.write(b"half of a snapshot")
+    del f
+    gc.collect()
+    assert not memfs.exists("/handles/dropped.bin")
+    f = fs.open("/handles/closed.bin", "wb")
+    f.write(b"whole")
+    f.close()  # an explicit close after a complete write is what publishes
+    assert memfs.cat_file("/handles/closed.bin") == b"whole"
 
 
 def test_pyarrow_wrapper_round_trip_goes_through_the_policy(memfs: MemoryFileSystem) -> None:

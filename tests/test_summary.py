@@ -9,7 +9,14 @@ import pytest
 from ftjob import metrics as M
 from ftjob.data import EpochPlan
 from ftjob.ledger import RunLedger
-from ftjob.summary import FitOutcome, build_summary, decide_status, failure_records, write_summary
+from ftjob.summary import (
+    FitOutcome,
+    build_summary,
+    decide_status,
+    failure_records,
+    format_summary,
+    write_summary,
+)
 
 PLAN = EpochPlan(num_samples=40, global_batch_size=8, seed=0)
 
@@ -55,6 +62,7 @@ def test_failure_records_measure_each_part_of_recovery():
     train(ledger, a0, range(1, 5))
     ledger.kill({"time": 120.0, "kind": "node", "target": {"node_id": "n1", "ranks": [0]}})
     ledger.failure_noticed(125.0, {0: "ActorDiedError: node died"})
+    ledger.confirm_kill(120.0, True)  # Ray marks the node dead after the failure is noticed
     a1 = ledger.begin_attempt(130.0)
     ledger.restored(a1, restored(2))
     ledger.first_step(a1, 3, 134.0)
@@ -109,7 +117,15 @@ def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp
     assert summary["metrics"][M.CHECKPOINT_RESTORATION_TIME] == pytest.approx(0.76)
     assert summary["checkpoints"]["committed"] == 1
     assert summary["audit"] == [
-        {"epoch": 0, "trained": 40, "unique": 40, "duplicates": 0, "missing": 0, "unexpected": 0}
+        {
+            "epoch": 0,
+            "resumed_at": 0,
+            "trained": 40,
+            "unique": 40,
+            "duplicates": 0,
+            "missing": 0,
+            "unexpected": 0,
+        }
     ]
     text = open(write_summary(summary, str(tmp_path))).read()
     assert "Infinity" not in text and "NaN" not in text
@@ -179,6 +195,69 @@ def test_a_run_that_ended_before_its_last_step_is_not_a_success():
     )
 
 
-def test_an_interrupted_run_failed_whatever_else_happened():
+def test_an_interrupted_run_says_so_whatever_else_happened():
     status, error = decide_status(finished_snapshot(), FitOutcome(interrupted=True), 3)
-    assert status == "failed" and "interrupted" in error
+    assert status == "interrupted" and "Ctrl-C" in error
+
+
+def test_a_finished_run_whose_audit_shows_a_replayed_batch_failed():
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 6))
+    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist())  # step 5 saw batch 0 again
+    ledger.finish(9.0)
+    status, error = decide_status(ledger.snapshot(), FitOutcome(), 3)
+    assert status == "failed"
+    assert error.startswith("exact-once broken: epoch 0 trained 8 duplicate, 0 missing")
+
+
+def test_a_resumed_run_expects_only_the_samples_after_its_resume_position():
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    ledger.restored(a0, restored(2))  # an earlier run trained steps 1-2 (samples 0-15)
+    ledger.first_step(a0, 3, 1.0)
+    train(ledger, a0, range(3, 6))
+    ledger.finish(9.0)
+    snap = ledger.snapshot()
+    [a] = build_summary(snap, name="r", status="x", error=None, wall_time_s=1, config={})["audit"]
+    assert (a["resumed_at"], a["unique"], a["missing"], a["duplicates"]) == (16, 24, 0, 0)
+    assert decide_status(snap, FitOutcome(), 3) == ("succeeded", None)
+
+
+def test_non_finite_values_are_null_in_the_summary_and_its_printout(tmp_path):
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 6), audit=False)
+    progress = {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "throughput": 9.0}
+    ledger.progress_update(a0, {**progress, "loss": float("nan")}, {M.TRAIN_LOSS: float("nan")})
+    ledger.validation(a0, 5, {"epoch": 0, "loss": float("inf"), "accuracy": 0.1})
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
+    )
+    assert summary["metrics"][M.TRAIN_LOSS] is None
+    assert summary["metrics"][M.VALIDATION_LOSS] is None
+    assert (
+        json.loads(open(write_summary(summary, str(tmp_path))).read())["metrics"][M.TRAIN_LOSS]
+        is None
+    )
+    assert "loss null" in "\n".join(ledger.lines) and "train loss null" in format_summary(summary)
+
+
+def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
+    ledger = make_ledger()
+    ledger.begin_attempt(0.0)
+    ledger.kill({"time": 5.0, "kind": "node", "target": {"node_id": "n1", "ranks": [0]}})
+    ledger.kill({"time": 9.0, "kind": "node", "target": {"node_id": "n2", "ranks": [1]}})
+    ledger.confirm_kill(5.0, False)
+    ledger.chaos_skipped({"time": 7.0, "kind": "node", "window": 2, "reason": "no eligible target"})
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="x", error=None, wall_time_s=1, config={}
+    )
+    assert summary["chaos"]["kills"] == [] and summary["metrics"][M.CHAOS_KILLS] == 0
+    reasons = [s["reason"] for s in summary["chaos"]["skipped"]]
+    assert reasons == [
+        "the node was not confirmed dead",
+        "no eligible target",
+        "not confirmed dead before the run ended",
+    ]
+    assert any("chaos: no node kill: no eligible target" in line for line in ledger.lines)

@@ -351,7 +351,7 @@ def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) 
     sweep_dir = tmp_path / "sweep"
     proc = run_sweep(["checkpoint.storage_path=/dev/null/ckpt,null"], sweep_dir)
 
-    assert proc.returncode != 0
+    assert proc.returncode == 1
     rows = read_csv(sweep_dir / SWEEP_CSV)
     assert [(r["checkpoint.storage_path"], r["status"]) for r in rows] == [
         ("/dev/null/ckpt", "failed"),

@@ -1,0 +1,24 @@
+"""Datasets that misbehave on purpose, for command-line tests (``dataset._target_=...``)."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+
+from ftjob.datasets import DigitsDataset
+
+
+class SlowListingDataset(DigitsDataset):
+    """Listing takes a minute (a huge bucket): long enough to press Ctrl-C during it."""
+
+    def catalog(self, split: str) -> pa.Table:
+        time.sleep(60)
+        return super().catalog(split)
+
+
+class BuggyDataset(DigitsDataset):
+    """A bug in user code: not bad input, an unexpected error."""
+
+    def catalog(self, split: str) -> pa.Table:
+        return {}["no such key"]

@@ -1,0 +1,156 @@
+"""A worker's checkpoint protocol without Ray (rank 0 of a world of 1): real model and
+optimizer saved and restored, what happens to checkpoints that do not verify, and why a run
+never ends without its final checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from ftjob import metrics as M
+from ftjob.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
+from ftjob.config import CheckpointConfig
+from ftjob.retry import RetryPolicy
+from ftjob.storage import RetryingFileSystem
+from tests.test_checkpoint_store import RecordingFileSystem, _flip_bytes, no_sleep_policy
+
+
+class Call:
+    def __init__(self, log: list[tuple[str, Any]], name: str) -> None:
+        self.log, self.name = log, name
+
+    def remote(self, *args: Any) -> None:
+        self.log.append((self.name, args))
+
+
+class FakeLedger:
+    """Records what the checkpointer tells the run ledger."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def __getattr__(self, name: str) -> Call:
+        return Call(self.calls, name)
+
+    def fatal(self) -> str | None:
+        return next((args[0] for name, args in self.calls if name == "set_fatal"), None)
+
+
+def make(tmp_path: Path, fs: Any = None, **config: Any) -> tuple[Checkpointer, FakeLedger]:
+    ledger = FakeLedger()
+    policy: RetryPolicy = no_sleep_policy()
+    checkpointer = Checkpointer(
+        fs=fs or RetryingFileSystem(LocalFileSystem(), policy),
+        run_path=str(tmp_path / "storage" / "run"),
+        config=CheckpointConfig(**config),
+        job_config={"job": "config"},
+        rank=0,
+        world=1,
+        ledger=ledger,
+        attempt=0,
+        metrics=M.MetricSet(),
+        local_root=str(tmp_path / "scratch"),
+    )
+    checkpointer._report = lambda state: None  # type: ignore[method-assign]  # Ray Train's barrier
+    return checkpointer, ledger
+
+
+def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_saved_step_restores_model_optimizer_and_position(tmp_path: Path) -> None:
+    checkpointer, ledger = make(tmp_path)
+    model, optimizer = model_and_optimizer(0)
+    assert checkpointer.save(TrainState(step=7, epoch=1, position=64), model, optimizer, 32)
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = checkpointer.restore(fresh, fresh_optimizer, "cpu", 32)
+    assert restored is not None and restored.state == TrainState(step=7, epoch=1, position=64)
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
+    assert [name for name, _ in ledger.calls if name == "checkpoint"] == ["checkpoint"]
+    with pytest.raises(RuntimeError, match="global batch 32, this run uses 64"):
+        checkpointer.restore(fresh, fresh_optimizer, "cpu", 64)
+
+
+def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path)
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    _flip_bytes(checkpointer.store, 5)
+    with pytest.raises(NoUsableCheckpoint, match="restart_if_unrecoverable=true") as err:
+        checkpointer.restore(model, optimizer, "cpu", 32)
+    assert "step 5: model.pt does not match its checksum" in str(err.value)
+    assert checkpointer.store.steps() == []
+    [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
+    assert checkpointer.store.fs.exists(f"{moved}/model.pt")  # quarantined, not deleted
+
+
+def test_starting_over_is_allowed_only_when_asked(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path, restart_if_unrecoverable=True)
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    _flip_bytes(checkpointer.store, 5)
+    assert checkpointer.restore(model, optimizer, "cpu", 32) is None
+
+
+def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
+    tmp_path: Path,
+) -> None:
+    checkpointer, _ = make(tmp_path)
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    checkpointer.store.fs.rm_file(checkpointer.store.manifest_path(5))  # killed mid-upload
+    assert checkpointer.restore(model, optimizer, "cpu", 32) is None
+    assert checkpointer.store.steps() == []
+
+
+def test_retention_keeps_the_newest_committed_checkpoints(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path, num_to_keep=2)
+    model, optimizer = model_and_optimizer(0)
+    for step in (10, 20, 30):
+        assert checkpointer.save(TrainState(step=step), model, optimizer, 32)
+    assert checkpointer.store.steps() == [30, 20]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_never_ends_without_its_final_checkpoint(tmp_path: Path, mode: str) -> None:
+    def deny_step_20(op: str, path: str) -> BaseException | None:
+        return PermissionError("AccessDenied") if "step_000000020" in path else None
+
+    fs = RetryingFileSystem(RecordingFileSystem(LocalFileSystem(), deny_step_20), no_sleep_policy())
+    # One failed upload in a row is tolerated mid-run...
+    checkpointer, ledger = make(tmp_path, fs, upload_mode=mode, max_consecutive_upload_failures=1)
+    model, optimizer = model_and_optimizer(0)
+    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)
+    assert checkpointer.save(TrainState(step=20), model, optimizer, 32)
+    # ...but not as the last one: the run ends failed, naming the step and what survives.
+    assert not checkpointer.finish(TrainState(step=20))
+    fatal = ledger.fatal()
+    assert fatal is not None and fatal.startswith(
+        "the final checkpoint (step 20) was not committed"
+    )
+    assert "AccessDenied" in fatal and checkpointer.store.path_for(10) in fatal
+
+
+def test_a_bug_in_checkpoint_code_is_not_a_tolerated_upload_failure(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path, max_consecutive_upload_failures=5)
+    store = checkpointer.store
+
+    def broken_commit(local_dir: str, step: int) -> str:
+        raise AttributeError("'NoneType' object has no attribute 'put_file'")
+
+    store.commit = broken_commit  # type: ignore[method-assign]
+    model, optimizer = model_and_optimizer(0)
+    with pytest.raises(AttributeError):
+        checkpointer.save(TrainState(step=10), model, optimizer, 32)
+    assert checkpointer.failed_uploads == 0  # not counted against the upload budget

@@ -1,0 +1,90 @@
+"""resume=true: what a checkpoint remembers of its config and train data, and what a resumed
+run may change (no Ray: a committed checkpoint written by hand)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from fsspec.implementations.local import LocalFileSystem
+
+from ftjob.checkpoint import CheckpointStore
+from ftjob.config import JobConfig, TrainerConfig, to_plain
+from ftjob.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+
+DIGITS = {"_target_": "ftjob.datasets.DigitsDataset"}
+MODEL = {"_target_": "ftjob.models.SmallCNN"}
+
+
+def catalog(paths: list[str], labels: list[int]) -> pa.Table:
+    return pa.table({"id": list(range(len(paths))), "label": labels, "path": paths})
+
+
+def job(**trainer: object) -> JobConfig:
+    return JobConfig(
+        model=dict(MODEL),
+        dataset=dict(DIGITS),
+        trainer=TrainerConfig(**trainer),
+        name="r",
+        resume=True,
+    )
+
+
+def store_with_checkpoint(tmp_path: Path, saved: JobConfig, data: dict) -> CheckpointStore:
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(to_plain(saved)))
+    (local / "state.json").write_text(json.dumps({"step": 10, "data": data}))
+    store = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "r"))
+    store.commit(str(local), 10)
+    return store
+
+
+def test_the_fingerprint_follows_the_data_not_where_it_lives():
+    here = catalog(["/data/a/1.jpg", "/data/b/2.jpg"], [0, 1])
+    moved = catalog(["s3://bucket/imgs/a/1.jpg", "s3://bucket/imgs/b/2.jpg"], [0, 1])
+    relabelled = catalog(["/data/a/1.jpg", "/data/b/2.jpg"], [1, 0])
+    smaller = catalog(["/data/a/1.jpg"], [0])
+    assert catalog_fingerprint(here, 2) == catalog_fingerprint(moved, 2)
+    assert catalog_fingerprint(here, 2) != catalog_fingerprint(relabelled, 2)
+    assert catalog_fingerprint(smaller, 2)["train_rows"] == 1
+    assert catalog_fingerprint(here, 3)["num_classes"] == 3
+
+
+def test_a_resume_on_other_train_data_is_refused_with_the_diff(tmp_path: Path):
+    before = catalog_fingerprint(catalog(["/d/a/1.jpg", "/d/b/2.jpg"], [0, 1]), 2)
+    after = catalog_fingerprint(catalog(["/d/a/1.jpg"], [0]), 2)
+    store = store_with_checkpoint(tmp_path, job(), before)
+    with pytest.raises(ResumeError) as err:
+        check_resume(job(), store, "file:///storage/r", after)
+    assert "train data train_rows: 2 -> 1" in str(err.value)
+    assert check_resume(job(), store, "file:///storage/r", before) == []
+
+
+def test_a_changed_dataset_option_is_refused(tmp_path: Path):
+    data = {"train_rows": 1, "train_sha256": "x", "num_classes": 10}
+    store = store_with_checkpoint(tmp_path, job(), data)
+    changed = replace(job(), dataset={**DIGITS, "val_fraction": 0.3})
+    with pytest.raises(ResumeError, match="dataset.val_fraction: None -> 0.3"):
+        check_resume(changed, store, "u", data)
+
+
+def test_more_epochs_or_another_learning_rate_are_allowed_and_stated(tmp_path: Path):
+    data = {"train_rows": 1, "train_sha256": "x", "num_classes": 10}
+    store = store_with_checkpoint(tmp_path, job(epochs=3, lr=0.01), data)
+    stated = check_resume(job(epochs=5, lr=0.005), store, "u", data)
+    assert stated == ["trainer.epochs: 3 -> 5", "trainer.lr: 0.01 -> 0.005"]
+
+
+def test_run_names_are_never_reused_silently(tmp_path: Path):
+    data = {"train_rows": 1, "train_sha256": "x", "num_classes": 10}
+    store = store_with_checkpoint(tmp_path, job(), data)
+    with pytest.raises(ResumeError, match="pass resume=true"):
+        check_run_name(replace(job(), resume=False), store, "u")
+    check_run_name(job(), store, "u")
+    empty = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "other"))
+    with pytest.raises(ResumeError, match="no committed checkpoint"):
+        check_run_name(job(), empty, "u")
