@@ -1,7 +1,10 @@
-"""Time-to-recover and its parts, for node kills and for worker kills, on one machine.
+"""Time-to-recover and its parts, for node kills, preemptions with notice and worker kills, on
+one machine; and what each interruption costs in lost steps and lost seconds.
 
-Runs digits_ft twice per repeat: on a simulated 3-node cluster with node kills, and on local
-Ray with worker kills (2 kills each, one per ~8 s window, 12 epochs so training outlasts them). For each failure it prints detection (kill ->
+Runs digits_ft three times per repeat: on a simulated 3-node cluster with node kills, on the
+same cluster with preemptions (the node is drained with 8 s of notice, then killed), and on
+local Ray with worker kills (2 each, one per ~8 s window, 12 epochs so training outlasts them).
+For each failure it prints detection (kill ->
 Ray Train noticed), Ray Train's worker-group restart (noticed -> new workers in the train
 function), checkpoint download, load, batch skip, setup (the rest: model and process group in
 the new workers, the resumed stream's first batch, the first step) and time-to-recover (kill ->
@@ -26,6 +29,7 @@ from ftjob.config import load_job, register_schema
 
 KINDS = {
     "node kill": ["ray.local_nodes=3", "chaos=node_killer"],
+    "preemption": ["ray.local_nodes=3", "chaos=preempt", "chaos.notice=8"],
     "worker kill": ["chaos=worker_killer"],
 }
 COMMON = [
@@ -71,6 +75,8 @@ def main() -> None:
             summary = run(overrides, seed=r)
             if summary["metrics"]["chaos/kills"] < 2:
                 raise RuntimeError(f"{kind}: only {summary['metrics']['chaos/kills']} kills landed")
+            m = summary["metrics"]
+            step_s = m["train/step"] / max(m["train/steps_completed"], 1)
             for f in summary["failures"]:
                 if f.get("recovered"):
                     # The rest of time-to-recover: model and process group set-up in the new
@@ -78,7 +84,11 @@ def main() -> None:
                     known = sum(
                         f[p] for p in ("detection_s", "restart_s", "download_s", "load_s", "skip_s")
                     )
-                    records[kind].append({**f, "setup_s": f["time_to_recover_s"] - known})
+                    # Lost seconds: the interruption itself, then the steps trained again.
+                    lost_s = f["time_to_recover_s"] + f["lost_steps"] * step_s
+                    records[kind].append(
+                        {**f, "setup_s": f["time_to_recover_s"] - known, "lost_s": lost_s}
+                    )
             print(
                 f"[repeat {r + 1}] {kind}: {len(summary['failures'])} failures, accuracy {summary['metrics']['validation/accuracy']:.3f}",
                 flush=True,
@@ -105,6 +115,14 @@ def main() -> None:
             print(
                 f"{kind}: restart / time-to-recover = {med['restart_s'] / med['time_to_recover_s']:.2f}"
             )
+    print(
+        "\nper interruption (medians): lost steps, lost seconds (time-to-recover + steps re-done)"
+    )
+    for kind, failures in records.items():
+        if failures:
+            lost_steps = statistics.median(f["lost_steps"] for f in failures)
+            lost_s = statistics.median(f["lost_s"] for f in failures)
+            print(f"{kind:<12} lost steps {lost_steps:>5.1f}   lost seconds {lost_s:>6.2f}")
 
 
 if __name__ == "__main__":

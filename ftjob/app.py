@@ -16,6 +16,8 @@ from ftjob.config import ConfigError, load_job
 from ftjob.summary import write_failed_summary
 
 _failed_jobs: list[str] = []
+# A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
+EXIT_CODES = {"failed": 1, "interrupted": 130, "preempted": 143}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ftjob.conf", config_name="config")
@@ -62,7 +64,7 @@ def _job(cfg: DictConfig) -> str:
     if not result.ok:
         _failed_jobs.append(run_dir)
         if not multirun:
-            sys.exit(130 if result.status == "interrupted" else 1)
+            sys.exit(EXIT_CODES.get(result.status, 1))
     return result.status
 
 

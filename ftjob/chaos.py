@@ -29,6 +29,8 @@ from ftjob.config import ChaosConfig
 
 logger = logging.getLogger("ftjob.chaos")
 
+NODE_KINDS = ("node", "preempt")  # chaos that takes a whole node away
+
 
 @dataclass(frozen=True)
 class KillSchedule:
@@ -59,12 +61,12 @@ def eligible_targets(
     driver) node; a worker kill only ever hits a training worker process, wherever it runs."""
     if kind == "worker":
         return list(workers)
-    return [w for w in workers if w.get("node_id") not in protected_nodes]
+    return [w for w in workers if w.get("node_id") not in protected_nodes]  # node, preempt
 
 
 def choose_target(kind: str, workers: list[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
     """A node (all its training workers die) or one training worker process."""
-    if kind == "node":
+    if kind in NODE_KINDS:
         nodes = sorted({w["node_id"] for w in workers})
         node = rng.choice(nodes)
         ranks = [w["rank"] for w in workers if w["node_id"] == node]
@@ -75,7 +77,7 @@ def choose_target(kind: str, workers: list[dict[str, Any]], rng: random.Random) 
 
 def _kill_on_node(kind: str, pid: int | None) -> int:
     """Runs on the target node. A Ray worker's parent process is its node's raylet."""
-    victim = os.getppid() if kind == "node" else int(pid or 0)
+    victim = int(pid or 0) if kind == "worker" else os.getppid()
     os.kill(victim, signal.SIGKILL)
     return victim
 
@@ -97,6 +99,7 @@ class ChaosKiller:
         protected_nodes: set[str],
         *,
         at_steps: list[int] | None = None,
+        notice: float = 30.0,
         execute: Callable[[str, dict[str, Any]], int] | None = None,
         confirm: Callable[[dict[str, Any]], bool] | None = None,
         clock: Callable[[], float] = time.time,
@@ -105,9 +108,10 @@ class ChaosKiller:
     ) -> None:
         self.schedule, self.kind, self.ledger = schedule, kind, ledger
         self.at_steps = sorted(at_steps or [])
+        self.notice = notice
         self.protected = set(protected_nodes)
-        self.execute = execute or _ray_kill
-        self.confirm = confirm or _node_gone
+        self.execute = execute or (lambda kind, target: _ray_kill(kind, target, notice))
+        self.confirm = confirm or (lambda target: _node_gone(target, 60.0 + notice))
         self.clock = clock
         self._stop = threading.Event()
         self.wait = wait or self._stop.wait
@@ -115,6 +119,7 @@ class ChaosKiller:
         self.rng = random.Random(schedule.seed + 1)
         self.kills: list[dict[str, Any]] = []
         self.skipped: list[dict[str, Any]] = []
+        self.confirming: list[threading.Thread] = []
         self.last_attempt = -1
 
     def stop(self) -> None:
@@ -125,11 +130,14 @@ class ChaosKiller:
 
     def run(self) -> list[dict[str, Any]]:
         try:
-            return self._run()
+            self._run()
         except Exception as exc:  # a broken killer must be seen, not silently stop the chaos
             logger.exception("chaos killer stopped")
             self.ledger.report_error(f"chaos killer stopped: {type(exc).__name__}: {exc}")
-            return self.kills
+        for confirming in self.confirming:  # node kills still waiting for Ray's word
+            while confirming.is_alive() and not self._stop.is_set():
+                confirming.join(timeout=0.5)
+        return sorted(self.kills, key=lambda k: k["time"])
 
     def _wait_until(self, ready: Callable[[dict[str, Any]], Any]) -> Any:
         """Poll the ledger until ``ready(view)`` is not None; None if told to stop."""
@@ -143,7 +151,7 @@ class ChaosKiller:
             return view["step"] >= self.at_steps[index]
         return self.clock() >= start + self.schedule.times()[index]
 
-    def _run(self) -> list[dict[str, Any]]:
+    def _run(self) -> None:
         start = self._wait_until(lambda v: v["training_started"])
         count = len(self.at_steps) if self.at_steps else self.schedule.max_kills
         for index in range(count if start is not None else 0):
@@ -156,9 +164,8 @@ class ChaosKiller:
                 )
             )
             if view is None:
-                return self.kills
+                return
             self._strike(index, view)
-        return self.kills
 
     def _skip(self, index: int, view: dict[str, Any], reason: str) -> None:
         record = {"time": self.clock(), "kind": self.kind, "window": index + 1, "reason": reason}
@@ -180,6 +187,8 @@ class ChaosKiller:
             return
         target = choose_target(self.kind, targets, self.rng)
         record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
+        if self.kind == "preempt":  # the drain is the notice; the node goes at the deadline
+            record.update(notice=record["time"], deadline=record["time"] + self.notice)
         try:
             record["killed_pid"] = self.execute(self.kind, target)
         except Exception as exc:  # a target that vanished on its own is not a kill
@@ -188,27 +197,93 @@ class ChaosKiller:
             return
         self.last_attempt = attempt
         self.ledger.record_kill(record)  # now: a simulated cluster replaces the node from it
-        if self.kind == "node":
-            confirmed = self.confirm(target)
-            self.ledger.confirm_kill(record["time"], confirmed)
-            if not confirmed:
-                self.skipped.append({**record, "reason": "the node was not confirmed dead"})
-                return
-        self.kills.append(record)
+        if self.kind not in NODE_KINDS:
+            self.kills.append(record)
+            return
+        # Ray takes a while to declare a node dead: confirm on the side, not blocking the
+        # next window.
+        confirming = threading.Thread(
+            target=self._confirm, args=(record,), name="ftjob-chaos-confirm", daemon=True
+        )
+        confirming.start()
+        self.confirming.append(confirming)
+
+    def _confirm(self, record: dict[str, Any]) -> None:
+        confirmed = self.confirm(record["target"])
+        self.ledger.confirm_kill(record["time"], confirmed)
+        if confirmed:
+            self.kills.append(record)
+        else:
+            self.skipped.append({**record, "reason": "the node was not confirmed dead"})
 
 
-def _ray_kill(kind: str, target: dict[str, Any]) -> int:
+def _ray_kill(kind: str, target: dict[str, Any], notice: float = 0.0) -> int:
+    """A kill as a zero-CPU task pinned to the target node; ``preempt`` as :func:`_preempt`."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
+    if kind == "preempt":
+        return _preempt(target["node_id"], notice, strategy)
     task = ray.remote(num_cpus=0, max_retries=0)(_kill_on_node).options(
         scheduling_strategy=strategy
     )
     ref = task.remote(kind, target.get("pid"))
-    if kind == "node":
+    if kind in NODE_KINDS:
         return -1  # the task dies with its raylet; its answer never comes
     return int(ray.get(ref, timeout=30))
+
+
+class NodeReaper:
+    """An actor on the node to preempt: armed, it kills its node (its raylet) at the deadline.
+    Armed before the drain, since a draining node takes no new work."""
+
+    def arm(self, delay: float) -> int:
+        raylet = os.getppid()
+
+        def fire() -> None:
+            time.sleep(delay)
+            os.kill(raylet, signal.SIGKILL)
+
+        threading.Thread(target=fire, name="ftjob-reaper", daemon=True).start()
+        return raylet
+
+
+_reapers: list[Any] = []  # armed reapers: an actor whose handle is dropped is killed
+
+
+def _preempt(node_id: str, notice: float, strategy: Any) -> int:
+    """Drain the node through Ray's drain API with ``notice`` seconds to its deadline (reason:
+    preemption), as a cloud provider's reclaim would, and kill it at the deadline."""
+    import ray
+
+    reaper = (
+        ray.remote(num_cpus=0, max_restarts=0)(NodeReaper)
+        .options(scheduling_strategy=strategy)
+        .remote()
+    )
+    raylet = int(ray.get(reaper.arm.remote(notice), timeout=60))
+    _reapers.append(reaper)
+    drain_node(node_id, notice)
+    return raylet
+
+
+def drain_node(node_id: str, notice: float) -> None:
+    """Tell Ray the node goes away in ``notice`` seconds (what ``ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION`` sends); Ray Train's preemption watcher sees it."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    deadline_ms = int((time.time() + notice) * 1000)
+    accepted, why = client.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        f"ftjob chaos: preempted with {notice:g} s of notice",
+        deadline_ms,
+    )
+    if not accepted:
+        raise RuntimeError(f"Ray refused to drain node {node_id[:12]}: {why}")
 
 
 def _node_gone(target: dict[str, Any], timeout: float = 60.0) -> bool:
@@ -259,6 +334,7 @@ class KillerActor:
             _LedgerView(ledger),
             set(protected_nodes),
             at_steps=list(chaos.at_steps),
+            notice=chaos.notice,
         )
         self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
         self.thread.start()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -71,6 +72,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     position: int = 0
+    validated: bool = True  # the validation due at ``step`` ran to its end
 
 
 @dataclass
@@ -202,6 +204,9 @@ class Checkpointer:
         self.failed_uploads = 0
         self.last_error: str | None = None
         self.last_committed: str | None = None
+        self.last_committed_step = -1
+        self.upload_seconds = 0.0  # of the last committed upload: what a JIT checkpoint costs
+        self.write_seconds = 0.0  # of the last local write
         self.uploader: AsyncUploader | None = None
         if config.upload_mode == "async" and rank == 0:
             self.uploader = AsyncUploader(self._upload)
@@ -248,7 +253,12 @@ class Checkpointer:
                 f"{global_batch}: resuming would break exact-once data order"
             )
         return Restored(
-            TrainState(step=state["step"], epoch=state["epoch"], position=state["position"]),
+            TrainState(
+                step=state["step"],
+                epoch=state["epoch"],
+                position=state["position"],
+                validated=state.get("validated", True),
+            ),
             state["metrics"],
             path,
             download_s,
@@ -283,6 +293,7 @@ class Checkpointer:
     ) -> str:
         import torch
 
+        start = time.perf_counter()
         local_dir = os.path.join(self.local_root, f"out_{state.step:09d}")
         os.makedirs(local_dir, exist_ok=True)
         torch.save(module.state_dict(), os.path.join(local_dir, MODEL_FILE))
@@ -291,6 +302,7 @@ class Checkpointer:
             "step": state.step,
             "epoch": state.epoch,
             "position": state.position,
+            "validated": state.validated,
             "global_batch_size": global_batch,
             "world_size": self.world,
             "metrics": self.metrics.state_dict(),
@@ -301,6 +313,7 @@ class Checkpointer:
             json.dump(record, f)
         with open(os.path.join(local_dir, CONFIG_FILE), "w") as f:
             json.dump(self.job_config, f, indent=1)
+        self.write_seconds = time.perf_counter() - start
         return local_dir
 
     def _upload(self, local_dir: str, step: int) -> UploadOutcome:
@@ -335,6 +348,8 @@ class Checkpointer:
             if outcome.path is not None:
                 self.failed_uploads = 0
                 self.last_committed = outcome.path
+                self.last_committed_step = outcome.step
+                self.upload_seconds = outcome.seconds
                 continue
             self.failed_uploads += 1
             self.last_error = outcome.error
@@ -361,6 +376,46 @@ class Checkpointer:
                 self.metrics.add(M.CHECKPOINT_UPLOAD, self.uploader.submit(local_dir, state.step))
                 fatal = self._account(self.uploader.drain())
         return self._agree_and_report(fatal, state)
+
+    def save_now(
+        self,
+        state: TrainState,
+        module: Any,
+        optimizer: Any,
+        global_batch: int,
+        deadline: float | None = None,
+    ) -> dict[str, Any]:
+        """A just-in-time checkpoint: this step, committed before it returns (every rank).
+        A checkpoint of this step already committed (a periodic one, in flight when the
+        notice came) is the JIT checkpoint. When the deadline leaves too little time for a
+        checkpoint (judged by the last one's cost), none is started: the run falls back to the
+        last committed one. Returns the record, the same on every rank."""
+        record: dict[str, Any] = {"step": state.step}
+        if self.rank == 0:
+            start = time.perf_counter()
+            if self.uploader is not None:  # let an upload in flight finish first
+                self.uploader.wait()
+                self._account(self.uploader.drain())
+            needed = 1.5 * (self.write_seconds + self.upload_seconds) + 1.0
+            left = math.inf if deadline is None else deadline - time.time()
+            if self.last_committed_step == state.step:
+                record.update(path=self.last_committed, reused=True)
+            elif left < needed:
+                record["reason"] = (
+                    f"{left:.1f} s to the deadline, a checkpoint takes about {needed:.1f} s: "
+                    f"falling back to the last committed one ({self.last_committed or 'none'})"
+                )
+            else:
+                with self.metrics.timer(M.CHECKPOINT_SAVE):
+                    local_dir = self._write_local(state, module, optimizer, global_batch)
+                outcome = self._upload(local_dir, state.step)
+                self._account([outcome])
+                record.update(path=outcome.path, reason=outcome.error)
+            record["seconds"] = time.perf_counter() - start
+        record = broadcast(record, self.world)
+        if record.get("path"):
+            self._report(state)
+        return record
 
     def finish(self, state: TrainState) -> bool:
         """At the end of training, every rank: wait for a pending async upload and report it.

@@ -30,7 +30,9 @@ class _RayNoiseFilter:
     last 20 log lines, printed straight to stdout by the driver) into one short line. The
     ledger already reports every kill and failure; the log dump stays in Ray's log files."""
 
-    _DUMP_LINE = re.compile(r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\))|^\s*$")
+    _DUMP_LINE = re.compile(
+        r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\)|\(\d\) )|^\s*$"
+    )
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
@@ -45,7 +47,7 @@ class _RayNoiseFilter:
         return len(text)
 
     def _line(self, line: str) -> None:
-        if "Raylet is terminated" in line:
+        if "Raylet is terminated" in line or "marked dead because the detector" in line:
             self.in_dump = True
             self.stream.write(
                 "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs\n"
@@ -229,10 +231,11 @@ class LocalCluster:
     def service(self, kills: list[dict[str, Any]], now: float) -> None:
         """Add a node for every node kill older than replace_delay that was not replaced yet."""
         for i, kill in enumerate(kills):
+            gone = kill.get("deadline", kill["time"])  # a preempted node goes at its deadline
             if (
-                kill["kind"] == "node"
+                kill["kind"] in ("node", "preempt")
                 and i not in self.replaced
-                and now - kill["time"] >= self.replace_delay
+                and now - gone >= self.replace_delay
             ):
                 self.replaced.add(i)
                 self.cluster.add_node(num_cpus=self.node_cpus)

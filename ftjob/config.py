@@ -168,7 +168,7 @@ class CheckpointConfig:
         )
 
 
-CHAOS_KINDS = ("none", "node", "worker")
+CHAOS_KINDS = ("none", "node", "worker", "preempt")
 STORAGE_ERRORS = ("throttle", "reset", "timeout", "permanent")
 
 
@@ -203,6 +203,7 @@ class ChaosConfig:
     seed: int = 0
     fail_at_steps: list[int] = field(default_factory=list)
     at_steps: list[int] = field(default_factory=list)
+    notice: float = 30.0
     storage: StorageChaosConfig = field(default_factory=StorageChaosConfig)
 
     def __post_init__(self) -> None:
@@ -212,6 +213,7 @@ class ChaosConfig:
         )
         _require(self.interval > 0, g, "interval", self.interval, "must be > 0 seconds")
         _require(self.max_kills >= 0, g, "max_kills", self.max_kills, "must be >= 0")
+        _require(self.notice > 0, g, "notice", self.notice, "must be > 0 seconds of notice")
         _require(self.start_delay >= 0, g, "start_delay", self.start_delay, "must be >= 0 seconds")
         _require(
             all(s > 0 for s in self.fail_at_steps),
@@ -246,14 +248,29 @@ class FailureConfig:
     _group: ClassVar[str] = "failure"
     max_failures: int = 3
     health_check_interval: float = 0.5
+    preemption: bool = True
+    max_preemptions: int = -1
+    preemption_poll_interval: float = 1.0
+    preemption_grace_s: float = 0.0
+    relax_collectives_on_preemption: bool = False
 
     def __post_init__(self) -> None:
+        for key in ("max_failures", "max_preemptions"):
+            value = getattr(self, key)
+            _require(value >= -1, self._group, key, value, "must be >= 0, or -1 for unlimited")
         _require(
-            self.max_failures >= -1,
+            self.preemption_poll_interval > 0,
             self._group,
-            "max_failures",
-            self.max_failures,
-            "must be >= 0, or -1 for unlimited",
+            "preemption_poll_interval",
+            self.preemption_poll_interval,
+            "must be > 0 seconds",
+        )
+        _require(
+            self.preemption_grace_s >= 0,
+            self._group,
+            "preemption_grace_s",
+            self.preemption_grace_s,
+            "must be >= 0 seconds",
         )
         _require(
             self.health_check_interval > 0,
@@ -453,13 +470,14 @@ class JobConfig:
             self.name,
             "must be a non-empty run name without '/'",
         )
-        if self.chaos.kind == "node" and self.chaos.enabled:
+        if self.chaos.kind in ("node", "preempt") and self.chaos.enabled:
             _require(
                 self.ray.local_nodes > 1 or self.ray.address is not None,
                 "chaos",
                 "kind",
                 self.chaos.kind,
-                "node kills need a multi-node cluster: set ray.local_nodes=3 (simulated) or ray.address",
+                f"{self.chaos.kind} chaos takes nodes away: it needs a multi-node cluster: set "
+                "ray.local_nodes=3 (simulated) or ray.address",
             )
         self._check_storage_on_cluster()
         if self.checkpoint.storage_path:

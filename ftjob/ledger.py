@@ -36,6 +36,7 @@ class RunLedger:
         self.metrics: dict[str, float] = {}
         self.progress: dict[str, Any] = {}
         self.fatal: str | None = None
+        self.stop_request: dict[str, Any] | None = None
         self.finished: float | None = None
         self.pending_failures = set(fail_at_steps or [])
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
@@ -55,6 +56,7 @@ class RunLedger:
                 "started": now,
                 "workers": {},
                 "restored": None,
+                "preemption": None,
                 "first_step": None,
                 "max_step": 0,
             }
@@ -169,11 +171,15 @@ class RunLedger:
         """A kill the killer carried out. A node kill counts once confirmed (the node is gone:
         :meth:`confirm_kill`); until then it is pending, though a simulated cluster already
         replaces the node."""
-        pending = record["kind"] == "node"
+        pending = record["kind"] in ("node", "preempt")
         entry = dict(record, confirmed=not pending)
         (self.pending_kills if pending else self.kills).append(entry)
         target = record.get("target", {})
-        if pending:
+        if record["kind"] == "preempt":
+            what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+            notice = record["deadline"] - record["notice"]
+            self.log(f"chaos: preempting {what}: drained with {notice:.0f} s of notice")
+        elif pending:
             what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
             self.log(f"chaos: killing {what}")
         else:
@@ -208,6 +214,46 @@ class RunLedger:
         if self.fatal is None:
             self.fatal = error
             self.log(f"fatal: {error}")
+
+    # -- preemption -------------------------------------------------------------------------
+
+    def request_stop(self, reason: str, now: float) -> None:
+        """The driver got a notice (SIGTERM): the workers checkpoint their current step."""
+        if self.stop_request is None:
+            self.stop_request = {"reason": reason, "time": now}
+            self.log(f"preemption notice ({reason}): checkpointing the current step, then stopping")
+
+    def stop_requested(self) -> bool:
+        return self.stop_request is not None
+
+    def latest_preemption(self) -> dict[str, Any] | None:
+        """The latest attempt's notice and JIT checkpoint record (for the driver's wait)."""
+        return self.attempts[-1]["preemption"] if self.attempts else None
+
+    def preemption_notice(self, attempt: int, record: dict[str, Any]) -> None:
+        """Rank 0, when every rank agreed on a notice (before the just-in-time checkpoint)."""
+        self.attempts[attempt]["preemption"] = dict(record)
+        deadline = record.get("deadline")
+        left = (
+            f"{deadline - record['received']:.0f} s before the deadline"
+            if deadline
+            else "no deadline"
+        )
+        self.log(
+            f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
+            "saving a just-in-time checkpoint"
+        )
+
+    def jit_checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
+        notice = self.attempts[attempt].setdefault("preemption", {})
+        notice["jit"] = dict(record)
+        if record.get("path"):
+            how = "already committed" if record.get("reused") else f"in {record['seconds']:.2f}s"
+            self.log(
+                f"just-in-time checkpoint of step {record['step']} {how}: 0 steps will be lost"
+            )
+        else:
+            self.log(f"no just-in-time checkpoint: {record.get('reason')}")
 
     def finish(self, now: float) -> None:
         self.finished = now
@@ -247,6 +293,7 @@ class RunLedger:
                 "metrics": self.metrics,
                 "progress": self.progress,
                 "fatal": self.fatal,
+                "stop_request": self.stop_request,
             }
         )
 

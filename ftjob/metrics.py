@@ -40,6 +40,10 @@ CHAOS_KILLS = "chaos/kills"
 FAILURES_COUNT = "failures/count"
 RECOVERY_TIME_TO_RECOVER = "recovery/time_to_recover"
 RECOVERY_LOST_STEPS = "recovery/lost_steps"
+PREEMPTION_COUNT = "preemption/count"
+PREEMPTION_LOST_STEPS = "preemption/lost_steps"
+PREEMPTION_JIT_CHECKPOINT_TIME = "preemption/jit_checkpoint_time"
+GOODPUT_ETTR = "goodput/ettr"  # share of the wall clock in training steps that count
 
 METRIC_KEYS: tuple[str, ...] = (
     TRAIN_STEP,
@@ -67,6 +71,10 @@ METRIC_KEYS: tuple[str, ...] = (
     FAILURES_COUNT,
     RECOVERY_TIME_TO_RECOVER,
     RECOVERY_LOST_STEPS,
+    PREEMPTION_COUNT,
+    PREEMPTION_LOST_STEPS,
+    PREEMPTION_JIT_CHECKPOINT_TIME,
+    GOODPUT_ETTR,
 )
 
 

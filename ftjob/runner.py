@@ -15,6 +15,7 @@ import posixpath
 import secrets
 import shlex
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -121,18 +122,22 @@ def prepare(job: JobConfig, run_dir: str) -> Prepared:
     return Prepared(name, fs, root, run_path, dataset, catalogs, plan, data, lease, notes)
 
 
-def _fit_outcome(exc: BaseException | None, interrupted: bool) -> FitOutcome:
+def _fit_outcome(
+    exc: BaseException | None, interrupted: bool, preempted: bool = False
+) -> FitOutcome:
     """How fit() ended, as the plain data :func:`ftjob.summary.decide_status` decides on. Only
     worker-group failures spend the failure budget; Ray Train's controller failing is said as
     such."""
-    if exc is None:
-        return FitOutcome(interrupted=interrupted)
-    from ray.train import ControllerError, WorkerGroupError
+    if preempted or exc is None:
+        return FitOutcome(interrupted=interrupted, preempted=preempted)
+    from ray.train import ControllerError, PreemptionError, WorkerGroupError
 
     text = str(exc).strip().splitlines()
     root = next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:400]
     if isinstance(exc, WorkerGroupError):
         return FitOutcome(root, budget_exhausted=True, interrupted=interrupted)
+    if isinstance(exc, PreemptionError):
+        return FitOutcome(root, preemption_budget_exhausted=True, interrupted=interrupted)
     if isinstance(exc, ControllerError):
         return FitOutcome(f"Ray Train's controller failed: {root}", interrupted=interrupted)
     return FitOutcome(f"{type(exc).__name__}: {root}", interrupted=interrupted)
@@ -170,7 +175,9 @@ def run(
     finally:  # checkpoint scratch of every attempt on this node, killed ones' included
         shutil.rmtree(run_scratch_dir(prep.name), ignore_errors=True)
         prep.lease.release()
-    status, error = decide_status(snapshot, fit, job.failure.max_failures)
+    status, error = decide_status(
+        snapshot, fit, job.failure.max_failures, job.failure.max_preemptions
+    )
     summary = build_summary(
         snapshot,
         name=prep.name,
@@ -179,6 +186,7 @@ def run(
         wall_time_s=time.time() - started,
         config=to_plain(job),
         driver_storage=prep.fs.snapshot_stats(),
+        run_started=started,
     )
     if status != "succeeded" and summary["checkpoints"]["latest"]:
         summary["resume_command"] = resume_command(overrides or [], prep)
@@ -200,21 +208,53 @@ def resume_command(overrides: list[str], prep: Prepared) -> str:
     return "python -m ftjob " + " ".join(shlex.quote(a) for a in args)
 
 
+class _StopSignal:
+    """SIGTERM to the driver (Kubernetes, SLURM, ``ray job stop``) is a preemption notice:
+    forwarded to the workers through the ledger; the run stops once their just-in-time
+    checkpoint is recorded, or after ``wait_s``."""
+
+    def __init__(self, enabled: bool, wait_s: float = 60.0) -> None:
+        self.received: float | None = None
+        self.enabled, self.wait_s = enabled, wait_s
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.enabled:  # failure.preemption=false: stop as on Ctrl-C, with a summary
+            raise KeyboardInterrupt
+        if self.received is None:
+            self.received = time.time()
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+    def done(self, ledger: Any, echo: Callable[[str], None]) -> bool:
+        """Called every poll: True when the run should stop now."""
+        import ray
+
+        if self.received is None:
+            return False
+        if not ray.get(ledger.stop_requested.remote()):
+            echo("SIGTERM: a preemption notice; committing a checkpoint of the current step")
+            ledger.request_stop.remote("SIGTERM", self.received)
+        latest = ray.get(ledger.latest_preemption.remote()) or {}
+        return "jit" in latest or time.time() - self.received > self.wait_s
+
+
 def _train_on_cluster(
     job: JobConfig, prep: Prepared, echo: Callable[[str], None]
 ) -> tuple[dict[str, Any], FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
     Returns the ledger's final snapshot and how fit() ended."""
-    interrupted = False
+    interrupted = preempted = False
     with cluster(job) as local:
         import ray
 
         check_resources(job)
-        if job.chaos.enabled and job.chaos.kind == "node" and not node_chaos_targets():
+        if job.chaos.enabled and job.chaos.kind != "worker" and not node_chaos_targets():
             echo(
-                "warning: chaos kind=node: every node of this cluster is the head or the driver's "
-                "node, which node chaos never kills; each kill window will be skipped"
+                f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
+                "the driver's node, which chaos never takes away; each window will be skipped"
             )
         ledger, killer = _start_run_actors(job, prep)
         monitor = _Monitor(ledger, echo, local, prep.lease)
@@ -222,15 +262,20 @@ def _train_on_cluster(
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
         )
+        stop = _StopSignal(job.failure.preemption)
         fit_thread.start()
         try:
             while fit_thread.is_alive():
                 fit_thread.join(timeout=1.0)
                 monitor.tick()
+                if stop.done(ledger, echo):
+                    preempted = True
+                    break
         except KeyboardInterrupt:
             interrupted = True
             echo("interrupted: stopping the run")
         finally:
+            stop.restore()
             if killer is not None:
                 try:
                     ray.get(killer.stop.remote(), timeout=15)
@@ -238,7 +283,7 @@ def _train_on_cluster(
                     logger.debug("stopping the chaos killer: %s", exc)
             monitor.tick()
             snapshot = ray.get(ledger.snapshot.remote())
-    return snapshot, _fit_outcome(outcome.get("error"), interrupted)
+    return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
 
 
 def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
@@ -282,7 +327,10 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.
-    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(job.failure.health_check_interval)
+    f = job.failure
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(f.health_check_interval)
+    # How soon a node drain (a preemption notice) reaches the workers.
+    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(f.preemption_poll_interval)
     trainer = TorchTrainer(
         train_loop,
         train_loop_config=spec,  # type: ignore[arg-type]
@@ -296,7 +344,12 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
             name=prep.name,
             storage_path=prep.storage_root,
             storage_filesystem=to_pyarrow(prep.fs),
-            failure_config=ray.train.FailureConfig(max_failures=job.failure.max_failures),
+            failure_config=ray.train.FailureConfig(
+                max_failures=f.max_failures,
+                max_preemption_failures=f.max_preemptions,
+                preemption_grace_s=f.preemption_grace_s,
+                relax_collectives_on_preemption=f.relax_collectives_on_preemption,
+            ),
             callbacks=[failure_watch(ledger)],
         ),
     )

@@ -18,6 +18,8 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.data import epoch_order
+from ftjob.failures import PREEMPTION, failure_records, preemption_metrics
+from ftjob.goodput import goodput
 from ftjob.metrics import finite, fmt
 from ftjob.retry import StorageStats
 
@@ -31,16 +33,35 @@ class FitOutcome:
     error: str | None = None  # the root error, one line; None when fit() returned
     budget_exhausted: bool = False  # Ray Train gave up: more failures than failure.max_failures
     interrupted: bool = False  # the user stopped the run (Ctrl-C)
+    preempted: bool = False  # the driver got a preemption notice (SIGTERM) and stopped the run
+    preemption_budget_exhausted: bool = False  # more preemptions than failure.max_preemptions
 
 
 def decide_status(
-    snap: dict[str, Any], fit: FitOutcome, max_failures: int
+    snap: dict[str, Any], fit: FitOutcome, max_failures: int, max_preemptions: int = -1
 ) -> tuple[str, str | None]:
     """("succeeded" | "failed" | "interrupted", the one-line error). A run succeeds only when
     fit() returned, no rank declared the job fatally failed, the last step was trained and,
     when audited, every sample was trained exactly once."""
     if fit.interrupted:
         return "interrupted", "interrupted (Ctrl-C) before the last step"
+    if fit.preempted:
+        jit = ((snap["attempts"][-1].get("preemption") or {}) if snap["attempts"] else {}).get(
+            "jit"
+        )
+        saved = (
+            f"after a just-in-time checkpoint of step {jit['step']}"
+            if jit and jit.get("path")
+            else "without a just-in-time checkpoint"
+            + (f" ({jit['reason']})" if jit and jit.get("reason") else "")
+        )
+        return "preempted", f"stopped by a preemption notice (SIGTERM) {saved}"
+    if fit.preemption_budget_exhausted:
+        count = sum(1 for a in snap["attempts"] if a.get("preemption"))
+        return "failed", (
+            f"training stopped after {count} preemption(s), over the budget "
+            f"failure.max_preemptions={max_preemptions}: {fit.error}"
+        )
     if fit.error is not None:
         if fit.budget_exhausted:
             return "failed", (
@@ -65,72 +86,6 @@ def decide_status(
 
 def exactly_once(epoch_audit: dict[str, Any]) -> bool:
     return not (epoch_audit["duplicates"] or epoch_audit["missing"] or epoch_audit["unexpected"])
-
-
-def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    kills = [
-        {"time": k["time"], "kind": f"{k['kind']}_kill", "detail": k.get("target")}
-        for k in snap["kills"]
-    ]
-    injected = [
-        {"time": e["time"], "kind": "injected", "detail": {"step": e["step"]}}
-        for e in snap["injected"]
-    ]
-    return sorted(kills + injected, key=lambda e: e["time"])
-
-
-def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per failure: where it came from and how long each part of recovery took.
-
-    Failure ``i`` ends attempt ``i``; attempt ``i+1`` is its recovery. Times: detection (origin
-    -> Ray Train noticed), restart (noticed -> new worker group in the train function),
-    download/load/skip (restore), time_to_recover (origin -> first trained step after it).
-    The origin is the chaos kill or injected failure that caused it, else the moment noticed.
-    """
-    attempts = snap["attempts"]
-    noticed = sorted(f["noticed"] for f in snap["failures"])
-    errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
-    events = _recovery_events(snap)
-    records = []
-    for i in range(max(len(attempts) - 1, len(noticed))):
-        attempt = attempts[i] if i < len(attempts) else None
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        notice = noticed[i] if i < len(noticed) else (nxt["started"] if nxt else None)
-        lo = attempt["started"] if attempt else 0.0
-        hi = notice if notice is not None else float("inf")
-        cause = [e for e in events if lo <= e["time"] <= hi]
-        origin = cause[-1] if cause else None
-        t0 = origin["time"] if origin else notice
-        record: dict[str, Any] = {
-            "attempt": i + 1,
-            "time": t0,
-            "kind": origin["kind"] if origin else "error",
-            "detail": origin["detail"] if origin else None,
-            "error": next(iter(errors[i].values()), None) if i < len(errors) else None,
-            "detection_s": (notice - t0) if notice is not None and t0 is not None else None,
-            "recovered": False,
-        }
-        if nxt is not None:
-            restored = nxt["restored"] or {}
-            first = nxt["first_step"]
-            restored_step = restored.get("step", 0)
-            record.update(
-                {
-                    "restart_s": nxt["started"] - notice if notice is not None else None,
-                    "restored_step": restored_step,
-                    "checkpoint": restored.get("path"),
-                    "fallbacks": restored.get("skipped", []),
-                    "download_s": restored.get("download", 0.0),
-                    "load_s": restored.get("load", 0.0),
-                    "skip_s": restored.get("skip", 0.0),
-                    "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
-                    "recovered": first is not None,
-                    "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
-                }
-            )
-            record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
-        records.append(record)
-    return records
 
 
 def storage_totals(snap: dict[str, Any], extra: StorageStats | None = None) -> StorageStats:
@@ -221,11 +176,12 @@ def summary_metrics(
             M.CHECKPOINT_UPLOAD_FAILURES: upload.failures,
             M.CHECKPOINT_RETRY_WAIT: storage.as_dict().get("upload", {}).get("retry_wait_s", 0.0),
             M.CHAOS_KILLS: len(snap["kills"]),
-            M.FAILURES_COUNT: len(failures),
+            M.FAILURES_COUNT: sum(1 for f in failures if f["kind"] != PREEMPTION),
             M.RECOVERY_TIME_TO_RECOVER: statistics.fmean(f["time_to_recover_s"] for f in recovered)
             if recovered
             else 0.0,
             M.RECOVERY_LOST_STEPS: sum(f.get("lost_steps", 0) for f in failures),
+            **preemption_metrics(snap, failures),
         }
     )
     return metrics
@@ -240,10 +196,45 @@ def build_summary(
     wall_time_s: float,
     config: dict[str, Any],
     driver_storage: StorageStats | None = None,
+    run_started: float | None = None,
 ) -> dict[str, Any]:
+    """``run_started``: when the driver started (the goodput clock; default: the ledger's
+    start, which misses the driver's own start-up)."""
     failures = failure_records(snap)
     storage = storage_totals(snap, driver_storage)
     metrics = summary_metrics(snap, failures, storage)
+    first = _first_step(snap)
+    accounted = goodput(
+        wall_s=wall_time_s,
+        run_started=snap["started"] if run_started is None else run_started,
+        first_step=first["time"] if first else None,
+        finished=snap["finished"],
+        metrics=metrics,
+        failures=failures,
+    )
+    metrics[M.GOODPUT_ETTR] = accounted["ettr"]
+    return M.json_safe(
+        {
+            "name": name,
+            "status": status,
+            "error": error,
+            "wall_time_s": wall_time_s,
+            "metrics": metrics,
+            **_records(snap, failures, storage, config),
+            "timing": {
+                "started": snap["started"],
+                "first_step": first["time"] if first else None,
+                "finished": snap["finished"],
+            },
+            "goodput": accounted,
+        }
+    )
+
+
+def _records(
+    snap: dict[str, Any], failures: list[dict[str, Any]], storage: StorageStats, config: Any
+) -> dict[str, Any]:
+    """The parts of summary.json that list what happened."""
     restores = [a["restored"] for a in snap["attempts"] if a["restored"]]
     committed = [c for c in snap["checkpoints"] if c.get("path")]
     fallbacks = [fb for r in restores for fb in r.get("skipped", [])]
@@ -253,11 +244,6 @@ def build_summary(
     for stats in storage.by_kind.values():
         all_ops.kind("all").merge(stats)
     summary: dict[str, Any] = {
-        "name": name,
-        "status": status,
-        "error": error,
-        "wall_time_s": wall_time_s,
-        "metrics": metrics,
         "progress": snap["progress"],
         "failures": failures,
         "chaos": {
@@ -272,11 +258,6 @@ def build_summary(
             "fallbacks": fallbacks,  # checkpoints that did not verify, and where they went
         },
         "storage": {**totals, "total": all_ops.as_dict()["all"]},
-        "timing": {
-            "started": snap["started"],
-            "first_step": first["time"] if (first := _first_step(snap)) else None,
-            "finished": snap["finished"],
-        },
         "validation": snap["validations"],
         "validation_replaced": snap["replaced_validations"],
         "attempts": len(snap["attempts"]),
@@ -284,7 +265,7 @@ def build_summary(
     }
     if snap["audit"]:
         summary["audit"] = audit_report(snap)
-    return M.json_safe(summary)
+    return summary
 
 
 def write_summary(summary: dict[str, Any], run_dir: str) -> str:
@@ -315,6 +296,16 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{fmt(m[M.RECOVERY_TIME_TO_RECOVER], '.1f')}s, restoration {fmt(m[M.CHECKPOINT_RESTORATION_TIME], '.2f')}s, "
         f"lost steps {fmt(m[M.RECOVERY_LOST_STEPS], '.0f')}",
     ]
+    buckets = (summary.get("goodput") or {}).get("buckets") or {}
+    if buckets:
+        spent = ", ".join(f"{k} {v:.1f}" for k, v in buckets.items() if v >= 0.05 or v <= -0.05)
+        lines.append(f"  goodput: ETTR {fmt(m[M.GOODPUT_ETTR], '.3f')}; seconds: {spent}")
+    if m[M.PREEMPTION_COUNT]:
+        lines.append(
+            f"  preemptions {fmt(m[M.PREEMPTION_COUNT], '.0f')}: lost steps "
+            f"{fmt(m[M.PREEMPTION_LOST_STEPS], '.0f')}, just-in-time checkpoints "
+            f"{fmt(m[M.PREEMPTION_JIT_CHECKPOINT_TIME], '.2f')}s"
+        )
     for f in summary.get("failures", []):
         parts = [f"  failure {f['attempt']}: {f['kind']}"]
         if f.get("time_to_recover_s") is not None:

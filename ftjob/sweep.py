@@ -49,6 +49,7 @@ class Outcome:
 WALL_TIME = "wall_time_s"
 OUTCOMES: tuple[Outcome, ...] = (
     Outcome(WALL_TIME, "wall time (s)", 1),
+    Outcome(M.GOODPUT_ETTR, "ETTR", 3),
     Outcome(M.TRAIN_GLOBAL_THROUGHPUT, "img/s", 0),
     Outcome(M.FAILURES_COUNT, "failures", 0),
     Outcome(M.CHAOS_KILLS, "kills", 0),
@@ -56,6 +57,9 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome(M.RECOVERY_LOST_STEPS, "lost steps", 0),
     Outcome(M.CHECKPOINT_UPLOAD_RETRIES, "upload retries", 0),
     Outcome(M.CHECKPOINT_UPLOAD_FAILURES, "upload failures", 0),
+    Outcome(M.PREEMPTION_COUNT, "preemptions", 0),
+    Outcome(M.PREEMPTION_LOST_STEPS, "preemption lost steps", 0),
+    Outcome(M.PREEMPTION_JIT_CHECKPOINT_TIME, "JIT checkpoint (s)", 2),
     Outcome(M.VALIDATION_ACCURACY, "val accuracy", 4),
 )
 # Plotted against the swept parameters: recovery cost (kill and checkpoint-interval sweeps),

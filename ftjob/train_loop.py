@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,57 @@ from ftjob.data import (
 from ftjob.datasets import TRAIN, VAL, ImageDataset
 from ftjob.models import build_model
 from ftjob.optim import LRSchedule, build_optimizer
+from ftjob.preemption import PreemptionNotices
 from ftjob.storage import RetryingFileSystem, set_fault_stream
+
+
+def build_streams(
+    dataset: ImageDataset,
+    catalogs: dict[str, Any],
+    trainer: Any,
+    device: torch.device,
+    plan: EpochPlan,
+    rank: int,
+    world: int,
+) -> tuple[ValidationSet, ResumableIterator]:
+    """This rank's validation set and resumable training iterator, decoded in Ray Data."""
+    common = {
+        "seed": trainer.seed,
+        "device": device,
+        "prefetch_batches": trainer.prefetch_batches,
+        "decode_cpus": trainer.decode_cpus,
+        "window_mb": trainer.decode_window_mb,
+        "pin_memory": device.type == "cuda",
+        "channels_last": trainer.channels_last,
+    }
+    train_stream = RayDataStream(dataset, catalogs[TRAIN], TRAIN, **common)
+    val_stream = RayDataStream(dataset, catalogs[VAL], VAL, **common)
+    val_set = ValidationSet(
+        val_stream,
+        validation_ids(catalogs[VAL].num_rows, rank, world),
+        trainer.val_batch_size or trainer.batch_size,
+        trainer.validation_cache_mb * 2**20,
+    )
+    return val_set, ResumableIterator(train_stream, plan, rank, world)
+
+
+def start_feeder(
+    iterator: ResumableIterator, state: TrainState, plan: EpochPlan, trainer: Any
+) -> BatchFeeder:
+    """Batches from ``state``'s position to the end of training (the epoch's stream starts
+    at the position: nothing before it is read)."""
+    first = (
+        iterator.epoch(state.epoch, state.position) if state.epoch < trainer.epochs else iter(())
+    )
+    return BatchFeeder(
+        iterator,
+        first,
+        state.epoch,
+        trainer.epochs,
+        depth=max(1, trainer.prefetch_batches),
+        first_steps=plan.steps_per_epoch - state.position // plan.global_batch_size,
+        steps_per_epoch=plan.steps_per_epoch,
+    )
 
 
 class LossWindow:
@@ -86,12 +137,22 @@ class LossWindow:
 
 @torch.inference_mode()
 def evaluate(
-    module: torch.nn.Module, batches: Any, device: torch.device, autocast: bool, world: int
-) -> tuple[float, float, float]:
-    """(summed loss, correct, count) over every rank's validation shard."""
+    module: torch.nn.Module,
+    batches: Any,
+    device: torch.device,
+    autocast: bool,
+    world: int,
+    stop: Callable[[], bool] | None = None,
+) -> tuple[float, float, float, bool]:
+    """(summed loss, correct, count, complete) over every rank's validation shard. ``stop``
+    (a preemption notice) cuts it short; every rank still meets in the final all-reduce, and
+    the result counts only if no rank stopped."""
     module.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    totals = torch.zeros(4, dtype=torch.float64, device=device)
     for batch in batches:
+        if stop is not None and stop():
+            totals[3] = 1
+            break
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logits = module(batch.images)
         totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
@@ -100,8 +161,8 @@ def evaluate(
     if world > 1:
         dist.all_reduce(totals)
     module.train()
-    loss, correct, count = totals.tolist()
-    return loss, correct, count
+    loss, correct, count, stopped = totals.tolist()
+    return loss, correct, count, not stopped
 
 
 class InjectedFailure(RuntimeError):
@@ -154,6 +215,7 @@ class Worker:
         self.validated_step = -1
         self.restore_info: dict[str, Any] | None = None
         self.losses = LossWindow(self.device, self.world)
+        self.notices: PreemptionNotices | None = None
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -197,25 +259,15 @@ class Worker:
             self.job.optimizer, self.module.parameters(), self.trainer.lr
         )
         self.autocast = self.trainer.precision == "bf16"
-        pin = self.device.type == "cuda"
-        common = {
-            "seed": self.trainer.seed,
-            "device": self.device,
-            "prefetch_batches": self.trainer.prefetch_batches,
-            "decode_cpus": self.trainer.decode_cpus,
-            "window_mb": self.trainer.decode_window_mb,
-            "pin_memory": pin,
-            "channels_last": self.trainer.channels_last,
-        }
-        train_stream = RayDataStream(self.spec.dataset, self.catalogs[TRAIN], TRAIN, **common)
-        val_stream = RayDataStream(self.spec.dataset, self.catalogs[VAL], VAL, **common)
-        self.val_set = ValidationSet(
-            val_stream,
-            validation_ids(self.catalogs[VAL].num_rows, self.rank, self.world),
-            self.trainer.val_batch_size or self.trainer.batch_size,
-            self.trainer.validation_cache_mb * 2**20,
+        self.val_set, self.iterator = build_streams(
+            self.spec.dataset,
+            self.catalogs,
+            self.trainer,
+            self.device,
+            self.plan,
+            self.rank,
+            self.world,
         )
-        self.iterator = ResumableIterator(train_stream, self.plan, self.rank, self.world)
 
     def _restore(self) -> None:
         restored = self.checkpointer.restore(
@@ -226,7 +278,7 @@ class Worker:
         self.metrics.load_state_dict(restored.metrics)
         self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
         self.state = restored.state
-        self.validated_step = self.state.step
+        self.validated_step = self.state.step if self.state.validated else -1
         self.restore_info = restored.record()
 
     def _checkpoint(self) -> bool:
@@ -236,6 +288,7 @@ class Worker:
             return False
         if not all(torch.isfinite(p).all() for p in self.module.parameters()):
             return not self._diverged(math.nan)  # a finite loss, but the step made them NaN
+        self.state.validated = self.validated_step == self.state.step
         return self.checkpointer.save(
             self.state, self.module, self.optimizer, self.plan.global_batch_size
         )
@@ -246,10 +299,14 @@ class Worker:
         if self.validated_step == self.state.step:
             return
         self.validated_step = self.state.step
+        stop = self.notices.noticed if self.notices is not None else None
         with self.metrics.timer(M.VALIDATION_STEP):
-            loss, correct, count = evaluate(
-                self.module, self.val_set, self.device, self.autocast, self.world
+            loss, correct, count, complete = evaluate(
+                self.module, self.val_set, self.device, self.autocast, self.world, stop
             )
+        if not complete:  # a preemption notice: this step's validation runs after the restore
+            self.validated_step = -1
+            return
         result = {
             "epoch": epoch,
             "loss": loss / max(count, 1),
@@ -291,22 +348,42 @@ class Worker:
             )
         return True
 
+    def _preempted(self) -> bool:
+        """Every rank, once per step: on an agreed preemption notice, commit a checkpoint of
+        this very step (0 lost steps), then wait to be torn down -- returning would tell Ray
+        Train that training finished. False when there is no notice."""
+        if self.notices is None or self.state.step >= self.total_steps:
+            return False  # at the last step the run ends anyway
+        notice = self.notices.agree()
+        if notice is None:
+            return False
+        if self.rank == 0:
+            record = notice.record(self.state.step, self.notices.drain_ranks)
+            self.ledger.preemption_notice.remote(self.attempt, record)
+        self.state.validated = self.validated_step == self.state.step
+        jit = self.checkpointer.save_now(
+            self.state, self.module, self.optimizer, self.plan.global_batch_size, notice.deadline
+        )
+        if self.rank == 0:
+            self.ledger.jit_checkpoint.remote(self.attempt, {**jit, "time": time.time()})
+        self.checkpointer.send_storage_stats()
+        while True:  # until Ray Train (at the deadline) or the driver stops this worker
+            time.sleep(1.0)
+
     def _log_progress(self) -> bool:
         """A progress line with the mean loss since the last one. False: training diverged."""
         loss, throughput = self.losses.read(self.state.step)
         self.metrics.set(M.TRAIN_LOSS, loss)
         if self.rank == 0:
-            progress = {
-                "step": self.state.step,
-                "epoch": self.state.epoch,
-                "epochs": self.trainer.epochs,
-                "total_steps": self.total_steps,
-                "loss": loss,
-                "throughput": throughput,
-                "time": time.time(),
-            }
-            self.ledger.progress_update.remote(self.attempt, progress, self.metrics.as_dict())
+            self._send_progress(self.state.epoch, loss, throughput)
         return not self._diverged(loss)
+
+    def _send_progress(self, epoch: int, loss: float, throughput: float) -> None:
+        progress = {"step": self.state.step, "epoch": epoch, "epochs": self.trainer.epochs}
+        progress.update(total_steps=self.total_steps, loss=loss, throughput=throughput)
+        self.ledger.progress_update.remote(
+            self.attempt, {**progress, "time": time.time()}, self.metrics.as_dict()
+        )
 
     def _maybe_fail(self) -> None:
         if self.rank == 0 and self.state.step in self.job.chaos.fail_at_steps:
@@ -318,31 +395,21 @@ class Worker:
     def _start_feeder(self) -> BatchFeeder:
         """Position the iterator after the last trained sample (timed: the skip) and report
         the restore; then stream batches from there to the end of training."""
-        t = self.trainer
         start = time.perf_counter()
-        first = (
-            self.iterator.epoch(self.state.epoch, self.state.position)
-            if self.state.epoch < t.epochs
-            else iter(())
-        )
+        feeder = start_feeder(self.iterator, self.state, self.plan, self.trainer)
         skip_s = time.perf_counter() - start
         self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
         self.checkpointer.send_storage_stats()
         if self.rank == 0 and self.restore_info is not None:
             self.ledger.restored.remote(self.attempt, {**self.restore_info, "skip": skip_s})
-        return BatchFeeder(
-            self.iterator,
-            first,
-            self.state.epoch,
-            t.epochs,
-            depth=max(1, t.prefetch_batches),
-            first_steps=self.plan.steps_per_epoch
-            - self.state.position // self.plan.global_batch_size,
-            steps_per_epoch=self.plan.steps_per_epoch,
-        )
+        return feeder
 
     def run(self) -> None:
         self._register()
+        if self.job.failure.preemption:
+            self.notices = PreemptionNotices(
+                self.world, self.device, self.ledger if self.rank == 0 else None
+            )
         self._build()
         try:
             self._restore()
@@ -377,6 +444,7 @@ class Worker:
                 self._validate(epoch)
                 if not self._checkpoint():
                     return False
+                self._preempted()
                 new_epoch = True
                 wait_start = time.perf_counter()
                 continue
@@ -410,21 +478,14 @@ class Worker:
                 if t.checkpoint_every_n_steps and self.state.step % t.checkpoint_every_n_steps == 0:
                     if not self._checkpoint():
                         return False
+                self._preempted()
             wait_start = time.perf_counter()
         return True
 
     def _log_final(self) -> None:
         busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
-        progress = {
-            "step": self.state.step,
-            "epoch": self.state.epoch - 1,
-            "epochs": self.trainer.epochs,
-            "total_steps": self.total_steps,
-            "loss": self.metrics.get(M.TRAIN_LOSS),
-            "throughput": self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9),
-            "time": time.time(),
-        }
-        self.ledger.progress_update.remote(self.attempt, progress, self.metrics.as_dict())
+        throughput = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
+        self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), throughput)
 
 
 def train_loop(spec: WorkerSpec) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,32 @@ def run_ftjob(
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return proc, summary
+
+
+def start_ftjob(args: list[str], run_dir: Path, cwd: Path) -> subprocess.Popen[str]:
+    """``python -m ftjob`` in the background, its console (stdout and stderr) unbuffered on
+    ``stdout``, to watch it and signal it mid-run."""
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "ftjob", *args, f"hydra.run.dir={run_dir}"],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def read_until(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float) -> None:
+    """Read ``proc``'s console into ``lines`` until a line holds ``pattern``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if pattern in line:
+            return
+    raise AssertionError(f"{pattern!r} never came:\n" + "".join(lines[-40:]))
 
 
 def make_image_tree(

@@ -4,6 +4,7 @@ never ends without its final checkpoint."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,3 +155,34 @@ def test_a_bug_in_checkpoint_code_is_not_a_tolerated_upload_failure(tmp_path: Pa
     with pytest.raises(AttributeError):
         checkpointer.save(TrainState(step=10), model, optimizer, 32)
     assert checkpointer.failed_uploads == 0  # not counted against the upload budget
+
+
+def test_a_just_in_time_checkpoint_commits_this_step_before_it_returns(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path, upload_mode="async")
+    model, optimizer = model_and_optimizer(0)
+    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)  # in flight
+    record = checkpointer.save_now(TrainState(step=13), model, optimizer, 32)
+    assert record["step"] == 13 and record["path"] == checkpointer.store.path_for(13)
+    assert checkpointer.store.steps() == [13, 10]  # the one in flight finished first
+
+
+def test_a_periodic_checkpoint_of_the_same_step_is_the_just_in_time_one(tmp_path: Path) -> None:
+    checkpointer, ledger = make(tmp_path, upload_mode="async")
+    model, optimizer = model_and_optimizer(0)
+    assert checkpointer.save(TrainState(step=20), model, optimizer, 32)  # notice came during it
+    record = checkpointer.save_now(TrainState(step=20), model, optimizer, 32)
+    assert record["reused"] and record["path"] == checkpointer.store.path_for(20)
+    assert [name for name, _ in ledger.calls].count("checkpoint") == 1  # uploaded once
+
+
+def test_no_just_in_time_checkpoint_when_the_deadline_is_too_close(tmp_path: Path) -> None:
+    checkpointer, _ = make(tmp_path)
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=10), model, optimizer, 32)
+    record = checkpointer.save_now(
+        TrainState(step=12), model, optimizer, 32, deadline=time.time() + 0.2
+    )
+    assert (
+        record.get("path") is None and "falling back to the last committed one" in record["reason"]
+    )
+    assert checkpointer.store.steps() == [10]

@@ -288,3 +288,18 @@ def test_imagefolder_lists_decodes_and_augments_per_sample(tmp_path):
 def test_sample_rng_does_not_depend_on_batching():
     assert sample_rng(1, 2, 3).random() == sample_rng(1, 2, 3).random()
     assert sample_rng(1, 2, 3).random() != sample_rng(1, 2, 4).random()
+
+
+def test_validation_cut_short_by_a_notice_does_not_count():
+    import torch
+
+    from ftjob.data import Batch
+    from ftjob.train_loop import evaluate
+
+    model = torch.nn.Linear(4, 2)
+    batches = [Batch(torch.ones(3, 4), torch.zeros(3, dtype=torch.int64), None) for _ in range(4)]
+    *_, count, complete = evaluate(model, batches, torch.device("cpu"), False, 1)
+    assert (count, complete) == (12, True)
+    polls = iter([False, False, True])  # the notice arrives before the third batch
+    *_, complete = evaluate(model, batches, torch.device("cpu"), False, 1, lambda: next(polls))
+    assert not complete and model.training  # back in training mode either way

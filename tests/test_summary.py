@@ -8,12 +8,12 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.data import EpochPlan
+from ftjob.failures import failure_records
 from ftjob.ledger import RunLedger
 from ftjob.summary import (
     FitOutcome,
     build_summary,
     decide_status,
-    failure_records,
     format_summary,
     write_summary,
 )

@@ -6,19 +6,15 @@ driver per run."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from ftjob import metrics as M
-from tests.conftest import run_ftjob
+from tests.conftest import read_until, run_ftjob, start_ftjob
 
 pytestmark = pytest.mark.ray
 
@@ -60,20 +56,6 @@ def test_async_uploads_failing_past_the_budget_end_the_run_on_every_rank(tmp_pat
     assert s["metrics"][M.CHECKPOINT_UPLOAD_FAILURES] >= 2
 
 
-def _read_until(
-    proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if pattern in line:
-            return
-    raise AssertionError(f"{pattern!r} never came:\n" + "".join(lines[-40:]))
-
-
 def test_an_interrupted_run_keeps_its_record_and_resumes_past_a_damaged_checkpoint(tmp_path):
     storage = tmp_path / "store"
     job = [
@@ -84,23 +66,16 @@ def test_an_interrupted_run_keeps_its_record_and_resumes_past_a_damaged_checkpoi
         "trainer.audit_samples=true",
     ]
     run_dir = tmp_path / "first"
-    first = subprocess.Popen(
-        [sys.executable, "-u", "-m", "ftjob", *job, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    first = start_ftjob(job, run_dir, tmp_path)
     lines: list[str] = []
     try:
-        _read_until(first, "checkpoints: ", lines, timeout=120)
+        read_until(first, "checkpoints: ", lines, timeout=120)
         # A second driver for the same run, while the first lives: refused, naming the holder.
         second, _ = run_ftjob(job, tmp_path / "second", timeout=120)
         assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
         assert "being trained by another driver" in second.stderr
         assert f":{first.pid}" in second.stderr
-        _read_until(first, "checkpoint step 30 committed", lines, timeout=240)
+        read_until(first, "checkpoint step 30 committed", lines, timeout=240)
         first.send_signal(signal.SIGINT)
         rest = threading.Thread(target=lambda: lines.extend(first.stdout or []), daemon=True)
         rest.start()

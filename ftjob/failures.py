@@ -1,0 +1,110 @@
+"""Failure records: one per failure a run recovered from or died of -- where it came from and
+what each part of the recovery cost -- read from the run ledger's snapshot (pure functions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftjob import metrics as M
+
+PREEMPTION = "preemption"  # the kind of a failure record that a notice came before
+
+
+def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    kills = [
+        {
+            "time": k.get("deadline", k["time"]),  # a preempted node goes at its deadline
+            "kind": PREEMPTION if k["kind"] == "preempt" else f"{k['kind']}_kill",
+            "detail": k.get("target"),
+        }
+        for k in snap["kills"]
+    ]
+    injected = [
+        {"time": e["time"], "kind": "injected", "detail": {"step": e["step"]}}
+        for e in snap["injected"]
+    ]
+    return sorted(kills + injected, key=lambda e: e["time"])
+
+
+def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per failure: where it came from and how long each part of recovery took.
+
+    Failure ``i`` ends attempt ``i``; attempt ``i+1`` is its recovery. Times: detection (origin
+    -> Ray Train noticed), restart (noticed -> new worker group in the train function),
+    download/load/skip (restore), time_to_recover (origin -> first trained step after it).
+    The origin is the chaos kill or injected failure that caused it, else the moment noticed.
+    """
+    attempts = snap["attempts"]
+    noticed = sorted(f["noticed"] for f in snap["failures"])
+    errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
+    events = _recovery_events(snap)
+    records = []
+    for i in range(max(len(attempts) - 1, len(noticed))):
+        attempt = attempts[i] if i < len(attempts) else None
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        notice = noticed[i] if i < len(noticed) else (nxt["started"] if nxt else None)
+        lo = attempt["started"] if attempt else 0.0
+        hi = notice if notice is not None else float("inf")
+        cause = [e for e in events if lo <= e["time"] <= hi]
+        origin = cause[-1] if cause else None
+        t0 = origin["time"] if origin else notice
+        record: dict[str, Any] = {
+            "attempt": i + 1,
+            "time": t0,
+            "kind": origin["kind"] if origin else "error",
+            "detail": origin["detail"] if origin else None,
+            "error": next(iter(errors[i].values()), None) if i < len(errors) else None,
+            "detection_s": (notice - t0) if notice is not None and t0 is not None else None,
+            "recovered": False,
+        }
+        if nxt is not None:
+            restored = nxt["restored"] or {}
+            first = nxt["first_step"]
+            restored_step = restored.get("step", 0)
+            record.update(
+                {
+                    "restart_s": nxt["started"] - notice if notice is not None else None,
+                    "restored_step": restored_step,
+                    "checkpoint": restored.get("path"),
+                    "fallbacks": restored.get("skipped", []),
+                    "download_s": restored.get("download", 0.0),
+                    "load_s": restored.get("load", 0.0),
+                    "skip_s": restored.get("skip", 0.0),
+                    "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
+                    "recovered": first is not None,
+                    "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
+                }
+            )
+            record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
+        if attempt is not None and attempt.get("preemption"):
+            _as_preemption(record, attempt["preemption"], nxt)
+        records.append(record)
+    return records
+
+
+def _as_preemption(
+    record: dict[str, Any], preemption: dict[str, Any], nxt: dict[str, Any] | None
+) -> None:
+    """A notice came first: the attempt ended by preemption, whatever took it down. Its clock
+    starts when the node went (the deadline; without one, when the notice came): detection is
+    0 (the notice came in advance), restart runs from then to the new worker group."""
+    notice = dict(preemption)
+    t0 = notice.get("deadline") or notice["received"]
+    record.update(kind=PREEMPTION, time=t0, detection_s=0.0, jit=notice.pop("jit", None))
+    record["notice"] = notice
+    if nxt is not None:
+        record["restart_s"] = nxt["started"] - t0
+        if nxt["first_step"] is not None:
+            record["time_to_recover_s"] = nxt["first_step"]["time"] - t0
+
+
+def preemption_metrics(snap: dict[str, Any], failures: list[dict[str, Any]]) -> dict[str, float]:
+    noticed = [a["preemption"] for a in snap["attempts"] if a.get("preemption")]
+    preempted = [f for f in failures if f["kind"] == PREEMPTION]
+    return {
+        M.PREEMPTION_COUNT: len(noticed),
+        M.PREEMPTION_LOST_STEPS: sum(f.get("lost_steps", 0) for f in preempted),
+        M.PREEMPTION_JIT_CHECKPOINT_TIME: sum(
+            (n.get("jit") or {}).get("seconds", 0.0) for n in noticed
+        ),
+    }

@@ -1,0 +1,85 @@
+"""Goodput: where every second of a run's wall clock went.
+
+ETTR (effective training time ratio) is the share of the wall clock spent in training steps
+that count -- steps re-done after a restore do not. The rest is badput, split by cause from
+what the run already measures: the surviving timers of rank 0 (a checkpoint carries them, so
+an attempt's lost work is not in them), the recovery records of every failure, and the run's
+start and end. ``other`` is what none of them explains (Ray Train's bookkeeping between
+steps, validation and checkpoints of lost work); the buckets sum to the wall clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftjob import metrics as M
+from ftjob.metrics import finite
+
+BUCKETS = (
+    "startup",  # launch -> first training step
+    "training",  # training steps that count
+    "data_wait",  # steps waiting for their batch
+    "validation",
+    "checkpoint",  # training waiting for checkpoint save, upload, report
+    "detection",  # failure -> Ray Train noticed it
+    "restart",  # noticed -> new worker group in the train function
+    "restore",  # checkpoint download, load, data position
+    "setup",  # restored -> first step (model, process group, first batch)
+    "redone",  # steps trained again after a restore
+    "preemption",  # notice -> the node went (just-in-time checkpoint, then waiting)
+    "shutdown",  # last step -> the run's end
+    "other",
+)
+
+
+def _sum(records: list[dict[str, Any]], key: str) -> float:
+    return sum(finite(r.get(key)) for r in records)
+
+
+def goodput(
+    *,
+    wall_s: float,
+    run_started: float,
+    first_step: float | None,
+    finished: float | None,
+    metrics: dict[str, Any],
+    failures: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``{"wall_s", "ettr", "buckets": {name: seconds}}``; the buckets sum to ``wall_s``."""
+    steps = finite(metrics.get(M.TRAIN_STEPS_COMPLETED))
+    busy = finite(metrics.get(M.TRAIN_STEP))
+    waiting = finite(metrics.get(M.TRAIN_ITER_BATCH)) + finite(
+        metrics.get(M.TRAIN_ITER_FIRST_BATCH)
+    )
+    per_step = (busy + waiting) / steps if steps else 0.0
+    recovered = [f for f in failures if f.get("recovered")]
+    restore = sum(finite(f.get(k)) for f in recovered for k in ("download_s", "load_s", "skip_s"))
+    known_recovery = _sum(failures, "detection_s") + _sum(recovered, "restart_s") + restore
+    preempted = [f for f in failures if f.get("notice")]
+    buckets = {
+        "startup": (first_step - run_started) if first_step else wall_s,
+        "training": busy,
+        "data_wait": waiting,
+        "validation": finite(metrics.get(M.VALIDATION_STEP)),
+        "checkpoint": sum(
+            finite(metrics.get(k))
+            for k in (M.CHECKPOINT_SAVE, M.CHECKPOINT_UPLOAD, M.CHECKPOINT_REPORT)
+        ),
+        "detection": _sum(failures, "detection_s"),
+        "restart": _sum(recovered, "restart_s"),
+        "restore": restore,
+        "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
+        "redone": sum(f.get("lost_steps", 0) for f in failures) * per_step,
+        "preemption": sum(
+            max(0.0, finite(f["notice"].get("deadline")) - f["notice"]["received"])
+            for f in preempted
+            if f["notice"].get("deadline")
+        ),
+        "shutdown": max(0.0, run_started + wall_s - finished) if finished else 0.0,
+    }
+    buckets["other"] = wall_s - sum(buckets.values())
+    return {
+        "wall_s": wall_s,
+        "ettr": busy / wall_s if wall_s > 0 else 0.0,
+        "buckets": {name: buckets[name] for name in BUCKETS},
+    }

@@ -1,0 +1,54 @@
+"""The cluster a run joins: refusing an address where no cluster answers, and keeping Ray's
+raylet-death dumps out of the user's console (no Ray started)."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+
+from ftjob import cluster
+from ftjob.cluster import _RayNoiseFilter, probe_cluster
+from ftjob.config import JobError
+
+
+def test_an_address_where_nothing_answers_is_refused_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: the connection is refused
+        with pytest.raises(JobError) as err:
+            probe_cluster(f"127.0.0.1:{port}", timeout=2)
+    assert f"ray.address='127.0.0.1:{port}': no Ray cluster answers" in str(err.value)
+    assert "ray start --head" in str(err.value)
+
+
+def test_auto_without_a_cluster_on_this_machine_says_what_auto_means(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "RAY_CURRENT_CLUSTER", str(tmp_path / "none"))
+    with pytest.raises(JobError, match="no running Ray cluster found on this machine"):
+        probe_cluster("auto")
+    stale = tmp_path / "ray_current_cluster"
+    stale.write_text("127.0.0.1:1")  # a cluster that died long ago
+    monkeypatch.setattr(cluster, "RAY_CURRENT_CLUSTER", str(stale))
+    with pytest.raises(JobError, match=r"at 127\.0\.0\.1:1 \(from ray.address='auto'\)"):
+        probe_cluster("auto", timeout=2)
+    with pytest.raises(JobError, match="expected HOST:PORT"):
+        probe_cluster("not-an-address")
+
+
+def test_raylet_death_reports_fold_into_one_line():
+    out = io.StringIO()
+    noise = _RayNoiseFilter(out)
+    noise.write("[ftjob] 00:10 step 10\n")
+    noise.write(
+        "(raylet) The node with node id: ab12 has been marked dead because the detector has "
+        "missed too many heartbeats from it. This can happen when a \t(1) raylet crashes\n"
+        "\t(2) raylet has lagging heartbeats due to slow network or busy workload.\n"
+    )
+    noise.write("[ftjob] 00:20 step 20\n")
+    assert out.getvalue().splitlines() == [
+        "[ftjob] 00:10 step 10",
+        "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs",
+        "[ftjob] 00:20 step 20",
+    ]

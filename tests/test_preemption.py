@@ -1,0 +1,142 @@
+"""Preemption notices and their records, without Ray: a worker's local signals, the summary of
+a preempted run, and the verdict when the driver itself is told to stop."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from ftjob import metrics as M
+from ftjob import preemption
+from ftjob.chaos import ChaosKiller, KillSchedule
+from ftjob.preemption import DRAIN, DRIVER, PreemptionNotices
+from ftjob.summary import FitOutcome, build_summary, decide_status
+from tests.test_chaos import WORKERS
+from tests.test_chaos import FakeLedger as ChaosLedger
+from tests.test_summary import make_ledger, train
+
+
+def test_a_drain_notice_carries_its_deadline_and_wins_over_nothing(monkeypatch):
+    notices = PreemptionNotices(world=1, device="cpu")
+    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
+    assert notices.agree() is None and not notices.noticed()
+    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: (1_000_030.0, [1]))
+    notice = notices.agree()
+    assert notice is not None and (notice.source, notice.deadline) == (DRAIN, 1_000_030.0)
+    assert notice.remaining(1_000_000.0) == 30.0 and notices.drain_ranks == [1]
+
+
+def test_a_driver_request_is_a_notice_without_a_deadline(monkeypatch):
+    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
+    notices = PreemptionNotices(world=1, device="cpu")
+    notices.requested.set()  # what the ledger poller does when the driver got SIGTERM
+    notice = notices.agree()
+    assert notice is not None and notice.source == DRIVER and notice.deadline is None
+    assert math.isinf(notice.remaining(0.0))
+
+
+def preempted_run() -> Any:
+    """Attempt 0 is preempted at step 12 with a JIT checkpoint of step 12; attempt 1 resumes."""
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    ledger.first_step(a0, 1, 1.0)
+    train(ledger, a0, range(1, 13), audit=False)
+    ledger.kill(
+        {
+            "time": 20.0,
+            "kind": "preempt",
+            "target": {"node_id": "n1", "ranks": [1]},
+            "notice": 20.0,
+            "deadline": 30.0,
+        }
+    )
+    ledger.preemption_notice(
+        a0, {"source": DRAIN, "deadline": 30.0, "received": 21.0, "step": 12, "ranks": [1]}
+    )
+    ledger.jit_checkpoint(a0, {"step": 12, "path": "/ck/step_12", "seconds": 0.4, "time": 21.5})
+    ledger.failure_noticed(31.0, {1: "ActorDiedError: node preempted"})
+    ledger.confirm_kill(20.0, True)
+    a1 = ledger.begin_attempt(40.0)
+    ledger.restored(
+        a1,
+        {
+            "step": 12,
+            "epoch": 0,
+            "position": 96,
+            "path": "/ck/step_12",
+            "download": 0.1,
+            "load": 0.1,
+            "skip": 0.0,
+        },
+    )
+    ledger.first_step(a1, 13, 45.0)
+    train(ledger, a1, range(13, 16), audit=False)
+    ledger.finish(50.0)
+    return ledger
+
+
+def test_a_preempted_attempt_is_a_preemption_record_not_a_failure():
+    ledger = preempted_run()
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=50, config={}
+    )
+    [record] = summary["failures"]
+    assert record["kind"] == "preemption" and record["lost_steps"] == 0
+    assert record["jit"]["step"] == 12 and record["notice"]["deadline"] == 30.0
+    assert record["time"] == 30.0  # the node went at its deadline
+    assert record["time_to_recover_s"] == pytest.approx(15.0)
+    m = summary["metrics"]
+    assert m[M.FAILURES_COUNT] == 0  # not charged to the failure budget
+    assert (m[M.PREEMPTION_COUNT], m[M.PREEMPTION_LOST_STEPS]) == (1, 0)
+    assert m[M.PREEMPTION_JIT_CHECKPOINT_TIME] == pytest.approx(0.4)
+    assert any("just-in-time checkpoint of step 12" in line for line in ledger.lines)
+
+
+def test_more_preemptions_than_the_budget_fail_naming_it():
+    snap = preempted_run().snapshot()
+    fit = FitOutcome("PreemptionError: node n2 preempted", preemption_budget_exhausted=True)
+    status, error = decide_status(snap, fit, max_failures=3, max_preemptions=0)
+    assert status == "failed"
+    assert error.startswith("training stopped after 1 preemption(s), over the budget")
+    assert "failure.max_preemptions=0" in error
+
+
+def test_a_driver_stopped_by_sigterm_is_preempted_and_names_its_checkpoint():
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 4), audit=False)
+    ledger.request_stop("SIGTERM", 5.0)
+    assert ledger.stop_requested()
+    ledger.preemption_notice(
+        a0, {"source": DRIVER, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
+    )
+    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.5})
+    status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
+    assert status == "preempted"
+    assert (
+        error
+        == "stopped by a preemption notice (SIGTERM) after a just-in-time checkpoint of step 3"
+    )
+
+
+def test_preempt_chaos_drains_then_counts_the_node_once_it_is_gone():
+    ledger = ChaosLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    done: list[tuple[str, dict[str, Any]]] = []
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "preempt",
+        ledger,
+        {"head"},
+        notice=10.0,
+        execute=lambda kind, target: done.append((kind, target)) or -1,
+        confirm=lambda target: True,
+        clock=lambda: 100.0,
+        wait=lambda s: False,
+    )
+    [record] = killer.run()
+    assert done[0][0] == "preempt" and done[0][1]["node_id"] != "head"
+    assert (record["notice"], record["deadline"]) == (100.0, 110.0)
+    assert ledger.confirmed == [(100.0, True)]

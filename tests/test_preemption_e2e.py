@@ -1,0 +1,87 @@
+"""End-to-end preemption: a node drained with notice (Ray's drain API, as a spot reclaim) and
+SIGTERM to the driver. Each notice becomes a just-in-time checkpoint of the current step: no
+step is lost, every sample is trained once, and the failure budget is not spent."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+
+import pytest
+
+from ftjob import metrics as M
+from tests.conftest import read_until, run_ftjob, start_ftjob
+
+pytestmark = pytest.mark.ray
+
+
+def test_preemptions_with_notice_lose_no_step_and_spend_no_failure_budget(tmp_path):
+    proc, s = run_ftjob(
+        [
+            "+experiment=digits_ft",
+            "trainer.epochs=8",  # 176 steps
+            "ray.local_nodes=3",
+            "chaos=preempt",
+            "chaos.at_steps=[30,110]",
+            "chaos.notice=8",
+            "failure.max_failures=0",  # a preemption must not need it
+            "trainer.audit_samples=true",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert s["status"] == "succeeded"
+    m = s["metrics"]
+    assert (m[M.PREEMPTION_COUNT], m[M.PREEMPTION_LOST_STEPS], m[M.FAILURES_COUNT]) == (2, 0, 0)
+    assert m[M.PREEMPTION_JIT_CHECKPOINT_TIME] > 0
+    # Both preemptions happened; the last node may still await Ray's death notice at the end.
+    preempts = s["chaos"]["kills"] + s["chaos"]["skipped"]
+    assert [k["kind"] for k in preempts] == ["preempt", "preempt"]
+    assert all(k.get("confirmed") or "before the run ended" in k["reason"] for k in preempts)
+    for record in s["failures"]:
+        assert record["kind"] == "preemption" and record["recovered"]
+        assert record["lost_steps"] == 0
+        assert record["restored_step"] == record["jit"]["step"] == record["notice"]["step"]
+        assert record["notice"]["deadline"] > record["notice"]["received"]
+        assert record["time"] == record["notice"]["deadline"] and record["time_to_recover_s"] > 0
+    assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s["audit"])
+    assert len(s["audit"]) == 8
+    assert "preemption notice (drain)" in proc.stdout
+
+
+def test_sigterm_to_the_driver_saves_the_current_step_and_the_run_resumes_there(tmp_path):
+    storage = tmp_path / "store"
+    job = [
+        "+experiment=digits_ft",
+        "trainer.epochs=8",
+        "name=term",
+        f"checkpoint.storage_path={storage}",
+        "trainer.audit_samples=true",
+    ]
+    run_dir = tmp_path / "first"
+    first = start_ftjob(job, run_dir, tmp_path)
+    lines: list[str] = []
+    try:
+        read_until(first, "checkpoint step 10 committed", lines, timeout=240)
+        first.send_signal(signal.SIGTERM)  # Kubernetes, SLURM, ray job stop
+        out, _ = first.communicate(timeout=120)
+        lines.append(out)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 143, "".join(lines)[-4000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "preempted"
+    assert "after a just-in-time checkpoint of step" in s["error"]
+    jit_step = int(s["error"].rsplit(" ", 1)[-1])
+    assert jit_step > 10 and s["checkpoints"]["latest"].endswith(f"step_{jit_step:09d}")
+    assert s["metrics"][M.PREEMPTION_COUNT] == 1
+
+    resumed, s2 = run_ftjob(shlex.split(s["resume_command"])[3:], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert s2["status"] == "succeeded"
+    first_epoch = s2["audit"][0]
+    steps_per_epoch = 22
+    assert first_epoch["resumed_at"] == (jit_step % steps_per_epoch) * 64  # nothing re-trained
+    assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s2["audit"])
