@@ -177,9 +177,17 @@ class StorageChaosConfig:
     _group: ClassVar[str] = "chaos.storage"
     failure_rate: float = 0.0
     errors: list[str] = field(default_factory=lambda: ["throttle", "reset", "timeout"])
+    upload_delay: float = 0.0
 
     def __post_init__(self) -> None:
         g = self._group
+        _require(
+            self.upload_delay >= 0,
+            g,
+            "upload_delay",
+            self.upload_delay,
+            "must be >= 0 seconds (added to every checkpoint upload request)",
+        )
         _require(
             0 <= self.failure_rate < 1,
             g,

@@ -72,6 +72,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
                     "skip_s": restored.get("skip", 0.0),
                     "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
                     "recovered": first is not None,
+                    "first_step_s": (first or {}).get("took", 0.0),
                     "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
                 }
             )

@@ -54,7 +54,13 @@ def goodput(
     per_step = (busy + waiting) / steps if steps else 0.0
     recovered = [f for f in failures if f.get("recovered")]
     restore = sum(finite(f.get(k)) for f in recovered for k in ("download_s", "load_s", "skip_s"))
-    known_recovery = _sum(failures, "detection_s") + _sum(recovered, "restart_s") + restore
+    # The first step after a restore is in time-to-recover, and also in data_wait and training.
+    known_recovery = (
+        _sum(failures, "detection_s")
+        + _sum(recovered, "restart_s")
+        + restore
+        + _sum(recovered, "first_step_s")
+    )
     preempted = [f for f in failures if f.get("notice")]
     buckets = {
         "startup": (first_step - run_started) if first_step else wall_s,
@@ -83,3 +89,33 @@ def goodput(
         "ettr": busy / wall_s if wall_s > 0 else 0.0,
         "buckets": {name: buckets[name] for name in BUCKETS},
     }
+
+
+def write_goodput_plot(path: str, jobs: list[tuple[str, dict[str, float]]]) -> None:
+    """One stacked bar per job: its wall clock split into the buckets, ETTR on top."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6.0, 1.2 * len(jobs) + 3), 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    from matplotlib import colormaps
+
+    colours = colormaps["tab20"]  # one colour per bucket (the default cycle has 10)
+    labels = [label for label, _ in jobs]
+    bottoms = [0.0] * len(jobs)
+    for i, name in enumerate(BUCKETS):
+        heights = [max(0.0, buckets.get(name, 0.0)) for _, buckets in jobs]
+        if any(heights):
+            ax.bar(labels, heights, bottom=bottoms, label=name, color=colours(i))
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, (_, buckets) in enumerate(jobs):
+        wall = sum(buckets.values())
+        ettr = buckets.get("training", 0.0) / wall if wall > 0 else 0.0
+        ax.annotate(f"ETTR {ettr:.2f}", (x, bottoms[x]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds of wall clock")
+    ax.set_title("goodput: where each job's time went" if jobs else "no job reported goodput")
+    if jobs:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", labelrotation=30)
+    fig.savefig(path, dpi=100)

@@ -114,9 +114,11 @@ class RunLedger:
         if total and step >= total:
             self.trained_all = True
 
-    def first_step(self, attempt: int, step: int, now: float) -> None:
+    def first_step(self, attempt: int, step: int, now: float, took: float = 0.0) -> None:
+        """The attempt's first trained step: when it ended, and what it took (its batch wait
+        and the step itself, which goodput counts as data wait and training, not set-up)."""
         if self.attempts[attempt]["first_step"] is None:
-            self.attempts[attempt]["first_step"] = {"step": step, "time": now}
+            self.attempts[attempt]["first_step"] = {"step": step, "time": now, "took": took}
 
     def progress_update(
         self, attempt: int, progress: dict[str, Any], metrics: dict[str, float]
@@ -243,6 +245,11 @@ class RunLedger:
             f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
             "saving a just-in-time checkpoint"
         )
+        if record.get("validation_cut") is not None:
+            self.log(
+                f"validation at step {record['validation_cut']} was cut short by the notice; "
+                "it runs again after the restart"
+            )
 
     def jit_checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
         notice = self.attempts[attempt].setdefault("preemption", {})

@@ -216,7 +216,11 @@ class _StopSignal:
     def __init__(self, enabled: bool, wait_s: float = 60.0) -> None:
         self.received: float | None = None
         self.enabled, self.wait_s = enabled, wait_s
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        # Only the main thread may handle signals (runner.run called from another thread:
+        # SIGTERM keeps its default).
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.enabled:  # failure.preemption=false: stop as on Ctrl-C, with a summary
@@ -225,7 +229,8 @@ class _StopSignal:
             self.received = time.time()
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
 
     def done(self, ledger: Any, echo: Callable[[str], None]) -> bool:
         """Called every poll: True when the run should stop now."""

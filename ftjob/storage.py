@@ -23,6 +23,7 @@ import logging
 import random
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -206,7 +207,8 @@ def is_checkpoint_upload(op: str, path: str) -> bool:
 
 
 class FaultInjectingFileSystem(_DelegatingFileSystem):
-    """Fails a seeded fraction of requests before they reach ``fs`` (chaos.storage).
+    """Fails a seeded fraction of requests before they reach ``fs``, and slows checkpoint
+    uploads by ``upload_delay`` seconds each (chaos.storage: a slow or congested store).
 
     Transient kinds hit any request, Ray Train's included: the retry layer must absorb them
     wherever they happen. A ``permanent`` fault hits only checkpoint uploads (a write that is
@@ -220,10 +222,13 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
         failure_rate: float,
         errors: list[str],
         seed: int = 0,
+        upload_delay: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
         **kwargs: Any,
     ) -> None:
         super().__init__(fs)
         self.failure_rate, self.errors, self.seed = failure_rate, list(errors), seed
+        self.upload_delay, self.sleep = upload_delay, sleep
         self._lock = threading.Lock()
         self.set_stream("main")
         self.injected = 0
@@ -243,6 +248,8 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
             self.injected += kind is not None
         if kind is not None:
             raise INJECTED_ERRORS[kind](f"{op} {path}")
+        if self.upload_delay and is_checkpoint_upload(op, path):
+            self.sleep(self.upload_delay)
         return fn()
 
 
@@ -295,8 +302,10 @@ def build_filesystem(
     fsspec_options, inner_retries = split_options(protocol, options)
     inner, path = fsspec.core.url_to_fs(url, **fsspec_options)
     fs: AbstractFileSystem = inner
-    if chaos is not None and chaos.failure_rate > 0:
-        fs = FaultInjectingFileSystem(inner, chaos.failure_rate, chaos.errors, seed=seed)
+    if chaos is not None and (chaos.failure_rate > 0 or chaos.upload_delay > 0):
+        fs = FaultInjectingFileSystem(
+            inner, chaos.failure_rate, chaos.errors, seed=seed, upload_delay=chaos.upload_delay
+        )
     return RetryingFileSystem(fs, RetryPolicy(retry), inner_retries=inner_retries), path
 
 

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from ftjob import metrics as M
 from ftjob.compose import parse_overrides, sweep_values
+from ftjob.goodput import write_goodput_plot
 from ftjob.summary import SUMMARY_FILE
 
 logger = logging.getLogger("ftjob")
@@ -31,6 +32,7 @@ logger = logging.getLogger("ftjob")
 SWEEP_CSV = "sweep_summary.csv"
 SWEEP_MD = "sweep_summary.md"
 SWEEP_PNG = "sweep_summary.png"
+SWEEP_GOODPUT_PNG = "sweep_goodput.png"
 OVERRIDES_FILE = os.path.join(".hydra", "overrides.yaml")
 MULTIRUN_FILE = "multirun.yaml"
 INCOMPLETE = "incomplete"  # a job dir without summary.json: still running, killed, or crashed
@@ -85,6 +87,7 @@ class JobRow:
     error: str | None = None
     # empty when incomplete; None for a figure written as null
     outcomes: dict[str, float | None] = field(default_factory=dict)
+    goodput: dict[str, float] = field(default_factory=dict)  # seconds per goodput bucket
 
     @property
     def finished(self) -> bool:
@@ -96,6 +99,7 @@ class SweepReportPaths:
     csv: str
     markdown: str
     plot: str
+    goodput: str
 
 
 # -- reading job dirs ----------------------------------------------------------------------
@@ -176,6 +180,11 @@ def summary_row(job: str, overrides: dict[str, str], summary: dict[str, Any]) ->
         name=str(summary.get("name") or ""),
         error=str(error).splitlines()[0] if error else None,
         outcomes=outcomes,
+        goodput={
+            k: float(v)
+            for k, v in ((summary.get("goodput") or {}).get("buckets") or {}).items()
+            if isinstance(v, (int, float))
+        },
     )
 
 
@@ -295,6 +304,8 @@ def write_markdown(
         "",
         f"![outcomes against the swept parameters]({plot_name})",
         "",
+        f"![goodput: each job's wall clock by cause]({SWEEP_GOODPUT_PNG})",
+        "",
     ]
     with open(path, "w") as f:
         f.write("\n".join(text))
@@ -387,9 +398,16 @@ def build_sweep_report(sweep_dir: str) -> SweepReportPaths:
         csv=os.path.join(sweep_dir, SWEEP_CSV),
         markdown=os.path.join(sweep_dir, SWEEP_MD),
         plot=os.path.join(sweep_dir, SWEEP_PNG),
+        goodput=os.path.join(sweep_dir, SWEEP_GOODPUT_PNG),
     )
     write_csv(paths.csv, rows, keys)
     write_plot(paths.plot, rows, keys)
+    labelled = [
+        (" ".join([row.job, *(f"{k}={row.overrides.get(k, '')}" for k in keys)]), row.goodput)
+        for row in rows
+        if row.goodput
+    ]
+    write_goodput_plot(paths.goodput, labelled)
     write_markdown(paths.markdown, sweep_dir, rows, keys, SWEEP_PNG)
     return paths
 
@@ -410,4 +428,4 @@ class SweepReportCallback(Callback):
 def report_text(paths: SweepReportPaths) -> str:
     with open(paths.markdown) as f:
         table = "\n".join(line for line in f.read().splitlines() if line.startswith("|"))
-    return f"{table}\nsweep report: {paths.csv}, {paths.markdown}, {paths.plot}"
+    return f"{table}\nsweep report: {paths.csv}, {paths.markdown}, {paths.plot}, {paths.goodput}"

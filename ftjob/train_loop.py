@@ -77,6 +77,24 @@ def build_streams(
     return val_set, ResumableIterator(train_stream, plan, rank, world)
 
 
+def make_checkpointer(
+    spec: WorkerSpec, rank: int, world: int, attempt: int, metrics: M.MetricSet
+) -> Checkpointer:
+    return Checkpointer(
+        fs=spec.fs,
+        run_path=spec.run_path,
+        config=spec.job.checkpoint,
+        job_config=to_plain(spec.job),
+        data=spec.data,
+        rank=rank,
+        world=world,
+        ledger=spec.ledger,
+        attempt=attempt,
+        metrics=metrics,
+        local_root=attempt_scratch_dir(spec.run_name, attempt, rank),
+    )
+
+
 def start_feeder(
     iterator: ResumableIterator, state: TrainState, plan: EpochPlan, trainer: Any
 ) -> BatchFeeder:
@@ -216,6 +234,7 @@ class Worker:
         self.restore_info: dict[str, Any] | None = None
         self.losses = LossWindow(self.device, self.world)
         self.notices: PreemptionNotices | None = None
+        self.validation_cut: int | None = None  # the step whose validation a notice cut short
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -223,29 +242,11 @@ class Worker:
         attempt = ray.get(self.ledger.begin_attempt.remote(time.time())) if self.rank == 0 else None
         self.attempt = broadcast(attempt, self.world)
         set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
-        ctx = ray.get_runtime_context()
-        self.ledger.register_worker.remote(
-            self.attempt,
-            self.rank,
-            {
-                "node_id": ctx.get_node_id(),
-                "pid": os.getpid(),
-                "raylet_pid": os.getppid(),
-                "time": time.time(),
-            },
-        )
-        self.checkpointer = Checkpointer(
-            fs=self.fs,
-            run_path=self.spec.run_path,
-            config=self.job.checkpoint,
-            job_config=to_plain(self.job),
-            data=self.spec.data,
-            rank=self.rank,
-            world=self.world,
-            ledger=self.ledger,
-            attempt=self.attempt,
-            metrics=self.metrics,
-            local_root=attempt_scratch_dir(self.spec.run_name, self.attempt, self.rank),
+        node = ray.get_runtime_context().get_node_id()
+        where = {"node_id": node, "pid": os.getpid(), "raylet_pid": os.getppid()}
+        self.ledger.register_worker.remote(self.attempt, self.rank, {**where, "time": time.time()})
+        self.checkpointer = make_checkpointer(
+            self.spec, self.rank, self.world, self.attempt, self.metrics
         )
 
     def _build(self) -> None:
@@ -281,6 +282,12 @@ class Worker:
         self.validated_step = self.state.step if self.state.validated else -1
         self.restore_info = restored.record()
 
+    def _validation_owed(self) -> bool:
+        """Was the restored step due a validation that did not run to its end?"""
+        s, every = self.state, self.trainer.validate_every_n_steps
+        due = s.step > 0 and (s.position == 0 or bool(every and s.step % every == 0))
+        return self.restore_info is not None and not s.validated and due
+
     def _checkpoint(self) -> bool:
         """False: the job must stop (a fatal upload failure, or a non-finite loss since the
         last check: diverged weights are never written over a good checkpoint)."""
@@ -305,7 +312,7 @@ class Worker:
                 self.module, self.val_set, self.device, self.autocast, self.world, stop
             )
         if not complete:  # a preemption notice: this step's validation runs after the restore
-            self.validated_step = -1
+            self.validated_step, self.validation_cut = -1, self.state.step
             return
         result = {
             "epoch": epoch,
@@ -359,6 +366,7 @@ class Worker:
             return False
         if self.rank == 0:
             record = notice.record(self.state.step, self.notices.drain_ranks)
+            record["validation_cut"] = self.validation_cut
             self.ledger.preemption_notice.remote(self.attempt, record)
         self.state.validated = self.validated_step == self.state.step
         jit = self.checkpointer.save_now(
@@ -417,6 +425,8 @@ class Worker:
             if self.rank == 0:
                 self.ledger.set_fatal.remote(str(exc))
             return
+        if self._validation_owed():  # a preemption notice cut it short before the checkpoint
+            self._validate(self.state.epoch - 1 if self.state.position == 0 else self.state.epoch)
         feeder = self._start_feeder()
         try:
             if not self._train(feeder):
@@ -462,8 +472,9 @@ class Worker:
                 )
             if self.rank == 0:
                 self.ledger.step_done.remote(self.attempt, self.state.step)
-                if not first_step_done:
-                    self.ledger.first_step.remote(self.attempt, self.state.step, time.time())
+                if not first_step_done:  # with its own cost (batch wait + step): not set-up
+                    took = time.perf_counter() - wait_start
+                    self.ledger.first_step.remote(self.attempt, self.state.step, time.time(), took)
             if not first_step_done:
                 # Training is flowing: decode the validation set into its cache meanwhile.
                 self.val_set.prefetch()

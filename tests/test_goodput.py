@@ -19,7 +19,7 @@ def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     ledger.failure_noticed(21.0, {0: "ActorDiedError"})
     a1 = ledger.begin_attempt(25.0)
     ledger.restored(a1, restored(2))  # download 0.5, load 0.25, skip 0.01
-    ledger.first_step(a1, 3, 28.0)
+    ledger.first_step(a1, 3, 28.0, 0.5)  # its batch wait and step: data_wait and training
     train(ledger, a1, range(3, 6), audit=False)
     timers = {
         M.TRAIN_STEP: 5.0,
@@ -49,7 +49,7 @@ def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     assert (b["training"], b["data_wait"], b["validation"], b["checkpoint"]) == (5.0, 1.0, 2.0, 1.0)
     assert (b["detection"], b["restart"]) == (1.0, 4.0)  # kill->noticed, noticed->restart
     assert b["restore"] == pytest.approx(0.76)
-    assert b["setup"] == pytest.approx(8.0 - 1.0 - 4.0 - 0.76)  # time-to-recover is 8 s
+    assert b["setup"] == pytest.approx(8.0 - 1.0 - 4.0 - 0.76 - 0.5)  # time-to-recover: 8 s
     assert b["redone"] == pytest.approx(2 * 6.0 / 5)  # 2 lost steps at 1.2 s each
     assert g["ettr"] == pytest.approx(5.0 / 40.0) == summary["metrics"][M.GOODPUT_ETTR]
 

@@ -85,3 +85,44 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_the_run_resumes_there(
     steps_per_epoch = 22
     assert first_epoch["resumed_at"] == (jit_step % steps_per_epoch) * 64  # nothing re-trained
     assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s2["audit"])
+
+
+def test_a_notice_during_an_upload_or_a_validation_still_loses_no_step(tmp_path):
+    # Every checkpoint upload request takes 0.6 s (5 files: ~3 s a checkpoint), and validation
+    # (at epoch ends only) decodes 8000 images each time: both outlast the time a notice takes
+    # to arrive (the killer's poll, then Ray Train's drain poll, ~1.5 s). The first notice comes
+    # during the checkpoint of step 30, the second during the validation of step 44 (the end of
+    # epoch 2).
+    proc, s = run_ftjob(
+        [
+            "+experiment=digits_ft",
+            "dataset=synthetic",
+            "dataset.num_samples=1408",  # 22 steps an epoch, as digits
+            "dataset.num_val_samples=8000",
+            "dataset.image_size=64",
+            "dataset.num_classes=10",
+            "trainer.validation_cache_mb=0",
+            "trainer.validate_every_n_steps=0",
+            "trainer.checkpoint_every_n_steps=30",
+            "trainer.epochs=3",
+            "ray.local_nodes=3",
+            "chaos=preempt",
+            "chaos.at_steps=[30,44]",
+            "chaos.notice=10",
+            "chaos.storage.upload_delay=0.6",
+            "trainer.audit_samples=true",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert s["status"] == "succeeded"
+    during_upload, during_validation = s["failures"]
+    for record in (during_upload, during_validation):
+        assert record["kind"] == "preemption" and record["lost_steps"] == 0
+        # The periodic checkpoint of the step in flight became the just-in-time one.
+        assert record["jit"]["reused"] and record["restored_step"] == record["notice"]["step"]
+    assert during_upload["notice"]["step"] == 30
+    assert during_validation["notice"]["validation_cut"] == 44
+    assert [v["step"] for v in s["validation"]] == [22, 44, 66]  # 44 again after the restart
+    assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s["audit"])
+    assert s["metrics"][M.FAILURES_COUNT] == 0

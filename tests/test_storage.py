@@ -517,6 +517,18 @@ def test_build_filesystem_adds_fault_injection_only_when_asked(tmp_path: Any) ->
     assert (faulty.fs.failure_rate, faulty.fs.errors, faulty.fs.seed) == (0.3, ["reset"], 3)
 
 
+def test_a_slow_store_delays_checkpoint_uploads_only(memfs: MemoryFileSystem) -> None:
+    slept: list[float] = []
+    slow = FaultInjectingFileSystem(memfs, 0.0, ["reset"], upload_delay=2.5, sleep=slept.append)
+    slow.pipe_file("/run/checkpoints/step_000000010/model.pt", b"weights")
+    slow.pipe_file("/run/checkpoint_manager_snapshot.json", b"{}")  # Ray Train's bookkeeping
+    slow.cat_file("/run/checkpoints/step_000000010/model.pt")
+    assert slept == [2.5]
+    chaos = StorageChaosConfig(upload_delay=1.0)
+    fs, _ = build_filesystem("memory://slow", {}, RetryConfig(), chaos)
+    assert isinstance(fs.fs, FaultInjectingFileSystem) and fs.fs.upload_delay == 1.0
+
+
 # -- fault injection ------------------------------------------------------------------------
 
 

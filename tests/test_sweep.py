@@ -151,6 +151,20 @@ def test_plot_is_written_as_png(sweep_2x2: Path) -> None:
     assert f"]({SWEEP_PNG})" in Path(paths.markdown).read_text()
 
 
+def test_goodput_of_each_job_is_a_stacked_bar(tmp_path: Path) -> None:
+    buckets = {"startup": 10.0, "training": 20.0, "restart": 5.0, "other": 1.0}
+    for job, interval in (("0", 5), ("1", 10)):
+        s = summary(wall=36.0, goodput__ettr=20 / 36)
+        s["goodput"] = {"wall_s": 36.0, "ettr": 20 / 36, "buckets": buckets}
+        write_job(tmp_path, job, [f"chaos.interval={interval}"], s)
+    write_job(tmp_path, "2", ["chaos.interval=20"], summary(wall=3.0))  # an older summary
+    paths = build_sweep_report(str(tmp_path))
+    assert Path(paths.goodput).read_bytes()[:8] == PNG_MAGIC
+    assert "](sweep_goodput.png)" in Path(paths.markdown).read_text()
+    rows = {r["job"]: r for r in read_csv(Path(paths.csv))}
+    assert rows["0"]["goodput/ettr"] == "0.555556" and rows["2"]["goodput/ettr"] == "0"
+
+
 def test_categorical_and_single_key_sweeps_plot(tmp_path: Path) -> None:
     for i, path in enumerate(["s3://a/x", "null", "/tmp/ckpt"]):
         write_job(tmp_path, str(i), [f"checkpoint.storage_path={path}"], summary(wall=10.0 + i))
@@ -310,6 +324,8 @@ def test_real_2x2_sweep_writes_csv_markdown_and_plot(real_2x2) -> None:
         == 5
     )
     assert (sweep_dir / SWEEP_PNG).read_bytes()[:8] == PNG_MAGIC
+    assert (sweep_dir / "sweep_goodput.png").read_bytes()[:8] == PNG_MAGIC
+    assert all(0 < float(r["goodput/ettr"]) < 1 for r in rows)  # measured, not a placeholder
     assert "sweep report:" in proc.stdout
 
 
