@@ -318,9 +318,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             parts.append("not recovered")
         lines.append(", ".join(parts))
     for skip in (summary.get("chaos") or {}).get("skipped", []):
-        lines.append(
-            f"  chaos: no {skip.get('kind')} kill at {skip.get('time', 0):.0f}: {skip.get('reason')}"
-        )
+        lines.append(f"  chaos: no {skip.get('kind')} kill: {skip.get('reason')}")
     for a in summary.get("audit", []):
         lines.append(
             f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"

@@ -88,7 +88,7 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_the_run_resumes_there(
 
 
 def test_a_notice_during_an_upload_or_a_validation_still_loses_no_step(tmp_path):
-    # Every checkpoint upload request takes 0.6 s (5 files: ~3 s a checkpoint), and validation
+    # Every checkpoint upload request takes 1 s (5 files: ~5 s a checkpoint), and validation
     # (at epoch ends only) decodes 8000 images each time: both outlast the time a notice takes
     # to arrive (the killer's poll, then Ray Train's drain poll, ~1.5 s). The first notice comes
     # during the checkpoint of step 30, the second during the validation of step 44 (the end of
@@ -109,7 +109,7 @@ def test_a_notice_during_an_upload_or_a_validation_still_loses_no_step(tmp_path)
             "chaos=preempt",
             "chaos.at_steps=[30,44]",
             "chaos.notice=10",
-            "chaos.storage.upload_delay=0.6",
+            "chaos.storage.upload_delay=1.0",
             "trainer.audit_samples=true",
         ],
         tmp_path,

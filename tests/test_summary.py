@@ -261,3 +261,4 @@ def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
         "not confirmed dead before the run ended",
     ]
     assert any("chaos: no node kill: no eligible target" in line for line in ledger.lines)
+    assert "  chaos: no node kill: no eligible target" in format_summary(summary).splitlines()
