@@ -42,6 +42,7 @@ def goodput(
     run_started: float,
     first_step: float | None,
     finished: float | None,
+    first_step_took: float = 0.0,
     metrics: dict[str, Any],
     failures: list[dict[str, Any]],
 ) -> dict[str, Any]:
@@ -63,7 +64,8 @@ def goodput(
     )
     preempted = [f for f in failures if f.get("notice")]
     buckets = {
-        "startup": (first_step - run_started) if first_step else wall_s,
+        # The first step's own batch wait and step are in data_wait and training.
+        "startup": (first_step - run_started - first_step_took) if first_step else wall_s,
         "training": busy,
         "data_wait": waiting,
         "validation": finite(metrics.get(M.VALIDATION_STEP)),

@@ -208,6 +208,7 @@ def build_summary(
         wall_s=wall_time_s,
         run_started=snap["started"] if run_started is None else run_started,
         first_step=first["time"] if first else None,
+        first_step_took=first.get("took", 0.0) if first else 0.0,
         finished=snap["finished"],
         metrics=metrics,
         failures=failures,

@@ -13,7 +13,7 @@ from tests.test_summary import make_ledger, restored, train
 def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(10.0)
-    ledger.first_step(a0, 1, 12.0)
+    ledger.first_step(a0, 1, 13.0, 1.0)  # its first batch and step: data_wait and training
     train(ledger, a0, range(1, 5), audit=False)  # steps 3-4 are lost with the failure
     ledger.kill({"time": 20.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
     ledger.failure_noticed(21.0, {0: "ActorDiedError"})
