@@ -95,7 +95,7 @@ def _explain(
         group, option = missing.groups()
         try:
             known = ", ".join(options(group)) if options else ""
-        except Exception:  # listing is a courtesy: the error stands without it
+        except (HydraException, OmegaConfBaseException, OSError):  # a courtesy: the error stands
             known = ""
         return ConfigError(
             group.split("/")[-1],

@@ -77,7 +77,7 @@ class PreemptionNotices:
                 if ray.get(ledger.stop_requested.remote(), timeout=10):
                     self.requested.set()
                     return
-            except Exception:  # the ledger is gone: the run is ending anyway
+            except ray.exceptions.RayError:  # the ledger is gone: the run is ending anyway
                 return
 
     def local(self) -> tuple[int, float]:
