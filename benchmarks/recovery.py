@@ -115,6 +115,30 @@ def main() -> None:
             print(
                 f"{kind}: restart / time-to-recover = {med['restart_s'] / med['time_to_recover_s']:.2f}"
             )
+    # ftjob's own share of a recovery: what the new workers spend before their first step
+    # besides Ray Train's restart and the restore itself; and for node kills, everything
+    # after detection and Ray Train's restart.
+    med_of = {
+        kind: {p: statistics.median(f[p] for f in fs) for p in PARTS}
+        for kind, fs in records.items()
+        if fs
+    }
+    print("\nmedian phases inside the new workers (seconds): set-up (model, streams), restore")
+    print("(download, load, position), warm-up (first batch and first step)")
+    for kind, failures in records.items():
+        phases = [f.get("phases") or {} for f in failures]
+        if any(phases):
+            parts = {
+                p: statistics.median(ph.get(p, 0.0) for ph in phases)
+                for p in ("setup", "restore", "warmup")
+            }
+            print(f"{kind:<12} " + "  ".join(f"{p} {v:.2f}" for p, v in parts.items()))
+    if "worker kill" in med_of:
+        print(f"\nsetup worker-kill = {med_of['worker kill']['setup_s']:.2f} s")
+    if "node kill" in med_of:
+        m = med_of["node kill"]
+        rest = m["time_to_recover_s"] - (m["detection_s"] + m["restart_s"])
+        print(f"ttr - (detection + restart) node-kill = {rest:.2f} s")
     print(
         "\nper interruption (medians): lost steps, lost seconds (time-to-recover + steps re-done)"
     )

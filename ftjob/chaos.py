@@ -8,9 +8,12 @@ gives the same times. A kill waits, if needed, until the current attempt is trai
 kill causes one real failure rather than hitting workers that are already gone.
 
 Targets are only nodes or processes that host training workers: a node kill never hits the head
-node or the driver's node; a worker kill hits a training worker process wherever it runs. A node kill SIGKILLs the node's raylet (the parent of every Ray worker on it),
-which takes the whole node down; a worker kill SIGKILLs one training worker process. Both run
-as a zero-CPU task pinned to the target node, so they work on real multi-node clusters too.
+node or the driver's node; a worker kill hits a training worker process wherever it runs. A node
+kill SIGKILLs the node's raylet (the parent of every Ray worker on it), which takes the whole
+node down; a worker kill SIGKILLs one training worker process; a hang SIGSTOPs one (nothing
+resumes it: hang detection must find it). Each runs as a zero-CPU task pinned to the target
+node, so they work on real multi-node clusters too. ``slow`` sends no signal: the chosen rank
+learns through its heartbeat that it must sleep a fraction of each step from then on.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from ftjob.config import ChaosConfig
 logger = logging.getLogger("ftjob.chaos")
 
 NODE_KINDS = ("node", "preempt")  # chaos that takes a whole node away
+WORKER_KINDS = ("worker", "hang", "slow")  # chaos that hits one training worker
+ENDS_ATTEMPT = ("node", "preempt", "worker", "hang")  # the next window waits for a restart
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ def eligible_targets(
 ) -> list[dict[str, Any]]:
     """Training workers that may be hit. A node kill never takes down a protected (head or
     driver) node; a worker kill only ever hits a training worker process, wherever it runs."""
-    if kind == "worker":
+    if kind in WORKER_KINDS:
         return list(workers)
     return [w for w in workers if w.get("node_id") not in protected_nodes]  # node, preempt
 
@@ -76,10 +81,28 @@ def choose_target(kind: str, workers: list[dict[str, Any]], rng: random.Random) 
 
 
 def _kill_on_node(kind: str, pid: int | None) -> int:
-    """Runs on the target node. A Ray worker's parent process is its node's raylet."""
-    victim = int(pid or 0) if kind == "worker" else os.getppid()
-    os.kill(victim, signal.SIGKILL)
+    """Runs on the target node. A Ray worker's parent process is its node's raylet; a hang is
+    a training worker stopped with SIGSTOP, which nothing here resumes."""
+    victim = int(pid or 0) if kind in WORKER_KINDS else os.getppid()
+    os.kill(victim, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
     return victim
+
+
+def describe_chaos(record: dict[str, Any], count: int) -> str:
+    """The progress line of a chaos event (``count``: kills so far, this one included)."""
+    target, kind = record.get("target", {}), record["kind"]
+    node = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+    worker = f"worker rank {target.get('rank')} (pid {target.get('pid')})"
+    if kind == "preempt":
+        notice = record["deadline"] - record["notice"]
+        return f"chaos: preempting {node}: drained with {notice:.0f} s of notice"
+    if kind == "node":
+        return f"chaos: killing {node}"
+    if kind == "hang":
+        return f"chaos: hang {count}: {worker} stopped with SIGSTOP; nothing here resumes it"
+    if kind == "slow":
+        return f"chaos: slow {count}: {worker} now sleeps {record['slowdown']:.0%} of each step"
+    return f"chaos: kill {count}: {worker}"
 
 
 class ChaosKiller:
@@ -100,6 +123,7 @@ class ChaosKiller:
         *,
         at_steps: list[int] | None = None,
         notice: float = 30.0,
+        slowdown: float = 0.5,
         execute: Callable[[str, dict[str, Any]], int] | None = None,
         confirm: Callable[[dict[str, Any]], bool] | None = None,
         clock: Callable[[], float] = time.time,
@@ -108,7 +132,7 @@ class ChaosKiller:
     ) -> None:
         self.schedule, self.kind, self.ledger = schedule, kind, ledger
         self.at_steps = sorted(at_steps or [])
-        self.notice = notice
+        self.notice, self.slowdown = notice, slowdown
         self.protected = set(protected_nodes)
         self.execute = execute or (lambda kind, target: _ray_kill(kind, target, notice))
         self.confirm = confirm or (lambda target: _node_gone(target, 60.0 + notice))
@@ -189,13 +213,16 @@ class ChaosKiller:
         record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
         if self.kind == "preempt":  # the drain is the notice; the node goes at the deadline
             record.update(notice=record["time"], deadline=record["time"] + self.notice)
+        if self.kind == "slow":
+            record["slowdown"] = self.slowdown
         try:
             record["killed_pid"] = self.execute(self.kind, target)
         except Exception as exc:  # a target that vanished on its own is not a kill
             logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
             self._skip(index, view, f"the kill of {target} failed: {type(exc).__name__}: {exc}")
             return
-        self.last_attempt = attempt
+        if self.kind in ENDS_ATTEMPT:
+            self.last_attempt = attempt
         self.ledger.record_kill(record)  # now: a simulated cluster replaces the node from it
         if self.kind not in NODE_KINDS:
             self.kills.append(record)
@@ -219,19 +246,19 @@ class ChaosKiller:
 
 def _ray_kill(kind: str, target: dict[str, Any], notice: float = 0.0) -> int:
     """A kill as a zero-CPU task pinned to the target node; ``preempt`` as :func:`_preempt`."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ftjob.cluster import run_on_node
 
-    strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
+    if kind == "slow":
+        return -1  # no signal: the ledger tells the rank through its heartbeat
     if kind == "preempt":
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
         return _preempt(target["node_id"], notice, strategy)
-    task = ray.remote(num_cpus=0, max_retries=0)(_kill_on_node).options(
-        scheduling_strategy=strategy
-    )
-    ref = task.remote(kind, target.get("pid"))
-    if kind in NODE_KINDS:
-        return -1  # the task dies with its raylet; its answer never comes
-    return int(ray.get(ref, timeout=30))
+    if kind in NODE_KINDS:  # the task dies with its raylet; its answer never comes
+        run_on_node(target["node_id"], _kill_on_node, kind, None, timeout=None)
+        return -1
+    return int(run_on_node(target["node_id"], _kill_on_node, kind, target.get("pid"), timeout=30))
 
 
 class NodeReaper:
@@ -335,6 +362,7 @@ class KillerActor:
             set(protected_nodes),
             at_steps=list(chaos.at_steps),
             notice=chaos.notice,
+            slowdown=chaos.slowdown,
         )
         self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
         self.thread.start()

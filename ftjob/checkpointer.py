@@ -35,6 +35,7 @@ from ftjob import metrics as M
 from ftjob.checkpoint import CheckpointStore
 from ftjob.collective import broadcast
 from ftjob.config import CheckpointConfig
+from ftjob.goodput import CheckpointSchedule
 from ftjob.retry import is_storage_error
 
 logger = logging.getLogger("ftjob.checkpointer")
@@ -173,6 +174,16 @@ class Restored:
         }
 
 
+def prune_quietly(store: CheckpointStore, keep: int) -> None:
+    """Retention is housekeeping: a failed delete only costs space, and is said."""
+    try:
+        store.prune(keep)
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        logger.warning("pruning old checkpoints failed: %s", exc)
+
+
 class Checkpointer:
     """One worker's side of saving, agreeing on, reporting and restoring checkpoints.
 
@@ -192,8 +203,10 @@ class Checkpointer:
         metrics: M.MetricSet,
         local_root: str,
         data: dict[str, Any] | None = None,
+        schedule: CheckpointSchedule | None = None,
     ) -> None:
         self.fs = fs
+        self.schedule = schedule or CheckpointSchedule(0, None)
         self.data = data or {}
         self.store = CheckpointStore(fs, run_path)
         self.config, self.job_config = config, job_config
@@ -321,7 +334,7 @@ class Checkpointer:
         cannot lose the record."""
         outcome = upload_checkpoint(self.store, local_dir, step)
         if outcome.path is not None:
-            self._prune()
+            prune_quietly(self.store, self.config.num_to_keep)
         record = {
             "step": outcome.step,
             "path": outcome.path,
@@ -332,14 +345,6 @@ class Checkpointer:
         self.ledger.checkpoint.remote(self.attempt, record)
         self.send_storage_stats()
         return outcome
-
-    def _prune(self) -> None:
-        try:
-            self.store.prune(self.config.num_to_keep)
-        except Exception as exc:  # retention is housekeeping: a failed delete only costs space
-            if not is_storage_error(exc):
-                raise
-            logger.warning("pruning old checkpoints failed: %s", exc)
 
     def _account(self, outcomes: list[UploadOutcome]) -> str | None:
         """Soft-failure accounting on the training thread: the fatal error, if any."""
@@ -364,7 +369,7 @@ class Checkpointer:
     def save(self, state: TrainState, module: Any, optimizer: Any, global_batch: int) -> bool:
         """Save and upload (rank 0), agree on the outcome, report (every rank).
         False: the job must stop (every rank returns False together)."""
-        fatal = None
+        fatal, start = None, time.perf_counter()
         if self.rank == 0:
             with self.metrics.timer(M.CHECKPOINT_SAVE):
                 local_dir = self._write_local(state, module, optimizer, global_batch)
@@ -375,7 +380,16 @@ class Checkpointer:
             else:  # only the wait for a still-running previous upload stalls training
                 self.metrics.add(M.CHECKPOINT_UPLOAD, self.uploader.submit(local_dir, state.step))
                 fatal = self._account(self.uploader.drain())
+            self._plan_next(state.step, time.perf_counter() - start)
         return self._agree_and_report(fatal, state)
+
+    def _plan_next(self, step: int, cost_s: float) -> None:
+        """Rank 0: the next periodic checkpoint (trainer.checkpoint_every_n_steps=auto: at the
+        interval that wastes least for the cost measured so far); said when it changes."""
+        before = self.schedule.interval_steps
+        self.schedule.saved(step, cost_s, self.metrics.seconds_per_step())
+        if self.schedule.auto and self.schedule.interval_steps != before:
+            self.ledger.log.remote(self.schedule.describe())
 
     def save_now(
         self,
@@ -444,7 +458,8 @@ class Checkpointer:
         shutil.rmtree(self.local_root, ignore_errors=True)
 
     def _agree_and_report(self, fatal: str | None, state: TrainState) -> bool:
-        fatal = broadcast(fatal, self.world)
+        fatal, next_step = broadcast((fatal, self.schedule.next_step), self.world)
+        self.schedule.follow(next_step)
         if fatal:
             if self.rank == 0:
                 self.ledger.set_fatal.remote(fatal)

@@ -27,8 +27,9 @@ logger = logging.getLogger("ftjob.cluster")
 
 class _RayNoiseFilter:
     """A stdout wrapper that turns Ray's raylet-death reports (a header plus the dead raylet's
-    last 20 log lines, printed straight to stdout by the driver) into one short line. The
-    ledger already reports every kill and failure; the log dump stays in Ray's log files."""
+    last 20 log lines, printed straight to stdout by the driver) into one short line, and drops
+    its paragraph on a killed worker process. The ledger already reports every kill and
+    failure; the details stay in Ray's log files."""
 
     _DUMP_LINE = re.compile(
         r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\)|\(\d\) )|^\s*$"
@@ -47,6 +48,8 @@ class _RayNoiseFilter:
         return len(text)
 
     def _line(self, line: str) -> None:
+        if "A worker died or was killed while executing a task" in line:
+            return  # a killed training worker: the ledger's failure line says it
         if "Raylet is terminated" in line or "marked dead because the detector" in line:
             self.in_dump = True
             self.stream.write(
@@ -249,3 +252,15 @@ class LocalCluster:
             self.cluster.shutdown()
         except Exception as exc:  # dead nodes may refuse a clean stop
             logger.debug("local cluster shutdown: %s", exc)
+
+
+def run_on_node(node_id: str, fn: Any, *args: Any, timeout: float | None = 60.0) -> Any:
+    """``fn(*args)`` as a zero-CPU task pinned to ``node_id``: its answer, or (``timeout=None``)
+    the ObjectRef without waiting -- for a task that takes its own node down."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(scheduling_strategy=strategy)
+    ref = task.remote(*args)
+    return ref if timeout is None else ray.get(ref, timeout=timeout)

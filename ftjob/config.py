@@ -168,7 +168,7 @@ class CheckpointConfig:
         )
 
 
-CHAOS_KINDS = ("none", "node", "worker", "preempt")
+CHAOS_KINDS = ("none", "node", "worker", "preempt", "hang", "slow")
 STORAGE_ERRORS = ("throttle", "reset", "timeout", "permanent")
 
 
@@ -212,6 +212,7 @@ class ChaosConfig:
     fail_at_steps: list[int] = field(default_factory=list)
     at_steps: list[int] = field(default_factory=list)
     notice: float = 30.0
+    slowdown: float = 0.5
     storage: StorageChaosConfig = field(default_factory=StorageChaosConfig)
 
     def __post_init__(self) -> None:
@@ -222,6 +223,13 @@ class ChaosConfig:
         _require(self.interval > 0, g, "interval", self.interval, "must be > 0 seconds")
         _require(self.max_kills >= 0, g, "max_kills", self.max_kills, "must be >= 0")
         _require(self.notice > 0, g, "notice", self.notice, "must be > 0 seconds of notice")
+        _require(
+            self.slowdown > 0,
+            g,
+            "slowdown",
+            self.slowdown,
+            "must be > 0 (the fraction of its own step time a slow rank sleeps in each step)",
+        )
         _require(self.start_delay >= 0, g, "start_delay", self.start_delay, "must be >= 0 seconds")
         _require(
             all(s > 0 for s in self.fail_at_steps),
@@ -251,6 +259,9 @@ class ChaosConfig:
         return self.kind != "none" and (self.max_kills > 0 or bool(self.at_steps))
 
 
+STRAGGLER_ACTIONS = ("none", "restart")
+
+
 @dataclass
 class FailureConfig:
     _group: ClassVar[str] = "failure"
@@ -261,31 +272,61 @@ class FailureConfig:
     preemption_poll_interval: float = 1.0
     preemption_grace_s: float = 0.0
     relax_collectives_on_preemption: bool = False
+    hang_detection: bool = True
+    hang_timeout: float | None = None
+    hang_safety_factor: float = 5.0
+    hang_min_timeout: float = 20.0
+    hang_max_timeout: float = 600.0
+    hang_warmup: int = 3
+    heartbeat_interval: float = 1.0
+    restart_loop_attempts: int = 3
+    restart_loop_min_steps: int = 1
+    straggler_threshold: float = 1.3
+    straggler_patience: int = 10
+    straggler_action: str = "none"
+    expected_mtbf_s: float | None = None
 
     def __post_init__(self) -> None:
+        g = self._group
         for key in ("max_failures", "max_preemptions"):
             value = getattr(self, key)
-            _require(value >= -1, self._group, key, value, "must be >= 0, or -1 for unlimited")
+            _require(value >= -1, g, key, value, "must be >= 0, or -1 for unlimited")
+        seconds = ("preemption_poll_interval", "health_check_interval", "heartbeat_interval")
+        for key in (*seconds, "hang_min_timeout", "hang_max_timeout"):
+            _require(getattr(self, key) > 0, g, key, getattr(self, key), "must be > 0 seconds")
+        for key in ("hang_warmup", "straggler_patience", "restart_loop_min_steps"):
+            _at_least(self, key, 1)
+        _at_least(self, "preemption_grace_s", 0, " seconds")
+        _at_least(self, "restart_loop_attempts", 0, " (0 = no restart-loop guard)")
+        _at_least(self, "hang_safety_factor", 1, " (timeouts: this x the observed 99th percentile)")
+        _at_least(self, "hang_max_timeout", self.hang_min_timeout, " (failure.hang_min_timeout)")
         _require(
-            self.preemption_poll_interval > 0,
-            self._group,
-            "preemption_poll_interval",
-            self.preemption_poll_interval,
-            "must be > 0 seconds",
+            self.expected_mtbf_s is None or self.expected_mtbf_s > 0,
+            g,
+            "expected_mtbf_s",
+            self.expected_mtbf_s,
+            "must be > 0 seconds (the mean time between failures you expect), or null",
         )
         _require(
-            self.preemption_grace_s >= 0,
-            self._group,
-            "preemption_grace_s",
-            self.preemption_grace_s,
-            "must be >= 0 seconds",
+            self.hang_timeout is None or self.hang_timeout > 0,
+            g,
+            "hang_timeout",
+            self.hang_timeout,
+            "must be > 0 seconds, or null to learn each section's timeout from the run",
         )
         _require(
-            self.health_check_interval > 0,
-            self._group,
-            "health_check_interval",
-            self.health_check_interval,
-            "must be > 0 seconds",
+            self.straggler_threshold > 1,
+            g,
+            "straggler_threshold",
+            self.straggler_threshold,
+            "must be > 1 (a slowdown against the fastest rank, e.g. 1.3)",
+        )
+        _require(
+            self.straggler_action in STRAGGLER_ACTIONS,
+            g,
+            "straggler_action",
+            self.straggler_action,
+            f"must be one of {list(STRAGGLER_ACTIONS)}",
         )
 
 
@@ -346,7 +387,7 @@ class TrainerConfig:
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
     validate_every_n_steps: int = 0
-    checkpoint_every_n_steps: int = 0
+    checkpoint_every_n_steps: Any = 0  # steps, or "auto"
     log_every_n_steps: int = 10
     seed: int = 0
     audit_samples: bool = False
@@ -367,7 +408,6 @@ class TrainerConfig:
             ("batch_size", 1, " (per worker)"),
             ("warmup_steps", 0, ""),
             ("validate_every_n_steps", 0, " (0 = at the end of each epoch only)"),
-            ("checkpoint_every_n_steps", 0, " (0 = at the end of each epoch only)"),
             ("log_every_n_steps", 1, ""),
             ("prefetch_batches", 0, ""),
             (
@@ -377,6 +417,16 @@ class TrainerConfig:
             ),
         ):
             _at_least(self, key, minimum, note)
+        every = self.checkpoint_every_n_steps
+        _require(
+            every == "auto" or (type(every) is int and every >= 0),
+            g,
+            "checkpoint_every_n_steps",
+            every,
+            "must be a number of steps >= 0 (0 = at the end of each epoch only), or auto (the "
+            "interval that wastes least for the measured checkpoint cost and "
+            "failure.expected_mtbf_s)",
+        )
         _require(
             self.val_batch_size is None or self.val_batch_size >= 1,
             g,
@@ -487,6 +537,22 @@ class JobConfig:
                 f"{self.chaos.kind} chaos takes nodes away: it needs a multi-node cluster: set "
                 "ray.local_nodes=3 (simulated) or ray.address",
             )
+        _require(
+            self.trainer.checkpoint_every_n_steps != "auto" or bool(self.failure.expected_mtbf_s),
+            "failure",
+            "expected_mtbf_s",
+            self.failure.expected_mtbf_s,
+            "trainer.checkpoint_every_n_steps=auto picks the interval for a failure rate: declare "
+            "it, e.g. failure.expected_mtbf_s=3600 (seconds between failures you expect)",
+        )
+        _require(
+            self.chaos.kind != "hang" or not self.chaos.enabled or self.failure.hang_detection,
+            "failure",
+            "hang_detection",
+            self.failure.hang_detection,
+            "chaos.kind=hang stops a worker that nothing resumes: only hang detection ends it; "
+            "set failure.hang_detection=true",
+        )
         self._check_storage_on_cluster()
         if self.checkpoint.storage_path:
             check_backend(self.checkpoint.storage_path, "checkpoint.storage_path")

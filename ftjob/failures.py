@@ -8,6 +8,7 @@ from typing import Any
 from ftjob import metrics as M
 
 PREEMPTION = "preemption"  # the kind of a failure record that a notice came before
+NOT_FAILURES = ("hang", "slow")  # chaos that causes no failure itself (a hang is found, then ended)
 
 
 def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -18,12 +19,23 @@ def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
             "detail": k.get("target"),
         }
         for k in snap["kills"]
+        if k["kind"] not in NOT_FAILURES
+    ]
+    hangs = [  # a hang that ftjob ended (its worker killed) is the failure's origin
+        {"time": h["stalled_since"], "kind": "hang", "detail": h}
+        for h in snap.get("hangs", [])
+        if h.get("killed")
+    ]
+    restarted = [
+        {"time": s["time"], "kind": "straggler", "detail": s}
+        for s in snap.get("stragglers", {}).get("flagged", [])
+        if s.get("restarted")
     ]
     injected = [
         {"time": e["time"], "kind": "injected", "detail": {"step": e["step"]}}
         for e in snap["injected"]
     ]
-    return sorted(kills + injected, key=lambda e: e["time"])
+    return sorted(kills + injected + hangs + restarted, key=lambda e: e["time"])
 
 
 def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,6 +89,8 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
             record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
+            # Inside the new workers: model and streams, restore, first batch and step.
+            record["phases"] = snap.get("phases", {}).get(str(i + 1), {})
         if attempt is not None and attempt.get("preemption"):
             _as_preemption(record, attempt["preemption"], nxt)
         records.append(record)
@@ -108,4 +122,15 @@ def preemption_metrics(snap: dict[str, Any], failures: list[dict[str, Any]]) -> 
         M.PREEMPTION_JIT_CHECKPOINT_TIME: sum(
             (n.get("jit") or {}).get("seconds", 0.0) for n in noticed
         ),
+    }
+
+
+def hang_metrics(snap: dict[str, Any]) -> dict[str, float]:
+    hangs = snap.get("hangs", [])
+    return {
+        M.HANG_COUNT: len(hangs),
+        M.HANG_DETECTION_TIME: sum(h["stalled_for_s"] for h in hangs) / len(hangs)
+        if hangs
+        else 0.0,
+        M.STRAGGLER_MAX_SLOWDOWN: snap.get("stragglers", {}).get("max_slowdown", 0.0),
     }

@@ -10,6 +10,7 @@ steps, validation and checkpoints of lost work); the buckets sum to the wall clo
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ftjob import metrics as M
@@ -121,3 +122,102 @@ def write_goodput_plot(path: str, jobs: list[tuple[str, dict[str, float]]]) -> N
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", labelrotation=30)
     fig.savefig(path, dpi=100)
+
+
+# -- the first-order model: ETTR against the checkpoint interval -----------------------------
+
+
+def optimal_interval_s(cost_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum: the seconds of training between checkpoints that waste
+    least, for a checkpoint that stalls training ``cost_s`` and a failure every ``mtbf_s``."""
+    return math.sqrt(2.0 * max(cost_s, 0.0) * mtbf_s)
+
+
+MODELED = (
+    "training",
+    "data_wait",
+    "checkpoint",
+    "detection",
+    "restart",
+    "restore",
+    "setup",
+    "redone",
+)
+
+
+def predict_ettr(
+    goodput: dict[str, Any],
+    checkpoints: int,
+    failures: int,
+    mtbf_s: float | None,
+    max_failures: int | None = None,
+) -> dict[str, Any] | None:
+    """The first-order model's ETTR for a run, from the run's own measurements: checkpoint
+    cost C (stall per checkpoint), the interval τ (training and batch wait per checkpoint),
+    recovery R (detection + restart + restore + set-up per failure) and the declared mean time
+    between failures (expected failures over the modeled time, at most ``max_failures``: a kill
+    schedule's cap; without a rate, exactly ``max_failures``). Every τ of training pays C; every failure costs R and, on average, τ/2 of
+    work done again. Start-up, validation and shutdown are taken as measured. None without a
+    checkpoint."""
+    b, wall = goodput.get("buckets") or {}, goodput.get("wall_s") or 0.0
+    step_time = b.get("training", 0.0) + b.get("data_wait", 0.0)
+    if checkpoints <= 0 or wall <= 0 or step_time <= 0:
+        return None
+    cost, interval = b.get("checkpoint", 0.0) / checkpoints, step_time / checkpoints
+    recovery = sum(b.get(k, 0.0) for k in ("detection", "restart", "restore", "setup"))
+    recovery = recovery / failures if failures else 0.0
+    modeled = sum(b.get(k, 0.0) for k in MODELED)
+    expected = modeled / mtbf_s if mtbf_s else float(max_failures or 0)
+    if max_failures is not None:
+        expected = min(expected, max_failures)
+    useful = max(0.0, modeled - expected * (recovery + interval / 2)) / (1 + cost / interval)
+    return {
+        "ettr": useful * (b.get("training", 0.0) / step_time) / wall,
+        "checkpoint_cost_s": cost,
+        "interval_s": interval,
+        "recovery_s": recovery,
+        "expected_failures": expected,
+        "optimal_interval_s": optimal_interval_s(cost, modeled / expected) if expected else None,
+    }
+
+
+class CheckpointSchedule:
+    """When the next periodic checkpoint is due: every ``every`` steps (0: epoch ends only),
+    or with ``every="auto"`` at Young's optimum for the checkpoint cost measured so far and
+    ``mtbf_s`` -- a probe checkpoint after ``probe_steps`` steps measures the first cost, and
+    every checkpoint refreshes it. Rank 0 decides (:meth:`saved`); the others take its
+    decision (:meth:`follow`), so every rank checkpoints at the same steps."""
+
+    def __init__(self, every: int | str, mtbf_s: float | None, probe_steps: int = 10) -> None:
+        self.auto = every == "auto"
+        self.every = 0 if self.auto else int(every)
+        self.mtbf_s = mtbf_s or 0.0
+        self.next_step = probe_steps if self.auto else 0
+        self.costs: list[float] = []
+        self.interval_steps: int | None = None
+
+    def due(self, step: int) -> bool:
+        if self.auto:
+            return step >= self.next_step
+        return bool(self.every) and step % self.every == 0
+
+    def saved(self, step: int, cost_s: float, step_s: float) -> int:
+        """Rank 0, after the checkpoint of ``step`` stalled training ``cost_s``; ``step_s``:
+        seconds per training step. Returns the step of the next periodic checkpoint."""
+        if self.auto:
+            self.costs.append(cost_s)
+            cost = sum(self.costs[-20:]) / len(self.costs[-20:])
+            best_s = optimal_interval_s(cost, self.mtbf_s)
+            self.interval_steps = max(1, round(best_s / step_s)) if step_s > 0 else 1
+            self.next_step = step + self.interval_steps
+        return self.next_step
+
+    def follow(self, next_step: int) -> None:
+        self.next_step = next_step
+
+    def describe(self) -> str:
+        cost = sum(self.costs[-20:]) / max(1, len(self.costs[-20:]))
+        return (
+            f"checkpoint interval (auto): every {self.interval_steps} steps, for a checkpoint "
+            f"cost of {cost:.2f} s and failure.expected_mtbf_s={self.mtbf_s:g}"
+        )

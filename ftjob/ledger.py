@@ -13,14 +13,23 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from ftjob.chaos import NODE_KINDS, describe_chaos
+from ftjob.hang import HangPolicy, RunWatch, WatchConfig, restart_loop
 from ftjob.metrics import fmt, json_safe
+from ftjob.preemption import describe_notice
 
 
 class RunLedger:
     """Plain class; :func:`start_ledger` runs it as a Ray actor."""
 
-    def __init__(self, plan: dict[str, Any], fail_at_steps: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        plan: dict[str, Any],
+        fail_at_steps: list[int] | None = None,
+        watch: WatchConfig | None = None,
+    ) -> None:
         self.plan = dict(plan)
+        self.watch = RunWatch(watch or WatchConfig(HangPolicy()))
         self.started = time.time()
         self.attempts: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
@@ -65,8 +74,38 @@ class RunLedger:
             self.log(f"attempt {index + 1}: training workers restarted")
         return index
 
+    def start_attempt(self, now: float) -> dict[str, Any]:
+        """Rank 0, first thing: the attempt's index, and why it must not train (a restart
+        loop: the last attempts all failed without progress), if it must not."""
+        index = self.begin_attempt(now)
+        c = self.watch.config
+        stop = restart_loop(self.attempts, c.restart_loop_attempts, c.restart_loop_min_steps)
+        if stop:
+            self.set_fatal(stop)
+        return {"attempt": index, "stop": stop}
+
     def register_worker(self, attempt: int, rank: int, info: dict[str, Any]) -> None:
         self.attempts[attempt]["workers"][rank] = info
+        self.watch.register(attempt, rank, info, info.get("time", time.time()))
+
+    def heartbeat(self, attempt: int, rank: int, beat: dict[str, Any]) -> dict[str, Any]:
+        """A rank's progress (about once a second); the answer steers chaos=slow."""
+        return self.watch.beat(attempt, rank, beat, time.time())
+
+    def check_watch(self, now: float) -> list[dict[str, Any]]:
+        """The driver, every poll: a hang or a straggler to act on (see ftjob.hang)."""
+        latest = self.attempts[-1] if self.attempts else None
+        quiet = self.finished or self.fatal or self.stop_request
+        if latest is None or latest["preemption"] or quiet:
+            return []
+        if self.failures and self.failures[-1]["noticed"] >= latest["started"]:
+            return []  # Ray Train is restarting the group: its workers are gone, not hung
+        actions, lines = self.watch.check(now)
+        self.lines.extend(lines)
+        return actions
+
+    def hang_handled(self, time_of_hang: float, result: dict[str, Any]) -> None:
+        self.log(self.watch.handled(time_of_hang, result))
 
     def workers(self) -> list[dict[str, Any]]:
         """Training workers of the latest attempt (for the chaos killer's targets)."""
@@ -170,23 +209,17 @@ class RunLedger:
         return True
 
     def kill(self, record: dict[str, Any]) -> None:
-        """A kill the killer carried out. A node kill counts once confirmed (the node is gone:
-        :meth:`confirm_kill`); until then it is pending, though a simulated cluster already
-        replaces the node."""
-        pending = record["kind"] in ("node", "preempt")
+        """A chaos event the killer carried out. A node kill counts once confirmed (the node
+        is gone: :meth:`confirm_kill`); until then it is pending, though a simulated cluster
+        already replaces the node. ``slow`` makes a rank sleep in every step (its heartbeat
+        learns it)."""
+        pending = record["kind"] in NODE_KINDS
         entry = dict(record, confirmed=not pending)
         (self.pending_kills if pending else self.kills).append(entry)
-        target = record.get("target", {})
-        if record["kind"] == "preempt":
-            what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
-            notice = record["deadline"] - record["notice"]
-            self.log(f"chaos: preempting {what}: drained with {notice:.0f} s of notice")
-        elif pending:
-            what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
-            self.log(f"chaos: killing {what}")
-        else:
-            what = f"worker rank {target.get('rank')} (pid {target.get('pid')})"
-            self.log(f"chaos: kill {len(self.kills)}: {what}")
+        if record["kind"] == "slow":
+            rank, fraction = record["target"]["rank"], record["slowdown"]
+            self.watch.slow = {"attempt": record["attempt"], "rank": rank, "fraction": fraction}
+        self.log(describe_chaos(record, len(self.kills)))
 
     def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
         entry = next((k for k in self.pending_kills if k["time"] == time_of_kill), None)
@@ -235,32 +268,12 @@ class RunLedger:
     def preemption_notice(self, attempt: int, record: dict[str, Any]) -> None:
         """Rank 0, when every rank agreed on a notice (before the just-in-time checkpoint)."""
         self.attempts[attempt]["preemption"] = dict(record)
-        deadline = record.get("deadline")
-        left = (
-            f"{deadline - record['received']:.0f} s before the deadline"
-            if deadline
-            else "no deadline"
-        )
-        self.log(
-            f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
-            "saving a just-in-time checkpoint"
-        )
-        if record.get("validation_cut") is not None:
-            self.log(
-                f"validation at step {record['validation_cut']} was cut short by the notice; "
-                "it runs again after the restart"
-            )
+        self.lines.extend(describe_notice(record))
 
     def jit_checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
         notice = self.attempts[attempt].setdefault("preemption", {})
         notice["jit"] = dict(record)
-        if record.get("path"):
-            how = "already committed" if record.get("reused") else f"in {record['seconds']:.2f}s"
-            self.log(
-                f"just-in-time checkpoint of step {record['step']} {how}: 0 steps will be lost"
-            )
-        else:
-            self.log(f"no just-in-time checkpoint: {record.get('reason')}")
+        self.lines.extend(describe_notice({"jit": record}))
 
     def finish(self, now: float) -> None:
         self.finished = now
@@ -301,6 +314,7 @@ class RunLedger:
                 "progress": self.progress,
                 "fatal": self.fatal,
                 "stop_request": self.stop_request,
+                **self.watch.snapshot(),
             }
         )
 
@@ -340,7 +354,7 @@ def failure_watch(ledger: Any) -> Any:
     return cls(ledger)
 
 
-def start_ledger(plan: dict[str, Any], fail_at_steps: list[int]) -> Any:
+def start_ledger(plan: dict[str, Any], fail_at_steps: list[int], watch: WatchConfig) -> Any:
     """Start the ledger actor on this (the driver's) node; it never moves off it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -349,4 +363,4 @@ def start_ledger(plan: dict[str, Any], fail_at_steps: list[int]) -> Any:
     strategy = NodeAffinitySchedulingStrategy(
         node_id=ray.get_runtime_context().get_node_id(), soft=False
     )
-    return actor.options(scheduling_strategy=strategy).remote(plan, fail_at_steps)
+    return actor.options(scheduling_strategy=strategy).remote(plan, fail_at_steps, watch)

@@ -44,6 +44,11 @@ PREEMPTION_COUNT = "preemption/count"
 PREEMPTION_LOST_STEPS = "preemption/lost_steps"
 PREEMPTION_JIT_CHECKPOINT_TIME = "preemption/jit_checkpoint_time"
 GOODPUT_ETTR = "goodput/ettr"  # share of the wall clock in training steps that count
+GOODPUT_PREDICTED_ETTR = "goodput/predicted_ettr"  # the first-order model's (0: no checkpoint)
+CHECKPOINT_OPTIMAL_INTERVAL = "checkpoint/optimal_interval_s"  # the model's (0: no failure rate)
+HANG_COUNT = "hang/count"
+HANG_DETECTION_TIME = "hang/detection_time"  # mean seconds from a stall to its detection
+STRAGGLER_MAX_SLOWDOWN = "straggler/max_slowdown"  # the slowest rank's step time / the fastest's
 
 METRIC_KEYS: tuple[str, ...] = (
     TRAIN_STEP,
@@ -75,6 +80,11 @@ METRIC_KEYS: tuple[str, ...] = (
     PREEMPTION_LOST_STEPS,
     PREEMPTION_JIT_CHECKPOINT_TIME,
     GOODPUT_ETTR,
+    GOODPUT_PREDICTED_ETTR,
+    CHECKPOINT_OPTIMAL_INTERVAL,
+    HANG_COUNT,
+    HANG_DETECTION_TIME,
+    STRAGGLER_MAX_SLOWDOWN,
 )
 
 
@@ -122,6 +132,12 @@ class MetricSet:
 
     def set(self, key: str, value: float) -> None:
         self._values[key] = float(value)
+
+    def seconds_per_step(self) -> float:
+        """Training step and batch wait per step so far (0.0 before the first step)."""
+        steps = self._values.get(TRAIN_STEPS_COMPLETED, 0.0)
+        busy = self._values.get(TRAIN_STEP, 0.0) + self._values.get(TRAIN_ITER_BATCH, 0.0)
+        return busy / steps if steps else 0.0
 
     def get(self, key: str) -> float:
         return self._values.get(key, 0.0)

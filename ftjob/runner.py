@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.chaos import node_chaos_targets
+from ftjob.chaos import NODE_KINDS, node_chaos_targets
 from ftjob.checkpoint import CheckpointStore
 from ftjob.checkpointer import run_scratch_dir
 from ftjob.cluster import check_resources, cluster, probe_cluster
@@ -256,7 +256,7 @@ def _train_on_cluster(
         import ray
 
         check_resources(job)
-        if job.chaos.enabled and job.chaos.kind != "worker" and not node_chaos_targets():
+        if job.chaos.enabled and job.chaos.kind in NODE_KINDS and not node_chaos_targets():
             echo(
                 f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
                 "the driver's node, which chaos never takes away; each window will be skipped"
@@ -293,6 +293,7 @@ def _train_on_cluster(
 
 def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
     from ftjob.chaos import start_killer
+    from ftjob.hang import WatchConfig
     from ftjob.ledger import start_ledger
 
     plan = {
@@ -303,7 +304,7 @@ def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
         "seed": prep.plan.seed,
         "epochs": job.trainer.epochs,
     }
-    ledger = start_ledger(plan, list(job.chaos.fail_at_steps))
+    ledger = start_ledger(plan, list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
     killer = None
     if job.chaos.enabled:
         killer = start_killer(job.chaos, ledger)
@@ -365,7 +366,8 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
 
 
 class _Monitor:
-    """Prints the ledger's progress lines and replaces killed nodes of a local cluster."""
+    """Prints the ledger's progress lines, ends a hung (or, if so configured, straggling)
+    worker the ledger found, and replaces killed nodes of a local cluster."""
 
     def __init__(
         self, ledger: Any, echo: Callable[[str], None], local: Any, lease: RunLease
@@ -386,6 +388,21 @@ class _Monitor:
         for line in lines:
             elapsed = int(time.time() - self.started)
             self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
+        for action in ray.get(self.ledger.check_watch.remote(time.time()), timeout=10):
+            self._end_stalled(action)
         if self.local is not None:
             kills = ray.get(self.ledger.snapshot_kills.remote())
             self.local.service(kills, time.time())
+
+    def _end_stalled(self, action: dict[str, Any]) -> None:
+        """Capture a hung worker's stack and kill it (Ray Train restarts the group)."""
+        import ray
+
+        from ftjob.stacks import end_stalled_worker
+
+        try:
+            result = end_stalled_worker(action)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # its node went meanwhile
+            result = {"pid": action["pid"], "error": f"{type(exc).__name__}: {exc}"}
+        if action["action"] == "hang":
+            self.ledger.hang_handled.remote(action["time"], result)

@@ -181,6 +181,11 @@ class RetryingFileSystem(_DelegatingFileSystem):
             with self._lock:
                 self.stats.kind(kind).merge(local)
 
+    def completed_requests(self) -> int:
+        """Storage requests finished so far, retries included: progress, to hang detection."""
+        with self._lock:
+            return sum(stats.calls for stats in self.stats.by_kind.values())
+
     def snapshot_stats(self) -> StorageStats:
         with self._lock:
             copy = StorageStats()

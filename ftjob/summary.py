@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from ftjob import metrics as M
+from ftjob.chaos import ENDS_ATTEMPT
 from ftjob.data import epoch_order
-from ftjob.failures import PREEMPTION, failure_records, preemption_metrics
-from ftjob.goodput import goodput
+from ftjob.failures import PREEMPTION, failure_records, hang_metrics, preemption_metrics
+from ftjob.goodput import goodput, predict_ettr
 from ftjob.metrics import finite, fmt
 from ftjob.retry import StorageStats
 
@@ -182,9 +183,23 @@ def summary_metrics(
             else 0.0,
             M.RECOVERY_LOST_STEPS: sum(f.get("lost_steps", 0) for f in failures),
             **preemption_metrics(snap, failures),
+            **hang_metrics(snap),
         }
     )
     return metrics
+
+
+def declared_failures(config: dict[str, Any]) -> tuple[float | None, int | None]:
+    """The failure rate a run declared, for the model: (mean seconds between failures, at
+    most this many failures). A kill schedule: one per window, at most max_kills (at_steps:
+    exactly that many); else failure.expected_mtbf_s."""
+    chaos, failure = config.get("chaos") or {}, config.get("failure") or {}
+    if chaos.get("kind") in ENDS_ATTEMPT:
+        if chaos.get("at_steps"):
+            return None, len(chaos["at_steps"])
+        if chaos.get("max_kills"):
+            return chaos.get("interval"), chaos["max_kills"]
+    return failure.get("expected_mtbf_s"), None
 
 
 def build_summary(
@@ -214,6 +229,13 @@ def build_summary(
         failures=failures,
     )
     metrics[M.GOODPUT_ETTR] = accounted["ettr"]
+    steps = {c["step"] for c in snap["checkpoints"]}  # each checkpointed step once
+    recovered = sum(1 for f in failures if f.get("recovered"))
+    predicted = predict_ettr(accounted, len(steps), recovered, *declared_failures(config))
+    accounted["predicted"] = predicted
+    if predicted is not None:
+        metrics[M.GOODPUT_PREDICTED_ETTR] = predicted["ettr"]
+        metrics[M.CHECKPOINT_OPTIMAL_INTERVAL] = predicted["optimal_interval_s"] or 0.0
     return M.json_safe(
         {
             "name": name,
@@ -262,6 +284,9 @@ def _records(
         "validation": snap["validations"],
         "validation_replaced": snap["replaced_validations"],
         "attempts": len(snap["attempts"]),
+        "hangs": snap.get("hangs", []),
+        "stragglers": snap.get("stragglers", {}),
+        "section_timeouts": snap.get("sections", {}),
         "config": config,
     }
     if snap["audit"]:
@@ -318,6 +343,17 @@ def format_summary(summary: dict[str, Any]) -> str:
         else:
             parts.append("not recovered")
         lines.append(", ".join(parts))
+    for h in summary.get("hangs", []):
+        lines.append(
+            f"  hang: rank {h['rank']} in {h['section']} at step {h['step']}, found after "
+            f"{h['stalled_for_s']:.1f}s without progress (timeout {h['timeout_s']:.0f}s); stack: "
+            f"{h.get('stack_source') or 'not captured'}"
+        )
+    for s in (summary.get("stragglers") or {}).get("flagged", []):
+        lines.append(
+            f"  straggler: rank {s['rank']} {s['slowdown']:.2f}x slower than the fastest rank"
+            + (" (restarted)" if s.get("restarted") else "")
+        )
     for skip in (summary.get("chaos") or {}).get("skipped", []):
         lines.append(f"  chaos: no {skip.get('kind')} kill: {skip.get('reason')}")
     for a in summary.get("audit", []):

@@ -52,6 +52,8 @@ WALL_TIME = "wall_time_s"
 OUTCOMES: tuple[Outcome, ...] = (
     Outcome(WALL_TIME, "wall time (s)", 1),
     Outcome(M.GOODPUT_ETTR, "ETTR", 3),
+    Outcome(M.GOODPUT_PREDICTED_ETTR, "predicted ETTR", 3),
+    Outcome(M.CHECKPOINT_OPTIMAL_INTERVAL, "optimal checkpoint interval (s)", 1),
     Outcome(M.TRAIN_GLOBAL_THROUGHPUT, "img/s", 0),
     Outcome(M.FAILURES_COUNT, "failures", 0),
     Outcome(M.CHAOS_KILLS, "kills", 0),

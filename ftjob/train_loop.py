@@ -41,6 +41,8 @@ from ftjob.data import (
     validation_ids,
 )
 from ftjob.datasets import TRAIN, VAL, ImageDataset
+from ftjob.goodput import CheckpointSchedule
+from ftjob.heartbeat import Heartbeat
 from ftjob.models import build_model
 from ftjob.optim import LRSchedule, build_optimizer
 from ftjob.preemption import PreemptionNotices
@@ -92,6 +94,9 @@ def make_checkpointer(
         attempt=attempt,
         metrics=metrics,
         local_root=attempt_scratch_dir(spec.run_name, attempt, rank),
+        schedule=CheckpointSchedule(
+            spec.job.trainer.checkpoint_every_n_steps, spec.job.failure.expected_mtbf_s
+        ),
     )
 
 
@@ -183,8 +188,22 @@ def evaluate(
     return loss, correct, count, not stopped
 
 
+def divergence(loss: float, step: int, last_finite_step: int) -> str:
+    return (
+        f"training diverged: the loss became non-finite ({loss}) by step {step} (last finite "
+        f"at step {last_finite_step}); not retried, and no checkpoint of the diverged weights "
+        "was written (trainer.stop_on_nonfinite_loss=false trains on)"
+    )
+
+
 class InjectedFailure(RuntimeError):
     """Raised at a step listed in chaos.fail_at_steps (once per run)."""
+
+
+def maybe_inject_failure(ledger: Any, step: int, fail_at_steps: list[int]) -> None:
+    """Rank 0: raise at a step of chaos.fail_at_steps, once per run (the ledger keeps count)."""
+    if step in fail_at_steps and ray.get(ledger.claim_injected_failure.remote(step, time.time())):
+        raise InjectedFailure(f"chaos.fail_at_steps: injected failure at step {step}")
 
 
 @dataclass
@@ -239,12 +258,17 @@ class Worker:
     # -- setup ----------------------------------------------------------------------------
 
     def _register(self) -> None:
-        attempt = ray.get(self.ledger.begin_attempt.remote(time.time())) if self.rank == 0 else None
-        self.attempt = broadcast(attempt, self.world)
+        start = ray.get(self.ledger.start_attempt.remote(time.time())) if self.rank == 0 else None
+        start = broadcast(start, self.world)
+        self.attempt, self.stop_reason = start["attempt"], start["stop"]
         set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
         node = ray.get_runtime_context().get_node_id()
         where = {"node_id": node, "pid": os.getpid(), "raylet_pid": os.getppid()}
         self.ledger.register_worker.remote(self.attempt, self.rank, {**where, "time": time.time()})
+        interval = self.job.failure.heartbeat_interval
+        self.beat = Heartbeat(
+            self.ledger, self.attempt, self.rank, self.fs.completed_requests, interval
+        )
         self.checkpointer = make_checkpointer(
             self.spec, self.rank, self.world, self.attempt, self.metrics
         )
@@ -255,6 +279,7 @@ class Worker:
         if self.trainer.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = ray.train.torch.prepare_model(model)
+        self.beat.attach(self.model)
         self.module = self.model.module if hasattr(self.model, "module") else self.model
         self.optimizer = build_optimizer(
             self.job.optimizer, self.module.parameters(), self.trainer.lr
@@ -296,9 +321,10 @@ class Worker:
         if not all(torch.isfinite(p).all() for p in self.module.parameters()):
             return not self._diverged(math.nan)  # a finite loss, but the step made them NaN
         self.state.validated = self.validated_step == self.state.step
-        return self.checkpointer.save(
-            self.state, self.module, self.optimizer, self.plan.global_batch_size
-        )
+        with self.beat.section("checkpoint"):
+            return self.checkpointer.save(
+                self.state, self.module, self.optimizer, self.plan.global_batch_size
+            )
 
     # -- validation -----------------------------------------------------------------------
 
@@ -307,7 +333,7 @@ class Worker:
             return
         self.validated_step = self.state.step
         stop = self.notices.noticed if self.notices is not None else None
-        with self.metrics.timer(M.VALIDATION_STEP):
+        with self.metrics.timer(M.VALIDATION_STEP), self.beat.section("validation"):
             loss, correct, count, complete = evaluate(
                 self.module, self.val_set, self.device, self.autocast, self.world, stop
             )
@@ -335,6 +361,7 @@ class Worker:
             group["lr"] = lr
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             loss = F.cross_entropy(self.model(images), labels)
+        self.beat.straggle()  # chaos=slow
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -347,12 +374,8 @@ class Worker:
         if math.isfinite(loss) or not self.trainer.stop_on_nonfinite_loss:
             return False
         if self.rank == 0:
-            self.ledger.set_fatal.remote(
-                f"training diverged: the loss became non-finite ({loss}) by step {self.state.step} "
-                f"(last finite at step {self.losses.last_finite_step}); not retried, and no "
-                "checkpoint of the diverged weights was written "
-                "(trainer.stop_on_nonfinite_loss=false trains on)"
-            )
+            why = divergence(loss, self.state.step, self.losses.last_finite_step)
+            self.ledger.set_fatal.remote(why)
         return True
 
     def _preempted(self) -> bool:
@@ -366,17 +389,22 @@ class Worker:
             return False
         if self.rank == 0:
             record = notice.record(self.state.step, self.notices.drain_ranks)
-            record["validation_cut"] = self.validation_cut
+            record = {**record, "validation_cut": self.validation_cut}
             self.ledger.preemption_notice.remote(self.attempt, record)
         self.state.validated = self.validated_step == self.state.step
-        jit = self.checkpointer.save_now(
-            self.state, self.module, self.optimizer, self.plan.global_batch_size, notice.deadline
-        )
+        with self.beat.section("checkpoint"):
+            jit = self.checkpointer.save_now(
+                self.state,
+                self.module,
+                self.optimizer,
+                self.plan.global_batch_size,
+                notice.deadline,
+            )
+        self.beat.enter("preempted")
         if self.rank == 0:
             self.ledger.jit_checkpoint.remote(self.attempt, {**jit, "time": time.time()})
         self.checkpointer.send_storage_stats()
-        while True:  # until Ray Train (at the deadline) or the driver stops this worker
-            time.sleep(1.0)
+        self.notices.wait_for_teardown()  # never returns
 
     def _log_progress(self) -> bool:
         """A progress line with the mean loss since the last one. False: training diverged."""
@@ -393,13 +421,6 @@ class Worker:
             self.attempt, {**progress, "time": time.time()}, self.metrics.as_dict()
         )
 
-    def _maybe_fail(self) -> None:
-        if self.rank == 0 and self.state.step in self.job.chaos.fail_at_steps:
-            if ray.get(self.ledger.claim_injected_failure.remote(self.state.step, time.time())):
-                raise InjectedFailure(
-                    f"chaos.fail_at_steps: injected failure at step {self.state.step}"
-                )
-
     def _start_feeder(self) -> BatchFeeder:
         """Position the iterator after the last trained sample (timed: the skip) and report
         the restore; then stream batches from there to the end of training."""
@@ -414,11 +435,13 @@ class Worker:
 
     def run(self) -> None:
         self._register()
+        if self.stop_reason is not None:  # a restart loop: the ledger says why
+            return
         if self.job.failure.preemption:
-            self.notices = PreemptionNotices(
-                self.world, self.device, self.ledger if self.rank == 0 else None
-            )
+            ledger = self.ledger if self.rank == 0 else None
+            self.notices = PreemptionNotices(self.world, self.device, ledger, sigterm=True)
         self._build()
+        self.beat.enter("restore")  # until the iterator stands at the restored position
         try:
             self._restore()
         except NoUsableCheckpoint as exc:  # every rank: retrying would find the same
@@ -428,17 +451,21 @@ class Worker:
         if self._validation_owed():  # a preemption notice cut it short before the checkpoint
             self._validate(self.state.epoch - 1 if self.state.position == 0 else self.state.epoch)
         feeder = self._start_feeder()
+        self.beat.enter("warmup")  # until the first step
         try:
             if not self._train(feeder):
                 return
         finally:
             feeder.close()
             self.val_set.close()
-        if not self.checkpointer.finish(self.state):
-            return
+        with self.beat.section("checkpoint"):
+            if not self.checkpointer.finish(self.state):
+                return
         self.checkpointer.send_storage_stats()
-        if self.rank == 0:
-            self._log_final()
+        if self.rank == 0:  # the final progress line: the whole run's throughput
+            busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
+            rate = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
+            self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), rate)
             self.ledger.finish.remote(time.time())
 
     def _train(self, feeder: BatchFeeder) -> bool:
@@ -460,9 +487,11 @@ class Worker:
                 continue
             self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
             new_epoch = False
+            self.beat.step_started(waited)
             with self.metrics.timer(M.TRAIN_STEP):
                 self.losses.add(self._train_step(batch.images, batch.labels), B)
             self.state.step += 1
+            self.beat.step_done(self.state.step)
             self.state.position += B
             self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
             self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
@@ -479,24 +508,20 @@ class Worker:
                 # Training is flowing: decode the validation set into its cache meanwhile.
                 self.val_set.prefetch()
             first_step_done = True
-            self._maybe_fail()
+            if self.rank == 0:
+                maybe_inject_failure(self.ledger, self.state.step, self.job.chaos.fail_at_steps)
             if self.state.step % t.log_every_n_steps == 0 and not self._log_progress():
                 return False
             # The epoch's last step validates and checkpoints at EPOCH_END.
             if self.state.position < self.plan.samples_per_epoch:
                 if t.validate_every_n_steps and self.state.step % t.validate_every_n_steps == 0:
                     self._validate(epoch)
-                if t.checkpoint_every_n_steps and self.state.step % t.checkpoint_every_n_steps == 0:
+                if self.checkpointer.schedule.due(self.state.step):
                     if not self._checkpoint():
                         return False
                 self._preempted()
             wait_start = time.perf_counter()
         return True
-
-    def _log_final(self) -> None:
-        busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
-        throughput = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
-        self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), throughput)
 
 
 def train_loop(spec: WorkerSpec) -> None:
@@ -505,5 +530,9 @@ def train_loop(spec: WorkerSpec) -> None:
     try:
         worker.run()
     finally:
+        if worker.notices is not None:  # SIGTERM is Ray's again
+            worker.notices.close()
+        if hasattr(worker, "beat"):
+            worker.beat.close()
         if hasattr(worker, "checkpointer"):
             worker.checkpointer.close()

@@ -1,12 +1,16 @@
-"""Goodput: every second of a run's wall clock in one bucket (no Ray: a ledger by hand)."""
+"""Goodput: every second of a run's wall clock in one bucket (no Ray: a ledger by hand); the
+first-order model of ETTR against the checkpoint interval, and the auto interval."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from ftjob import metrics as M
-from ftjob.goodput import BUCKETS, goodput
-from ftjob.summary import build_summary
+from ftjob.config import ConfigError, FailureConfig, JobConfig, TrainerConfig
+from ftjob.goodput import BUCKETS, CheckpointSchedule, goodput, predict_ettr
+from ftjob.summary import build_summary, declared_failures
 from tests.test_summary import make_ledger, restored, train
 
 
@@ -59,3 +63,84 @@ def test_a_run_that_never_trained_is_all_startup():
         wall_s=9.0, run_started=0.0, first_step=None, finished=None, metrics={}, failures=[]
     )
     assert g["ettr"] == 0.0 and g["buckets"]["startup"] == 9.0 and g["buckets"]["other"] == 0.0
+
+
+def buckets(**seconds: float) -> dict:
+    return {"wall_s": sum(seconds.values()), "buckets": seconds}
+
+
+def test_the_model_predicts_the_measured_ettr_of_a_run_without_failures():
+    run = buckets(startup=20.0, training=60.0, data_wait=10.0, checkpoint=7.0, validation=3.0)
+    predicted = predict_ettr(run, checkpoints=7, failures=0, mtbf_s=None)
+    assert predicted["ettr"] == pytest.approx(60.0 / 100.0)
+    assert predicted["checkpoint_cost_s"] == pytest.approx(1.0)
+    assert predicted["interval_s"] == pytest.approx(10.0)
+    assert predicted["optimal_interval_s"] is None  # no failure rate: no optimum
+    assert predict_ettr(run, checkpoints=0, failures=0, mtbf_s=None) is None
+
+
+def test_the_model_charges_each_expected_failure_its_recovery_and_half_an_interval():
+    run = buckets(
+        startup=10.0,
+        training=80.0,
+        checkpoint=8.0,
+        detection=2.0,
+        restart=4.0,
+        setup=2.0,
+        redone=4.0,
+    )  # modeled: 100 s; 8 checkpoints of 1 s every 10 s; one failure costing 8 s
+    predicted = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0)
+    useful = (100.0 - 2 * (8.0 + 10.0 / 2)) / (1 + 1.0 / 10.0)  # two failures expected
+    assert predicted["expected_failures"] == pytest.approx(2.0)
+    assert predicted["ettr"] == pytest.approx(useful / 110.0)
+    assert predicted["optimal_interval_s"] == pytest.approx(math.sqrt(2 * 1.0 * 50.0))
+    capped = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0, max_failures=1)
+    assert capped["expected_failures"] == 1.0 and capped["ettr"] > predicted["ettr"]
+    exact = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=None, max_failures=3)
+    assert exact["expected_failures"] == 3.0
+
+
+def test_declared_failures_come_from_the_kill_schedule_or_the_expected_mtbf():
+    kills = {"chaos": {"kind": "worker", "interval": 10.0, "max_kills": 2, "at_steps": []}}
+    assert declared_failures(kills) == (10.0, 2)
+    at = {"chaos": {"kind": "node", "interval": 10.0, "max_kills": 0, "at_steps": [5, 9]}}
+    assert declared_failures(at) == (None, 2)
+    slow = {"chaos": {"kind": "slow", "max_kills": 1}, "failure": {"expected_mtbf_s": 600.0}}
+    assert declared_failures(slow) == (600.0, None)  # a straggler is no failure
+    assert declared_failures({}) == (None, None)
+
+
+def test_a_fixed_schedule_checkpoints_every_n_steps():
+    every = CheckpointSchedule(10, None)
+    assert [s for s in range(1, 35) if every.due(s)] == [10, 20, 30]
+    assert not any(CheckpointSchedule(0, None).due(s) for s in range(1, 100))
+
+
+def test_auto_probes_then_checkpoints_at_the_optimum_for_the_measured_cost():
+    auto = CheckpointSchedule("auto", mtbf_s=200.0, probe_steps=10)
+    assert not auto.due(9) and auto.due(10)
+    # A 1 s checkpoint, 0.5 s steps, a failure every 200 s: tau* = 20 s = 40 steps.
+    assert auto.saved(10, cost_s=1.0, step_s=0.5) == 50
+    assert not auto.due(49) and auto.due(50)
+    assert "every 40 steps" in auto.describe()
+    assert auto.saved(50, cost_s=3.0, step_s=0.5) == 50 + 57  # mean cost 2 s: sqrt(800) s
+    follower = CheckpointSchedule("auto", mtbf_s=200.0)
+    follower.follow(107)  # the other ranks take rank 0's decision
+    assert not follower.due(106) and follower.due(107)
+
+
+def test_auto_needs_a_declared_failure_rate_and_nothing_else_is_a_word():
+    base = {
+        "model": {"_target_": "ftjob.models.SmallCNN"},
+        "dataset": {"_target_": "ftjob.datasets.DigitsDataset"},
+    }
+    with pytest.raises(ConfigError, match="failure.expected_mtbf_s"):
+        JobConfig(**base, trainer=TrainerConfig(checkpoint_every_n_steps="auto"))
+    JobConfig(
+        **base,
+        trainer=TrainerConfig(checkpoint_every_n_steps="auto"),
+        failure=FailureConfig(expected_mtbf_s=600.0),
+    )
+    for bad in ("sometimes", -1, True, 2.5):
+        with pytest.raises(ConfigError, match="trainer.checkpoint_every_n_steps"):
+            TrainerConfig(checkpoint_every_n_steps=bad)

@@ -11,7 +11,7 @@ import pytest
 from ftjob import metrics as M
 from ftjob import preemption
 from ftjob.chaos import ChaosKiller, KillSchedule
-from ftjob.preemption import DRAIN, DRIVER, PreemptionNotices
+from ftjob.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
 from ftjob.summary import FitOutcome, build_summary, decide_status
 from tests.test_chaos import WORKERS
 from tests.test_chaos import FakeLedger as ChaosLedger
@@ -35,6 +35,27 @@ def test_a_driver_request_is_a_notice_without_a_deadline(monkeypatch):
     notice = notices.agree()
     assert notice is not None and notice.source == DRIVER and notice.deadline is None
     assert math.isinf(notice.remaining(0.0))
+
+
+def test_sigterm_to_a_worker_is_a_notice_once_then_rays_exit_again(monkeypatch):
+    import ray._private.worker as ray_worker
+
+    exits: list[str] = []
+    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
+    monkeypatch.setattr(
+        ray_worker, "raise_sys_exit_with_custom_error_message", lambda m, c=1: exits.append(m)
+    )
+    original = ray_worker.raise_sys_exit_with_custom_error_message
+    notices = PreemptionNotices(world=1, device="cpu", sigterm=True)
+    # What Ray's SIGTERM handler calls on the worker's main thread:
+    ray_worker.raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", 1)
+    assert exits == [] and notices.terminated.is_set()  # taken over: a notice, no exit
+    notice = notices.agree()
+    assert notice is not None and notice.source == WORKER and notice.deadline is None
+    ray_worker.raise_sys_exit_with_custom_error_message("The process receives a SIGTERM.", 1)
+    assert exits == ["The process receives a SIGTERM."]  # a second one exits as Ray would
+    notices.close()
+    assert ray_worker.raise_sys_exit_with_custom_error_message is original
 
 
 def preempted_run() -> Any:

@@ -1,10 +1,12 @@
-"""End-to-end preemption: a node drained with notice (Ray's drain API, as a spot reclaim) and
-SIGTERM to the driver. Each notice becomes a just-in-time checkpoint of the current step: no
-step is lost, every sample is trained once, and the failure budget is not spent."""
+"""End-to-end preemption: a node drained with notice (Ray's drain API, as a spot reclaim),
+SIGTERM to the driver and SIGTERM to a training worker. Each notice becomes a just-in-time
+checkpoint of the current step: no step is lost, every sample is trained once, and (but for a
+worker's exit, which Ray Train counts as a failure) the failure budget is not spent."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 
@@ -50,7 +52,31 @@ def test_preemptions_with_notice_lose_no_step_and_spend_no_failure_budget(tmp_pa
     assert "preemption notice (drain)" in proc.stdout
 
 
-def test_sigterm_to_the_driver_saves_the_current_step_and_the_run_resumes_there(tmp_path):
+def train_worker_pids(root: int) -> list[int]:
+    """Ray Train worker processes below process ``root`` (an embedded Ray's are its children's
+    children)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    if b"RayTrainWorker" in f.read():
+                        found.append(child)
+            except OSError:
+                continue
+    return sorted(found)
+
+
+def test_sigterm_to_the_driver_or_a_worker_saves_the_current_step(tmp_path):
     storage = tmp_path / "store"
     job = [
         "+experiment=digits_ft",
@@ -78,9 +104,25 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_the_run_resumes_there(
     assert jit_step > 10 and s["checkpoints"]["latest"].endswith(f"step_{jit_step:09d}")
     assert s["metrics"][M.PREEMPTION_COUNT] == 1
 
-    resumed, s2 = run_ftjob(shlex.split(s["resume_command"])[3:], tmp_path / "resumed")
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    # The resumed run: SIGTERM to one of its training worker processes (a pod stopping it).
+    run_dir = tmp_path / "resumed"
+    resumed = start_ftjob(shlex.split(s["resume_command"])[3:], run_dir, tmp_path)
+    lines = []
+    try:
+        read_until(resumed, "loss", lines, timeout=240)  # a progress line: training again
+        [worker, *_] = train_worker_pids(resumed.pid)
+        os.kill(worker, signal.SIGTERM)
+        out, _ = resumed.communicate(timeout=240)
+        lines.append(out)
+    finally:
+        if resumed.poll() is None:
+            resumed.kill()
+    assert resumed.returncode == 0, "".join(lines)[-4000:]
+    s2 = json.loads((run_dir / "summary.json").read_text())
     assert s2["status"] == "succeeded"
+    [by_worker] = s2["failures"]
+    assert by_worker["kind"] == "preemption" and by_worker["notice"]["source"] == "worker"
+    assert by_worker["lost_steps"] == 0 and by_worker["jit"]["path"]
     first_epoch = s2["audit"][0]
     steps_per_epoch = 22
     assert first_epoch["resumed_at"] == (jit_step % steps_per_epoch) * 64  # nothing re-trained

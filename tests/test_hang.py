@@ -1,0 +1,240 @@
+"""Hang detection, straggler scores and the restart-loop guard, driven with a test clock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftjob.config import ChaosConfig, ConfigError, FailureConfig, JobConfig, RetryConfig
+from ftjob.hang import (
+    HangDetector,
+    HangPolicy,
+    SectionTimes,
+    StragglerScores,
+    WatchConfig,
+    restart_loop,
+)
+from ftjob.heartbeat import Heartbeat
+from ftjob.ledger import RunLedger
+from ftjob.stacks import capture_and_kill, trim_stack
+
+POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
+
+
+def beat(section: str, age: float, step: int = 0, **extra: object) -> dict:
+    return {"section": section, "age": age, "step": step, **extra}
+
+
+def test_a_section_timeout_is_learned_from_its_own_times_within_floor_and_ceiling():
+    times = SectionTimes(POLICY)
+    assert times.timeout("step") == 300.0  # not learned yet: the ceiling
+    times.observe("step", [0.1, 0.12])
+    assert not times.learned("step")
+    times.observe("step", [0.11] * 10 + [1.0])
+    assert times.timeout("step") == 10.0  # 5 x p99 (5 s) is under the floor
+    times.observe("validation", [4.0, 5.0, 6.0])
+    assert times.timeout("validation") == pytest.approx(30.0)  # 5 x the high percentile
+    times.observe("checkpoint", [100.0] * 3)
+    assert times.timeout("checkpoint") == 300.0  # capped
+    assert times.timeout("preempted") is None  # waiting to be torn down is never a hang
+
+
+def test_io_sections_get_at_least_what_one_storage_request_may_take():
+    retry = RetryConfig(deadline=120.0, max_backoff=20.0)
+    policy = HangPolicy.from_config(FailureConfig(hang_min_timeout=10.0), retry)
+    times = SectionTimes(policy)
+    times.observe("checkpoint", [0.5] * 5)
+    times.observe("step", [0.5] * 5)
+    assert times.timeout("checkpoint", io=True) == 140.0  # the retry deadline + one backoff
+    assert times.timeout("checkpoint") == 10.0  # a rank that only waits for the writer
+    assert times.timeout("step", io=True) == 10.0
+    explicit = SectionTimes(HangPolicy.from_config(FailureConfig(hang_timeout=7.0), retry))
+    assert explicit.timeout("step") == 7.0
+    assert explicit.table()["step"]["learned"] is False
+
+
+def detector(policy: HangPolicy = POLICY) -> HangDetector:
+    d = HangDetector(policy, SectionTimes(policy))
+    d.times.observe("step", [0.2] * 10)  # learned: 10 s (the floor)
+    d.register(0, 0, "nodeA", 100, now=0.0)
+    d.register(0, 1, "nodeB", 101, now=0.0)
+    return d
+
+
+def test_a_stopped_rank_is_found_after_its_timeout_and_named_over_the_waiting_one():
+    d = detector()
+    for t in range(1, 6):  # both train; rank 1 stops at t=5 (no heartbeat after)
+        d.beat(0, 0, beat("step", 0.1, step=t), now=float(t))
+        d.beat(0, 1, beat("step", 0.1, step=t), now=float(t))
+    for t in range(6, 15):  # rank 0 waits in the all-reduce: its beats go on, no progress
+        d.beat(0, 0, beat("step", t - 4.9, step=5), now=float(t))
+        assert d.check(float(t)) is None
+    hang = d.check(15.0)  # 10.1 s after the last progress: past the 10 s timeout
+    assert hang is not None
+    assert hang["rank"] == 1 and hang["node_id"] == "nodeB" and hang["pid"] == 101
+    assert hang["heartbeats_stopped"] and hang["section"] == "step" and hang["learned"]
+    assert hang["stalled_for_s"] == pytest.approx(10.1)
+    assert d.check(30.0) is None  # once per attempt
+    d.register(1, 0, "nodeA", 200, now=40.0)  # the next attempt starts clean
+    assert d.check(41.0) is None
+
+
+def test_no_hang_while_any_rank_moves_or_a_slow_upload_progresses():
+    policy = HangPolicy(min_timeout=10.0, max_timeout=300.0, io_timeout=0.0)
+    d = detector(policy)
+    d.times.observe("checkpoint", [1.0] * 5)  # learned: 10 s
+    for t in range(1, 60):  # rank 0 uploads slowly (a request completes every 5 s)
+        d.beat(0, 0, beat("checkpoint", 0.0 if t == 1 else t - 1, io=t // 5), now=float(t))
+        d.beat(0, 1, beat("checkpoint", t - 1.0), now=float(t))  # rank 1 waits for it
+        assert d.check(float(t)) is None, t
+    d2 = detector(policy)
+    for t in range(1, 60):  # a deadlocked pair: heartbeats go on, progress does not
+        d2.beat(0, 0, beat("step", float(t)), now=float(t))
+        d2.beat(0, 1, beat("step", float(t) - 0.5), now=float(t))
+    hang = d2.check(60.0)
+    assert hang is not None and hang["rank"] == 0 and not hang["heartbeats_stopped"]
+
+
+def test_late_heartbeats_of_an_earlier_attempt_are_ignored():
+    d = detector()
+    d.register(1, 0, "nodeA", 300, now=50.0)
+    d.beat(0, 1, beat("step", 0.0, durations={"step": [99.0]}), now=51.0)
+    assert d.ranks.keys() == {0}
+    assert len(d.times.observed["step"]) == 10
+
+
+def test_a_persistently_slow_rank_is_a_straggler_with_its_slowdown():
+    scores = StragglerScores(threshold=1.3, patience=3, window=10)
+    for check in range(7):  # rank 1 turns slow at check 2 (its window is half slow then)
+        scores.add(0, 0, [0.10] * 5)
+        scores.add(0, 1, [0.15] * 5 if check >= 2 else [0.10] * 5)
+        new = scores.check(float(check), {0: "a", 1: "b"})
+        if check < 5:
+            assert new == []
+        if check == 5:
+            assert [f["rank"] for f in new] == [1]
+            assert new[0]["slowdown"] == pytest.approx(1.5)
+            assert new[0]["vs_own_best"] == pytest.approx(1.5)
+    assert scores.max_slowdown() == pytest.approx(1.5)
+    steady = StragglerScores(threshold=1.3, patience=3, window=10)
+    for check in range(6):
+        steady.add(0, 0, [0.10] * 10)
+        steady.add(0, 1, [0.11] * 10)
+        assert steady.check(float(check), {}) == []
+    assert steady.max_slowdown() == pytest.approx(1.1)
+    assert StragglerScores(1.3, 3).max_slowdown() == 0.0  # one rank: never scored
+
+
+def attempts(*steps: tuple[int, bool]) -> list[dict]:
+    return [{"max_step": s, "preemption": {"x": 1} if p else None} for s, p in steps]
+
+
+def test_restart_loop_needs_n_attempts_in_a_row_without_progress():
+    run = attempts((0, False), (0, False), (0, False), (0, False))  # the 4th just started
+    assert "3 attempts in a row" in restart_loop(run, 3, 1)
+    assert restart_loop(run[:3], 3, 1) is None  # only two have ended
+    assert restart_loop(run, 0, 1) is None  # guard off
+    # Each attempt reaches step 7 again after restoring step 0: no progress past 7.
+    again = attempts((7, False), (7, False), (7, False), (0, False))
+    assert restart_loop(again, 2, 1) is not None
+    assert restart_loop(again, 3, 1) is None  # the first one made progress
+    moving = attempts((10, False), (20, False), (30, False), (0, False))
+    assert restart_loop(moving, 3, 1) is None
+    assert restart_loop(moving, 3, 11) is not None
+    preempted = attempts((5, False), (5, True), (5, False), (0, False))
+    assert restart_loop(preempted, 2, 1) is None  # a preemption is not a failure
+
+
+def test_the_ledger_stops_a_restart_loop_and_steers_the_slow_rank():
+    ledger = RunLedger({}, watch=WatchConfig(POLICY, restart_loop_attempts=2))
+    for i in range(2):
+        assert ledger.start_attempt(float(i))["stop"] is None
+    stop = ledger.start_attempt(2.0)["stop"]
+    assert stop is not None and ledger.fatal == stop
+    ledger.register_worker(2, 1, {"node_id": "n", "pid": 5, "time": 2.0})
+    slow = {"kind": "slow", "attempt": 2, "target": {"rank": 1, "pid": 5}, "slowdown": 0.5}
+    ledger.kill({**slow, "time": 3.0})
+    assert ledger.heartbeat(2, 1, beat("step", 0.0))["slow"] == 0.5
+    assert ledger.heartbeat(2, 0, beat("step", 0.0))["slow"] == 0.0
+    assert ledger.snapshot()["stragglers"]["max_slowdown"] == 0.0
+
+
+def test_heartbeat_sections_and_steps_without_a_thread():
+    hb = Heartbeat(ledger=None, attempt=0, rank=0, enabled=False)
+    with hb.section("restore"):
+        time.sleep(0.01)
+    hb.enter("warmup")
+    hb.step_started(0.0)
+    hb.step_done(1)  # the first step ends the warm-up
+    hb.step_started(0.0)
+    hb.step_done(2)
+    with hb.section("validation"):
+        pass
+    sent = hb._beat()
+    assert sent["section"] == "step" and sent["step"] == 2
+    assert set(sent["durations"]) == {"setup", "restore", "warmup", "step", "validation"}
+    assert len(sent["durations"]["step"]) == 1 and len(sent["local"]) == 1  # not the warm-up
+    assert sent["durations"]["restore"][0] >= 0.01
+
+
+def test_trimmed_stacks_put_the_training_thread_first():
+    dump = "Process 1: python\nPython v3.11\n\nThread 1 (idle)\n    wait (threading.py:1)\n\n"
+    dump += "Thread 2 (idle)\n    _train (ftjob/train_loop.py:9)\n"
+    out = trim_stack(dump)
+    assert out.index("ftjob/train_loop.py") < out.index("threading.py")
+    assert len(trim_stack(dump * 500, 1000)) <= 1000
+
+
+def test_a_stopped_process_gives_its_stack_then_dies():
+    code = "import time\ndef stuck_here():\n    while True: time.sleep(0.05)\nstuck_here()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGSTOP)
+        result = capture_and_kill(proc.pid)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert result["killed"]
+    assert result["stack_source"] == "py-spy", result["stack"]
+    assert "stuck_here" in result["stack"]
+
+
+def test_hang_chaos_needs_hang_detection():
+    with pytest.raises(ConfigError, match="failure.hang_detection"):
+        JobConfig(
+            model={"_target_": "ftjob.models.SmallCNN"},
+            dataset={"_target_": "ftjob.datasets.DigitsDataset"},
+            chaos=ChaosConfig(kind="hang", max_kills=1),
+            failure=FailureConfig(hang_detection=False),
+        )
+
+
+def test_no_hang_is_declared_while_ray_train_restarts_a_failed_group():
+    ledger = RunLedger({}, watch=WatchConfig(POLICY))
+    ledger.start_attempt(0.0)
+    ledger.register_worker(0, 0, {"node_id": "n", "pid": 5, "time": 0.0})
+    ledger.failure_noticed(5.0, {0: "ActorDiedError: the node died"})
+    assert ledger.check_watch(1000.0) == []  # silent for long, but the attempt is over
+    ledger.start_attempt(30.0)
+    ledger.register_worker(1, 0, {"node_id": "n", "pid": 6, "time": 30.0})
+    [hang] = ledger.check_watch(1000.0)  # the new attempt is watched
+    assert hang["pid"] == 6 and hang["section"] == "setup"
+
+
+def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_timeout():
+    policy = HangPolicy(min_timeout=10.0, max_timeout=300.0, io_timeout=300.0)
+    d = detector(policy)
+    d.times.observe("checkpoint", [0.5] * 5)  # learned: 10 s, but 300 s for rank 0's upload
+    d.beat(0, 0, beat("checkpoint", 0.0, io=3), now=1.0)
+    d.beat(0, 1, beat("checkpoint", 0.0), now=1.0)  # then rank 1 stops
+    for t in range(2, 12):  # rank 0 committed and waits for rank 1 in the agreement
+        d.beat(0, 0, beat("checkpoint", t - 1.0, io=4), now=float(t))
+    hang = d.check(12.5)  # 10 s after rank 0's last request: the group is quiet
+    assert hang is not None and hang["rank"] == 1 and hang["timeout_s"] == 10.0
