@@ -52,7 +52,13 @@ def _raytrain_child(stamp_file: str) -> None:
 
     dataset = DigitsDataset()
     catalog = dataset.catalog(TRAIN)
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    # As ftjob does: the training workers' CPUs on top of the machine's, for Ray Data's decode.
+    ray.init(
+        address="local",
+        num_cpus=(os.cpu_count() or 1) + WORKERS,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     try:
         blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
         ds = ray.data.from_arrow(blocks).map_batches(
@@ -78,6 +84,7 @@ def raytrain() -> float:
             [sys.executable, __file__, "--raytrain-child", stamp],
             check=True,
             capture_output=True,
+            timeout=600,
         )
         with open(stamp) as f:
             return float(f.read()) - launched
@@ -97,6 +104,7 @@ def ftjob() -> float:
             ],
             check=True,
             capture_output=True,
+            timeout=600,
         )
         with open(os.path.join(tmp, "summary.json")) as f:
             return json.load(f)["timing"]["first_step"] - launched

@@ -10,6 +10,7 @@ keys are checked against the target's signature by :func:`check_target`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 import re
@@ -330,6 +331,42 @@ class FailureConfig:
         )
 
 
+LOGGER_BACKENDS = {  # backend -> (module it needs, the extra that installs it)
+    "csv": (None, None),
+    "tensorboard": ("tensorboard", "pip install 'ftjob[tensorboard]'"),
+    "mlflow": ("mlflow", "pip install 'ftjob[mlflow]'"),
+}
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment loggers, fed by the driver from the run ledger (see ftjob.loggers)."""
+
+    _group: ClassVar[str] = "logger"
+    backends: list[str] = field(default_factory=list)
+    dir: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str = "ftjob"
+
+    def __post_init__(self) -> None:
+        for backend in self.backends:
+            _require(
+                backend in LOGGER_BACKENDS,
+                self._group,
+                "backends",
+                self.backends,
+                f"each must be one of {sorted(LOGGER_BACKENDS)}",
+            )
+            module, extra = LOGGER_BACKENDS[backend]
+            _require(
+                module is None or importlib.util.find_spec(module) is not None,
+                self._group,
+                "backends",
+                self.backends,
+                f"{backend} needs the {module} package: {extra}",
+            )
+
+
 @dataclass
 class RayConfig:
     _group: ClassVar[str] = "ray"
@@ -510,6 +547,7 @@ class JobConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     failure: FailureConfig = field(default_factory=FailureConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     name: str | None = None
     resume: bool = False
 

@@ -9,6 +9,7 @@ polls it for progress lines and builds summary.json from :meth:`RunLedger.snapsh
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from typing import Any
@@ -19,7 +20,98 @@ from ftjob.metrics import fmt, json_safe
 from ftjob.preemption import describe_notice
 
 
-class RunLedger:
+class ChaosRecords:
+    """The run ledger's chaos part: the training workers chaos may hit, and every kill, skipped
+    window and injected failure. State lives in :class:`RunLedger` (its one ``__init__``)."""
+
+    attempts: list[dict[str, Any]]
+    kills: list[dict[str, Any]]
+    pending_kills: list[dict[str, Any]]
+    skipped_kills: list[dict[str, Any]]
+    injected: list[dict[str, Any]]
+    pending_failures: set[int]
+    trained_all: bool
+    finished: float | None
+    watch: RunWatch
+
+    def log(self, line: str) -> None:
+        raise NotImplementedError
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Training workers of the latest attempt (for the chaos killer's targets)."""
+        if not self.attempts:
+            return []
+        return [dict(w, rank=r) for r, w in sorted(self.attempts[-1]["workers"].items())]
+
+    def chaos_view(self) -> dict[str, Any]:
+        """What the chaos killer needs: when training began, and the current attempt."""
+        if not self.attempts:
+            return {
+                "training_started": None,
+                "attempt": None,
+                "training": False,
+                "workers": [],
+                "step": 0,
+            }
+        first = self.attempts[0]["first_step"]
+        latest = self.attempts[-1]
+        return {
+            "training_started": first["time"] if first else None,
+            "attempt": latest["index"],
+            "training": latest["first_step"] is not None
+            and not self.trained_all
+            and self.finished is None,
+            "workers": self.workers(),
+            "step": latest["max_step"],
+        }
+
+    def claim_injected_failure(self, step: int, now: float) -> bool:
+        """True once per step in chaos.fail_at_steps: that worker then raises."""
+        if step not in self.pending_failures:
+            return False
+        self.pending_failures.discard(step)
+        self.injected.append({"time": now, "step": step})
+        self.log(f"chaos: injected failure at step {step}")
+        return True
+
+    def kill(self, record: dict[str, Any]) -> None:
+        """A chaos event the killer carried out. A node kill counts once confirmed (the node
+        is gone: :meth:`confirm_kill`); until then it is pending, though a simulated cluster
+        already replaces the node. ``slow`` makes a rank sleep in every step (its heartbeat
+        learns it)."""
+        pending = record["kind"] in NODE_KINDS
+        entry = dict(record, confirmed=not pending)
+        (self.pending_kills if pending else self.kills).append(entry)
+        if record["kind"] == "slow":
+            rank, fraction = record["target"]["rank"], record["slowdown"]
+            self.watch.slow = {"attempt": record["attempt"], "rank": rank, "fraction": fraction}
+        self.log(describe_chaos(record, len(self.kills)))
+
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
+        entry = next((k for k in self.pending_kills if k["time"] == time_of_kill), None)
+        if entry is None:
+            return
+        self.pending_kills.remove(entry)
+        target = entry.get("target", {})
+        what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
+        if confirmed:
+            self.kills.append(dict(entry, confirmed=True))
+            self.kills.sort(key=lambda k: k["time"])
+            self.log(f"chaos: kill {len(self.kills)}: {what} is gone")
+        else:
+            self.chaos_skipped(dict(entry, reason="the node was not confirmed dead"))
+
+    def chaos_skipped(self, record: dict[str, Any]) -> None:
+        """A kill window that ended without a kill, and why."""
+        self.skipped_kills.append(record)
+        self.log(f"chaos: no {record['kind']} kill: {record['reason']}")
+
+    def snapshot_kills(self) -> list[dict[str, Any]]:
+        """Every kill carried out, pending node kills included (to replace their nodes)."""
+        return sorted(self.kills + self.pending_kills, key=lambda k: k["time"])
+
+
+class RunLedger(ChaosRecords):
     """Plain class; :func:`start_ledger` runs it as a Ray actor."""
 
     def __init__(
@@ -50,6 +142,7 @@ class RunLedger:
         self.pending_failures = set(fail_at_steps or [])
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.lines: list[str] = []
+        self.step_records: list[dict[str, Any]] = []  # for the experiment loggers, append-only
 
     def log(self, line: str) -> None:
         """A progress line for the driver to print."""
@@ -107,34 +200,6 @@ class RunLedger:
     def hang_handled(self, time_of_hang: float, result: dict[str, Any]) -> None:
         self.log(self.watch.handled(time_of_hang, result))
 
-    def workers(self) -> list[dict[str, Any]]:
-        """Training workers of the latest attempt (for the chaos killer's targets)."""
-        if not self.attempts:
-            return []
-        return [dict(w, rank=r) for r, w in sorted(self.attempts[-1]["workers"].items())]
-
-    def chaos_view(self) -> dict[str, Any]:
-        """What the chaos killer needs: when training began, and the current attempt."""
-        if not self.attempts:
-            return {
-                "training_started": None,
-                "attempt": None,
-                "training": False,
-                "workers": [],
-                "step": 0,
-            }
-        first = self.attempts[0]["first_step"]
-        latest = self.attempts[-1]
-        return {
-            "training_started": first["time"] if first else None,
-            "attempt": latest["index"],
-            "training": latest["first_step"] is not None
-            and not self.trained_all
-            and self.finished is None,
-            "workers": self.workers(),
-            "step": latest["max_step"],
-        }
-
     def restored(self, attempt: int, info: dict[str, Any]) -> None:
         self.attempts[attempt]["restored"] = info
         self.attempts[attempt]["max_step"] = max(self.attempts[attempt]["max_step"], info["step"])
@@ -164,6 +229,10 @@ class RunLedger:
     ) -> None:
         self.progress = dict(progress, attempt=attempt)
         self.metrics = dict(metrics)
+        values = {k: progress[k] for k in ("loss", "throughput", "lr") if k in progress}
+        self.step_records.append(
+            {"kind": "train", "attempt": attempt, "step": progress["step"], "values": values}
+        )
         self.attempts[attempt]["max_step"] = max(
             self.attempts[attempt]["max_step"], progress["step"]
         )
@@ -179,6 +248,10 @@ class RunLedger:
         if step in self.validations:
             self.replaced_validations += 1  # the step was trained again after a restore
         self.validations[step] = dict(result, step=step, attempt=attempt)
+        values = {"loss": result["loss"], "accuracy": result["accuracy"]}
+        self.step_records.append(
+            {"kind": "validation", "attempt": attempt, "step": step, "values": values}
+        )
         self.log(
             f"validation at step {step}: loss {fmt(result['loss'])}, accuracy {fmt(result['accuracy'])}"
         )
@@ -198,47 +271,6 @@ class RunLedger:
         entry = self.audit[(attempt, step)]
         entry["epoch"] = epoch
         entry["ids"].extend(ids)
-
-    def claim_injected_failure(self, step: int, now: float) -> bool:
-        """True once per step in chaos.fail_at_steps: that worker then raises."""
-        if step not in self.pending_failures:
-            return False
-        self.pending_failures.discard(step)
-        self.injected.append({"time": now, "step": step})
-        self.log(f"chaos: injected failure at step {step}")
-        return True
-
-    def kill(self, record: dict[str, Any]) -> None:
-        """A chaos event the killer carried out. A node kill counts once confirmed (the node
-        is gone: :meth:`confirm_kill`); until then it is pending, though a simulated cluster
-        already replaces the node. ``slow`` makes a rank sleep in every step (its heartbeat
-        learns it)."""
-        pending = record["kind"] in NODE_KINDS
-        entry = dict(record, confirmed=not pending)
-        (self.pending_kills if pending else self.kills).append(entry)
-        if record["kind"] == "slow":
-            rank, fraction = record["target"]["rank"], record["slowdown"]
-            self.watch.slow = {"attempt": record["attempt"], "rank": rank, "fraction": fraction}
-        self.log(describe_chaos(record, len(self.kills)))
-
-    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
-        entry = next((k for k in self.pending_kills if k["time"] == time_of_kill), None)
-        if entry is None:
-            return
-        self.pending_kills.remove(entry)
-        target = entry.get("target", {})
-        what = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
-        if confirmed:
-            self.kills.append(dict(entry, confirmed=True))
-            self.kills.sort(key=lambda k: k["time"])
-            self.log(f"chaos: kill {len(self.kills)}: {what} is gone")
-        else:
-            self.chaos_skipped(dict(entry, reason="the node was not confirmed dead"))
-
-    def chaos_skipped(self, record: dict[str, Any]) -> None:
-        """A kill window that ended without a kill, and why."""
-        self.skipped_kills.append(record)
-        self.log(f"chaos: no {record['kind']} kill: {record['reason']}")
 
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
         self.failures.append({"noticed": now, "errors": errors})
@@ -280,9 +312,13 @@ class RunLedger:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def snapshot_kills(self) -> list[dict[str, Any]]:
-        """Every kill carried out, pending node kills included (to replace their nodes)."""
-        return sorted(self.kills + self.pending_kills, key=lambda k: k["time"])
+    def log_feed(self, cursor: int) -> dict[str, Any]:
+        """Step records since ``cursor`` for the experiment loggers, and the step up to which
+        records are settled (no restore can go back before a committed checkpoint)."""
+        committed = [c["step"] for c in self.checkpoints if c.get("path")]
+        settled = math.inf if self.finished is not None else max(committed, default=0)
+        records = self.step_records[cursor:]
+        return {"records": records, "cursor": cursor + len(records), "settled": settled}
 
     def poll(self, cursor: int) -> tuple[list[str], int]:
         return self.lines[cursor:], len(self.lines)

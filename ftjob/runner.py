@@ -31,6 +31,7 @@ from ftjob.config import ConfigError, JobConfig, JobError, to_plain
 from ftjob.data import EpochPlan
 from ftjob.datasets import TRAIN, VAL, ImageDataset, build_dataset
 from ftjob.lease import LeaseHeld, RunLease
+from ftjob.loggers import LogFeed, build_loggers
 from ftjob.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
 from ftjob.storage import (
     RetryingFileSystem,
@@ -170,8 +171,10 @@ def run(
     echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
     for note in prep.notes:
         echo(note)
+    feed = LogFeed(build_loggers(job.logger, run_dir, prep.name))
+    feed.params(to_plain(job))
     try:
-        snapshot, fit = _train_on_cluster(job, prep, echo)
+        snapshot, fit = _train_on_cluster(job, prep, echo, feed)
     finally:  # checkpoint scratch of every attempt on this node, killed ones' included
         shutil.rmtree(run_scratch_dir(prep.name), ignore_errors=True)
         prep.lease.release()
@@ -191,6 +194,7 @@ def run(
     if status != "succeeded" and summary["checkpoints"]["latest"]:
         summary["resume_command"] = resume_command(overrides or [], prep)
     path = write_summary(summary, run_dir)
+    feed.finish(summary)
     for line in format_summary(summary).splitlines():
         echo(line)
     if "resume_command" in summary:
@@ -246,7 +250,7 @@ class _StopSignal:
 
 
 def _train_on_cluster(
-    job: JobConfig, prep: Prepared, echo: Callable[[str], None]
+    job: JobConfig, prep: Prepared, echo: Callable[[str], None], feed: LogFeed
 ) -> tuple[dict[str, Any], FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
@@ -262,7 +266,7 @@ def _train_on_cluster(
                 "the driver's node, which chaos never takes away; each window will be skipped"
             )
         ledger, killer = _start_run_actors(job, prep)
-        monitor = _Monitor(ledger, echo, local, prep.lease)
+        monitor = _Monitor(ledger, echo, local, prep.lease, feed)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
@@ -370,9 +374,10 @@ class _Monitor:
     worker the ledger found, and replaces killed nodes of a local cluster."""
 
     def __init__(
-        self, ledger: Any, echo: Callable[[str], None], local: Any, lease: RunLease
+        self, ledger: Any, echo: Callable[[str], None], local: Any, lease: RunLease, feed: LogFeed
     ) -> None:
         self.ledger, self.echo, self.local, self.lease = ledger, echo, local, lease
+        self.feed = feed
         self.cursor = 0
         self.started = time.time()
 
@@ -388,6 +393,9 @@ class _Monitor:
         for line in lines:
             elapsed = int(time.time() - self.started)
             self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
+        if self.feed.loggers:
+            self.feed.records(ray.get(self.ledger.log_feed.remote(self.feed.cursor), timeout=10))
+            self.feed.events(lines, time.time())
         for action in ray.get(self.ledger.check_watch.remote(time.time()), timeout=10):
             self._end_stalled(action)
         if self.local is not None:

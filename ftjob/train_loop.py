@@ -417,6 +417,7 @@ class Worker:
     def _send_progress(self, epoch: int, loss: float, throughput: float) -> None:
         progress = {"step": self.state.step, "epoch": epoch, "epochs": self.trainer.epochs}
         progress.update(total_steps=self.total_steps, loss=loss, throughput=throughput)
+        progress["lr"] = self.lr(max(self.state.step - 1, 0))  # the last step's
         self.ledger.progress_update.remote(
             self.attempt, {**progress, "time": time.time()}, self.metrics.as_dict()
         )

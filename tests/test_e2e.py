@@ -21,11 +21,12 @@ pytestmark = pytest.mark.ray
 QUICK = ["+experiment=digits_ft", "trainer.epochs=4"]
 
 
-def test_forced_failures_restore_mid_epoch_and_train_every_sample_once(tmp_path):
+def test_forced_failures_restore_mid_epoch_and_train_every_sample_once(tmp_path, monkeypatch):
     # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 fails right
-    # after the checkpoint of step 40.
+    # after the checkpoint of step 40. Every logger writes the run.
     proc, s = run_ftjob(
-        [*QUICK, "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"], tmp_path
+        [*QUICK, "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true", "logger=many"],
+        tmp_path,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert s["status"] == "succeeded" and s["error"] is None
@@ -50,6 +51,31 @@ def test_forced_failures_restore_mid_epoch_and_train_every_sample_once(tmp_path)
         a["duplicates"] == 0 and a["missing"] == 0 and a["unique"] == 1408 for a in s["audit"]
     )
     assert "failure 1: injected" in proc.stdout
+    check_loggers(tmp_path / "run", s["name"], monkeypatch)
+
+
+def check_loggers(run_dir: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the loggers wrote, read back with TensorBoard's and MLflow's own readers: one
+    point per logged step across the restores, params, and the failures as events."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events] = (run_dir / "logs" / "tensorboard" / name).glob("events.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 88, steps
+    assert [e.step for e in acc.Scalars("validation/accuracy")][-1] == 88
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=f"file:{run_dir / 'mlruns'}")
+    [run] = client.search_runs([client.get_experiment_by_name("ftjob").experiment_id])
+    assert run.info.run_name == name and run.info.status == "FINISHED"
+    assert run.data.params["trainer.epochs"] == "4"
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(history) == steps
+    noticed = [v for k, v in run.data.tags.items() if k.startswith("event.") and "failure" in v]
+    assert len(noticed) >= 2
+    assert (run_dir / "logs" / "metrics.csv").stat().st_size > 0
 
 
 def test_resume_by_name_with_fewer_workers_continues_exactly(tmp_path):

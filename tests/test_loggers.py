@@ -1,0 +1,122 @@
+"""Experiment loggers: each step logged once, in its surviving version, read back with the
+libraries' own readers (TensorBoard's event accumulator, MLflow's client on a file store)."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+
+import pytest
+
+from ftjob.config import ConfigError, LoggerConfig
+from ftjob.ledger import RunLedger
+from ftjob.loggers import LogFeed, build_loggers, flatten
+
+
+def train(ledger: RunLedger, attempt: int, step: int, loss: float) -> None:
+    progress = {"step": step, "epoch": 0, "epochs": 1, "total_steps": 40}
+    progress.update(loss=loss, throughput=100.0, lr=0.01)
+    ledger.progress_update(attempt, progress, {})
+
+
+def run_with_a_restore(feed: LogFeed) -> RunLedger:
+    """Steps 10-30 trained; the checkpoint of step 20 commits; the attempt dies after 30; the
+    next one restores step 20 and trains 30 and 40 again with other losses."""
+    ledger = RunLedger({"steps_per_epoch": 40, "epochs": 1})
+    a0 = ledger.begin_attempt(0.0)
+    for step in (10, 20):
+        train(ledger, a0, step, loss=1.0 / step)
+    ledger.validation(a0, 20, {"loss": 0.5, "accuracy": 0.8, "samples": 10, "time": 1.0})
+    ledger.checkpoint(a0, {"step": 20, "path": "ckpt/20", "seconds": 0.1})
+    train(ledger, a0, 30, loss=9.0)  # lost with the attempt
+    feed.records(ledger.log_feed(feed.cursor))
+    feed.events(["failure noticed (1 worker(s)): boom"], 5.0)
+    a1 = ledger.begin_attempt(6.0)
+    train(ledger, a1, 30, loss=0.03)
+    train(ledger, a1, 40, loss=0.02)
+    ledger.finish(9.0)
+    feed.records(ledger.log_feed(feed.cursor))
+    return ledger
+
+
+def test_a_step_trained_again_after_a_restore_is_logged_once_in_its_surviving_version(tmp_path):
+    feed = LogFeed(build_loggers(LoggerConfig(backends=["csv"]), str(tmp_path), "run"))
+    feed.params({"trainer": {"lr": 0.01, "epochs": 1}})
+    run_with_a_restore(feed)
+    feed.finish({"status": "succeeded", "metrics": {}})
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["name"] == "train/loss"]
+    assert [(int(r["step"]), float(r["value"])) for r in rows] == [
+        (10, 0.1),
+        (20, 0.05),
+        (30, 0.03),  # not 9.0: the lost attempt's step 30 never reached a logger
+        (40, 0.02),
+    ]
+    with open(tmp_path / "logs" / "events.csv") as f:
+        assert "failure noticed" in f.read()
+
+
+def test_tensorboard_event_files_hold_one_point_per_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    feed = LogFeed(build_loggers(LoggerConfig(backends=["tensorboard"]), str(tmp_path), "run"))
+    feed.params({"trainer": {"lr": 0.01}})
+    run_with_a_restore(feed)
+    feed.finish({"status": "succeeded", "metrics": {"goodput/ettr": 0.5}})
+    [events] = glob.glob(str(tmp_path / "logs" / "tensorboard" / "run" / "events.*"))
+    acc = EventAccumulator(events, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [s.step for s in loss] == [10, 20, 30, 40]
+    assert loss[2].value == pytest.approx(0.03)
+    assert [s.step for s in acc.Scalars("validation/accuracy")] == [20]
+    assert "events/text_summary" in acc.Tags()["tensors"]
+
+
+def test_mlflow_file_store_holds_params_metrics_once_and_events(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    config = LoggerConfig(backends=["mlflow"], mlflow_experiment="tests")
+    feed = LogFeed(build_loggers(config, str(tmp_path), "run"))
+    feed.params({"trainer": {"lr": 0.01}, "chaos": {"fail_at_steps": [30]}})
+    run_with_a_restore(feed)
+    feed.finish({"status": "succeeded", "metrics": {}})
+    client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert run.data.params["trainer.lr"] == "0.01"
+    assert run.data.params["chaos.fail_at_steps"] == "[30]"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [10, 20, 30, 40]
+    assert any("failure noticed" in v for k, v in run.data.tags.items() if k.startswith("event."))
+    assert run.info.status == "FINISHED"
+
+
+def test_a_failing_logger_is_dropped_and_said_not_the_run(tmp_path, caplog):
+    class Broken:
+        def scalars(self, step: int, values: dict) -> None:
+            raise OSError("disk full")
+
+    feed = LogFeed([Broken()])
+    feed._flush(math.inf)
+    feed.pending[(1, "train")] = {"step": 1, "kind": "train", "attempt": 0, "values": {"x": 1}}
+    feed._flush(math.inf)
+    assert feed.loggers == [] and "disk full" in caplog.text
+
+
+def test_params_are_flat_and_a_missing_backend_names_its_extra(monkeypatch):
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {
+        "a.b": "1",
+        "a.c": "[1, 2]",
+        "d": "None",
+    }
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name)
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'ftjob\[mlflow\]'"):
+        LoggerConfig(backends=["mlflow"])
+    with pytest.raises(ConfigError, match="logger.backends"):
+        LoggerConfig(backends=["wandb"])
