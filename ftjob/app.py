@@ -68,6 +68,11 @@ def _job(cfg: DictConfig) -> str:
     return result.status
 
 
+def note_failed_job(run_dir: str) -> None:
+    """A sweep job that did not succeed (run by ftjob's launcher in its own process)."""
+    _failed_jobs.append(run_dir)
+
+
 def run_hydra(argv: list[str]) -> int:
     sys.argv = [sys.argv[0] or "ftjob", *argv]
     _job()

@@ -220,6 +220,7 @@ class Checkpointer:
         self.last_committed_step = -1
         self.upload_seconds = 0.0  # of the last committed upload: what a JIT checkpoint costs
         self.write_seconds = 0.0  # of the last local write
+        self.report_seconds = 0.0  # of the last report barrier
         self.uploader: AsyncUploader | None = None
         if config.upload_mode == "async" and rank == 0:
             self.uploader = AsyncUploader(self._upload)
@@ -380,12 +381,13 @@ class Checkpointer:
             else:  # only the wait for a still-running previous upload stalls training
                 self.metrics.add(M.CHECKPOINT_UPLOAD, self.uploader.submit(local_dir, state.step))
                 fatal = self._account(self.uploader.drain())
-            self._plan_next(state.step, time.perf_counter() - start)
+            self._plan_next(state.step, time.perf_counter() - start + self.report_seconds)
         return self._agree_and_report(fatal, state)
 
     def _plan_next(self, step: int, cost_s: float) -> None:
         """Rank 0: the next periodic checkpoint (trainer.checkpoint_every_n_steps=auto: at the
-        interval that wastes least for the cost measured so far); said when it changes."""
+        interval that wastes least for the cost measured so far -- write, upload and the last
+        report barrier's length); said when it changes."""
         before = self.schedule.interval_steps
         self.schedule.saved(step, cost_s, self.metrics.seconds_per_step())
         if self.schedule.auto and self.schedule.interval_steps != before:
@@ -468,15 +470,16 @@ class Checkpointer:
         return True
 
     def _report(self, state: TrainState) -> None:
-        """Every rank calls ray.train.report: a barrier, and Ray Train's view of progress. The
-        checkpoint itself is not handed to Ray Train: ftjob alone owns checkpoint directories
-        (commit, restore, quarantine, retention), so Ray's run snapshot never refers to a
-        directory ftjob moved or pruned."""
+        """Every rank: ray.train.report, a barrier and Ray Train's view of progress -- without
+        the checkpoint: ftjob alone owns checkpoint directories (commit, restore, quarantine,
+        retention), so Ray's run snapshot never names one ftjob moved or pruned."""
         import ray.train
 
         committed = self.last_committed if self.rank == 0 else None
+        start = time.perf_counter()
         with self.metrics.timer(M.CHECKPOINT_REPORT):
             ray.train.report({"step": state.step, "epoch": state.epoch, "checkpoint": committed})
+        self.report_seconds = time.perf_counter() - start
 
     def send_storage_stats(self) -> None:
         """This process's cumulative storage counters, to the ledger."""

@@ -24,6 +24,7 @@ from ftjob.compose import (
     PRIMARY_CONFIG,
     Composer,
     Target,
+    expose_hydra_plugins,
     override_key,
     parse_overrides,
     sweep_values,
@@ -161,6 +162,7 @@ def precheck(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     register_schema()
+    expose_hydra_plugins()  # before Hydra's plugin scan: hydra/launcher=ftjob
     try:
         precheck(argv)
     except ConfigError as exc:

@@ -15,9 +15,30 @@ from typing import Any
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
 from omegaconf import DictConfig
 
 CONFIG_MODULE = "ftjob.conf"
+
+
+def expose_hydra_plugins() -> None:
+    """Let Hydra's plugin scan find ftjob's launcher (``hydra_plugins.ftjob_launcher``) also in
+    an editable install, whose import hook hides the namespace package from ``pkgutil``."""
+    import importlib.util
+
+    try:
+        import hydra_plugins
+
+        spec = importlib.util.find_spec("hydra_plugins.ftjob_launcher")
+    except ImportError:
+        return
+    if spec is None or not spec.submodule_search_locations:
+        return
+    root = os.path.dirname(next(iter(spec.submodule_search_locations)))
+    if root not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(root)
+
+
 PRIMARY_CONFIG = "config"
 JOB, SWEEP = "job", "sweep"
 
@@ -49,6 +70,8 @@ class Composer:
 
     def _context(self, target: Target) -> tuple[Any, list[str]]:
         """Hydra's initialize context for ``target`` and the search-path override it needs."""
+        expose_hydra_plugins()
+        Plugins.instance()  # plugins' config groups (hydra/launcher=ftjob), as hydra.main sees them
         GlobalHydra.instance().clear()
         if target.user_primary and self.config_dir:
             context: Any = initialize_config_dir(config_dir=self.config_dir, version_base="1.3")

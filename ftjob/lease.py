@@ -5,7 +5,7 @@ restarts drivers) would train into the same checkpoint directory until one of th
 the other's files. The driver holds ``{run}/lease.json`` (owner host and pid, heartbeat time)
 and renews it while it runs; another driver refuses to start while the heartbeat is younger
 than ``checkpoint.lease_timeout`` and takes over once it is older (the holder died without
-releasing it). Clock and owner are injectable for tests.
+releasing it), or at once when the holder was a process of this host that is gone. Clock and owner are injectable for tests.
 """
 
 from __future__ import annotations
@@ -34,6 +34,21 @@ class LeaseHeld(RuntimeError):
 
 def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def holder_gone(owner: str) -> bool:
+    """Is the lease's owner a process of this host that no longer exists? (Its heartbeat need
+    not be waited out: a sweep resumed right after it was killed.)"""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
 
 
 class RunLease:
@@ -73,7 +88,7 @@ class RunLease:
         note = None
         if held is not None and held.get("token") != self.token:
             age = self.clock() - float(held.get("heartbeat", 0.0))
-            if age < self.timeout:
+            if age < self.timeout and not holder_gone(str(held.get("owner", ""))):
                 raise LeaseHeld(
                     f"run {run_name!r} is being trained by another driver ({held.get('owner')}, "
                     f"last heartbeat {age:.0f} s ago): stop it first, or wait "
@@ -82,6 +97,8 @@ class RunLease:
             note = (
                 f"took over run {run_name!r} from {held.get('owner')}, silent for {age:.0f} s "
                 f"(checkpoint.lease_timeout={self.timeout:g} s)"
+                if age >= self.timeout
+                else f"took over run {run_name!r} from {held.get('owner')}: that process is gone"
             )
         if not is_object_store(self.fs.protocol):
             self.fs.makedirs(posixpath.dirname(self.path), exist_ok=True)

@@ -238,3 +238,23 @@ def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_tim
         d.beat(0, 0, beat("checkpoint", t - 1.0, io=4), now=float(t))
     hang = d.check(12.5)  # 10 s after rank 0's last request: the group is quiet
     assert hang is not None and hang["rank"] == 1 and hang["timeout_s"] == 10.0
+
+
+def test_a_persistent_straggler_is_restarted_when_so_configured():
+    config = WatchConfig(
+        POLICY, straggler_threshold=1.3, straggler_patience=2, straggler_action="restart"
+    )
+    ledger = RunLedger({}, watch=config)
+    ledger.start_attempt(0.0)
+    for rank, pid in ((0, 10), (1, 11)):
+        ledger.register_worker(0, rank, {"node_id": f"n{rank}", "pid": pid, "time": 0.0})
+    actions = []
+    for t in range(1, 5):
+        ledger.heartbeat(0, 0, beat("step", 0.0, step=t, local=[0.1] * 20))
+        ledger.heartbeat(0, 1, beat("step", 0.0, step=t, local=[0.2] * 20))
+        actions += ledger.check_watch(float(t))
+    [restart] = actions
+    assert restart["action"] == "straggler" and restart["rank"] == 1 and restart["pid"] == 11
+    assert restart["slowdown"] == pytest.approx(2.0) and restart["restarted"]
+    assert ledger.check_watch(10.0) == []  # once, and no hang declared on top of it
+    assert any("restarting the worker group" in line for line in ledger.lines)

@@ -51,3 +51,21 @@ def test_a_released_lease_frees_the_run_at_once(tmp_path: Path):
     first.release()  # no longer ours: the new holder's lease stays
     with pytest.raises(LeaseHeld):
         RunLease(fs, run, timeout=60, owner="host-c:300", clock=clock).acquire("r")
+
+
+def test_a_lease_of_a_process_of_this_host_that_is_gone_is_taken_over_at_once(tmp_path: Path):
+    import socket
+    import subprocess
+    import sys
+
+    fs, run = LocalFileSystem(), str(tmp_path / "run")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = f"{socket.gethostname()}:{int(gone.stdout)}"
+    RunLease(fs, run, timeout=60, owner=dead).acquire("r")  # a killed sweep's job
+    note = RunLease(fs, run, timeout=60).acquire("r")  # seconds later
+    assert note is not None and "that process is gone" in note
+    alive = RunLease(fs, run, timeout=60)  # this very process holds it now: refused
+    with pytest.raises(LeaseHeld):
+        alive.acquire("r")

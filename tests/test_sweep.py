@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -294,8 +296,17 @@ def real_2x2(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, subprocess.CompletedProcess[str]]:
     # Swept keys that leave the job's cost unchanged: the test is about the sweep, not them.
+    # ftjob's launcher: two jobs at a time, each a full run in its own process.
     sweep_dir = tmp_path_factory.mktemp("sweep2x2") / "sweep"
-    proc = run_sweep(["trainer.lr=0.001,0.003", "checkpoint.retry.max_attempts=1,3"], sweep_dir)
+    proc = run_sweep(
+        [
+            "trainer.lr=0.001,0.003",
+            "checkpoint.retry.max_attempts=1,3",
+            "hydra/launcher=ftjob",
+            "hydra.launcher.max_concurrent=2",
+        ],
+        sweep_dir,
+    )
     return sweep_dir, proc
 
 
@@ -376,3 +387,75 @@ def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) 
     assert "checkpoint.storage_path" in rows[0]["error"]
     assert "| 0 | /dev/null/ckpt | failed |" in (sweep_dir / SWEEP_MD).read_text()
     assert (sweep_dir / SWEEP_PNG).exists()
+
+
+def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path) -> None:
+    from ftjob.launcher import previous_run
+
+    done = tmp_path / "0"
+    done.mkdir()
+    (done / "summary.json").write_text(json.dumps({"status": "succeeded", "name": "a"}))
+    assert previous_run(str(done)) == ("succeeded", "a")
+    cut = tmp_path / "1"  # Ctrl-C: a summary with the latest checkpoint
+    cut.mkdir()
+    summary = {"status": "interrupted", "name": "b", "checkpoints": {"latest": "x/step_5"}}
+    (cut / "summary.json").write_text(json.dumps(summary))
+    assert previous_run(str(cut)) == ("resume", "b")
+    killed = tmp_path / "2"  # killed outright: only its committed checkpoints tell its name
+    step = killed / "checkpoints" / "c" / "checkpoints" / "step_000000010"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    assert previous_run(str(killed)) == ("resume", "c")
+    uncommitted = tmp_path / "3"
+    (uncommitted / "checkpoints" / "d" / "checkpoints" / "step_000000010").mkdir(parents=True)
+    assert previous_run(str(uncommitted)) == ("fresh", None)
+    assert previous_run(str(tmp_path / "never")) == ("fresh", None)
+
+
+def test_an_interrupted_sweep_resumes_without_running_finished_jobs_again(tmp_path: Path) -> None:
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        sys.executable,
+        "-m",
+        "ftjob",
+        "-m",
+        *CHEAP_JOB,
+        "trainer.lr=0.001,0.002",
+        "checkpoint.retry.max_attempts=1,3",
+        "hydra/launcher=ftjob",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    first = subprocess.Popen(
+        [*args, "hydra.launcher.max_concurrent=1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group: Ctrl-C reaches the sweep and its jobs
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (sweep_dir / "0" / "summary.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.5)
+        os.killpg(first.pid, signal.SIGINT)
+        first.wait(timeout=180)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    kept = (sweep_dir / "0" / "summary.json").read_text()
+    assert not (sweep_dir / "3" / "summary.json").exists()  # the sweep did not get that far
+
+    resumed = subprocess.run(
+        [*args, "hydra.launcher.max_concurrent=2", "hydra.launcher.resume=true"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "[sweep] job 0: succeeded before, kept" in resumed.stdout
+    assert "[sweep] job 0 (" not in resumed.stdout  # never started again...
+    assert (sweep_dir / "0" / "summary.json").read_text() == kept  # ...nor overwritten
+    with open(sweep_dir / SWEEP_CSV) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(r["status"] == "succeeded" for r in rows)

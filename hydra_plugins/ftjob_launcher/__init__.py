@@ -1,0 +1,1 @@
+"""ftjob's Hydra launcher (``hydra/launcher=ftjob``): see :mod:`ftjob.launcher`."""
