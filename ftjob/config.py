@@ -423,6 +423,10 @@ class TrainerConfig:
     lr: float = 1e-3
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
+    warmup_epochs: float = 0.0
+    lr_reference_batch: int | None = None
+    label_smoothing: float = 0.0
+    weight_decay_norm_and_bias: bool = True
     validate_every_n_steps: int = 0
     checkpoint_every_n_steps: Any = 0  # steps, or "auto"
     log_every_n_steps: int = 10
@@ -471,16 +475,7 @@ class TrainerConfig:
             self.val_batch_size,
             "must be >= 1, or null for batch_size",
         )
-        _require(
-            self.lr > 0 and math.isfinite(self.lr), g, "lr", self.lr, "must be a finite number > 0"
-        )
-        _require(
-            self.lr_schedule in LR_SCHEDULES,
-            g,
-            "lr_schedule",
-            self.lr_schedule,
-            f"must be one of {list(LR_SCHEDULES)}",
-        )
+        self._check_optimisation()
         _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
         _require(
             self.decode_window_mb > 0,
@@ -497,6 +492,34 @@ class TrainerConfig:
             f"must be one of {list(PRECISIONS)}",
         )
         self._check_resources()
+
+    def _check_optimisation(self) -> None:
+        g = self._group
+        _require(
+            self.lr > 0 and math.isfinite(self.lr), g, "lr", self.lr, "must be a finite number > 0"
+        )
+        _require(
+            self.lr_schedule in LR_SCHEDULES,
+            g,
+            "lr_schedule",
+            self.lr_schedule,
+            f"must be one of {list(LR_SCHEDULES)}",
+        )
+        _at_least(self, "warmup_epochs", 0)
+        _require(
+            self.lr_reference_batch is None or self.lr_reference_batch >= 1,
+            g,
+            "lr_reference_batch",
+            self.lr_reference_batch,
+            "must be >= 1 (the global batch trainer.lr is meant for, e.g. 256), or null",
+        )
+        _require(
+            0 <= self.label_smoothing < 1,
+            g,
+            "label_smoothing",
+            self.label_smoothing,
+            "must be in [0, 1)",
+        )
 
     def _check_resources(self) -> None:
         g = self._group

@@ -22,6 +22,16 @@ class LRSchedule:
     warmup_steps: int = 0
     total_steps: int = 1
 
+    @classmethod
+    def for_trainer(cls, trainer: Any, steps_per_epoch: int) -> LRSchedule:
+        """``trainer.lr`` (scaled by global batch / ``lr_reference_batch`` when that is set:
+        the linear scaling rule), warmup over ``warmup_steps`` or ``warmup_epochs``."""
+        peak = trainer.lr
+        if trainer.lr_reference_batch:
+            peak *= trainer.global_batch_size / trainer.lr_reference_batch
+        warmup = max(trainer.warmup_steps, round(trainer.warmup_epochs * steps_per_epoch))
+        return cls(peak, trainer.lr_schedule, warmup, steps_per_epoch * trainer.epochs)
+
     def __call__(self, step: int) -> float:
         """Learning rate for 0-based ``step``."""
         if self.warmup_steps and step < self.warmup_steps:
@@ -33,9 +43,20 @@ class LRSchedule:
         return self.peak * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def parameter_groups(module: Any, decay_norm_and_bias: bool = True) -> list[dict[str, Any]]:
+    """The model's parameters; with ``decay_norm_and_bias=False`` biases and normalisation
+    weights (every parameter of one dimension) get no weight decay, as ImageNet recipes do."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    if decay_norm_and_bias:
+        return [{"params": params}]
+    decay = [p for p in params if p.ndim > 1]
+    plain = [p for p in params if p.ndim <= 1]
+    return [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
+
+
 def build_optimizer(node: dict[str, Any], params: Iterable[Any], lr: float) -> Any:
-    """Instantiate ``optimizer._target_`` with the model's parameters and ``lr`` (the schedule
-    sets each step's rate)."""
+    """Instantiate ``optimizer._target_`` with the model's parameters (or parameter groups)
+    and ``lr`` (the schedule sets each step's rate)."""
     import torch
     from hydra.utils import instantiate
 

@@ -44,7 +44,7 @@ from ftjob.datasets import TRAIN, VAL, ImageDataset
 from ftjob.goodput import CheckpointSchedule
 from ftjob.heartbeat import Heartbeat
 from ftjob.models import build_model
-from ftjob.optim import LRSchedule, build_optimizer
+from ftjob.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.preemption import PreemptionNotices
 from ftjob.storage import RetryingFileSystem, set_fault_stream
 
@@ -246,10 +246,8 @@ class Worker:
             self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
         )
         self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
-        self.lr = LRSchedule(
-            self.trainer.lr, self.trainer.lr_schedule, self.trainer.warmup_steps, self.total_steps
-        )
-        self.validated_step = -1
+        self.lr = LRSchedule.for_trainer(self.trainer, self.plan.steps_per_epoch)
+        self.validated_step, self.smoothing = -1, self.trainer.label_smoothing
         self.restore_info: dict[str, Any] | None = None
         self.losses = LossWindow(self.device, self.world)
         self.notices: PreemptionNotices | None = None
@@ -281,9 +279,8 @@ class Worker:
         self.model = ray.train.torch.prepare_model(model)
         self.beat.attach(self.model)
         self.module = self.model.module if hasattr(self.model, "module") else self.model
-        self.optimizer = build_optimizer(
-            self.job.optimizer, self.module.parameters(), self.trainer.lr
-        )
+        groups = parameter_groups(self.module, self.trainer.weight_decay_norm_and_bias)
+        self.optimizer = build_optimizer(self.job.optimizer, groups, self.trainer.lr)
         self.autocast = self.trainer.precision == "bf16"
         self.val_set, self.iterator = build_streams(
             self.spec.dataset,
@@ -360,7 +357,7 @@ class Worker:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = F.cross_entropy(self.model(images), labels)
+            loss = F.cross_entropy(self.model(images), labels, label_smoothing=self.smoothing)
         self.beat.straggle()  # chaos=slow
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -23,6 +23,15 @@ def _quiet_env() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _schema() -> None:
+    # What `python -m ftjob` does first: conf/config.yaml extends the typed schema. Any test
+    # that composes a config then works alone, not only after one that registered it.
+    from ftjob.config import register_schema
+
+    register_schema()
+
+
 def run_ftjob(
     args: list[str], tmp_path: Path, timeout: float = 600, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:

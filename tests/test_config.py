@@ -50,11 +50,25 @@ def test_default_config_composes_to_a_runnable_job():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     overrides = [f"+experiment={experiment}"]
-    if experiment == "imagenet_ft":  # needs data and storage on a cluster; the rest is shipped
+    if experiment.startswith("imagenet"):  # needs data and storage on a cluster
         overrides += ["dataset.path=/data/imagenet", "checkpoint.storage_path=s3://b/ftjob"]
     job = compose_job(*overrides)
     assert job.trainer.num_workers >= 1
-    assert job.failure.max_failures == 4
+    assert job.failure.max_failures >= 4
+
+
+def test_the_resnet50_recipe_trains_as_imagenet_recipes_do():
+    job = compose_job(
+        "+experiment=imagenet_resnet50",
+        "dataset.path=s3://b/imagenet",
+        "checkpoint.storage_path=s3://b/c",
+    )
+    t = job.trainer
+    assert job.model["_target_"] == "torchvision.models.resnet50"
+    assert (t.epochs, t.lr_schedule, t.warmup_epochs, t.label_smoothing) == (90, "cosine", 5, 0.1)
+    assert t.lr * t.global_batch_size / t.lr_reference_batch == pytest.approx(0.4)
+    assert not t.weight_decay_norm_and_bias and t.precision == "bf16" and t.channels_last
+    assert job.optimizer["_target_"] == "torch.optim.SGD" and job.optimizer["weight_decay"] == 1e-4
 
 
 def test_imagenet_ft_is_the_seed_benchmark_job():

@@ -412,6 +412,7 @@ def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path
     assert previous_run(str(tmp_path / "never")) == ("fresh", None)
 
 
+@pytest.mark.ray
 def test_an_interrupted_sweep_resumes_without_running_finished_jobs_again(tmp_path: Path) -> None:
     sweep_dir = tmp_path / "sweep"
     args = [
