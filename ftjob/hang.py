@@ -183,6 +183,7 @@ class HangDetector:
             "stalled_since": s.progress,
             "stalled_for_s": now - s.progress,
             "timeout_s": overdue[rank],
+            "detection_latency_s": now - s.progress - overdue[rank],  # past the timeout
             "learned": self.policy.timeout is None and self.times.learned(s.section),
             "heartbeats_stopped": now - s.beat > silent,
             "others": {r: o.section for r, o in sorted(self.ranks.items()) if r != rank},

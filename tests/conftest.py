@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +64,15 @@ def start_ftjob(args: list[str], run_dir: Path, cwd: Path) -> subprocess.Popen[s
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=ctrl_c_reaches_it,
     )
+
+
+def ctrl_c_reaches_it() -> None:
+    """In a child process, before it starts: SIGINT back to its default. A test suite run in
+    the background of a shell (nohup ... &) ignores SIGINT, its children inherit that, and
+    Python then never raises KeyboardInterrupt -- a test that sends Ctrl-C would test nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def read_until(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float) -> None:

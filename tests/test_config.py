@@ -24,6 +24,7 @@ from ftjob.config import (
     load_job,
     register_schema,
 )
+from tests.conftest import ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -202,20 +203,29 @@ def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):
     assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run dir
 
 
-def _ftjob(args: list[str], tmp_path) -> subprocess.Popen[str]:
+def _ftjob(args: list[str], tmp_path, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        preexec_fn=ctrl_c_reaches_it,
     )
 
 
 def test_ctrl_c_while_the_dataset_is_listed_exits_with_one_line(tmp_path):
-    proc = _ftjob(["dataset._target_=tests.cli_datasets.SlowListingDataset"], tmp_path)
-    time.sleep(6)  # past start-up, into the minute-long listing
+    mark = tmp_path / "listing"
+    proc = _ftjob(
+        ["dataset._target_=tests.cli_datasets.SlowListingDataset"],
+        tmp_path,
+        FTJOB_TEST_LISTING_MARK=str(mark),
+    )
+    deadline = time.monotonic() + 60
+    while not mark.exists():  # past start-up, into the minute-long listing
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130

@@ -79,6 +79,7 @@ def test_a_stopped_rank_is_found_after_its_timeout_and_named_over_the_waiting_on
     assert hang["rank"] == 1 and hang["node_id"] == "nodeB" and hang["pid"] == 101
     assert hang["heartbeats_stopped"] and hang["section"] == "step" and hang["learned"]
     assert hang["stalled_for_s"] == pytest.approx(10.1)
+    assert hang["detection_latency_s"] == pytest.approx(0.1)  # how late past the timeout
     assert d.check(30.0) is None  # once per attempt
     d.register(1, 0, "nodeA", 200, now=40.0)  # the next attempt starts clean
     assert d.check(41.0) is None

@@ -66,8 +66,8 @@ def test_a_slow_rank_is_named_and_a_slow_upload_is_no_hang(tmp_path):
     [slow] = s["chaos"]["kills"]
     [straggler] = s["stragglers"]["flagged"]
     assert straggler["rank"] == slow["target"]["rank"]
-    assert 1.6 < straggler["slowdown"] < 2.5, straggler  # injected: 2.0
-    assert 1.6 < s["metrics"][M.STRAGGLER_MAX_SLOWDOWN] < 2.5
+    assert 1.5 < straggler["slowdown"] < 2.7, straggler  # injected: 2.0
+    assert 1.5 < s["metrics"][M.STRAGGLER_MAX_SLOWDOWN] < 2.7
     assert f"straggler: rank {straggler['rank']} is" in proc.stdout
     # The checkpoints took longer than the timeout; each upload request moved them on.
     checkpoint = s["section_timeouts"]["checkpoint"]

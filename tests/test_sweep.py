@@ -26,6 +26,7 @@ from ftjob.sweep import (
     build_sweep_report,
     declared_sweep_keys,
 )
+from tests.conftest import ctrl_c_reaches_it
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -432,6 +433,7 @@ def test_an_interrupted_sweep_resumes_without_running_finished_jobs_again(tmp_pa
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group: Ctrl-C reaches the sweep and its jobs
+        preexec_fn=ctrl_c_reaches_it,
     )
     try:
         deadline = time.monotonic() + 300
