@@ -158,9 +158,14 @@ class LogFeed:
         for logger in list(self.loggers):
             try:
                 getattr(logger, method)(*args)
-            except Exception as exc:  # a logger backend's failure must not end the training run
+            # A job boundary: each backend is third-party code (MLflow, TensorBoard) raising
+            # its own error types, and its failure must not end the training run. It is said
+            # with its traceback (a bug shows as one) and that logger stops.
+            except Exception as exc:
                 name = type(logger).__name__
-                log.warning("%s stopped logging: %s: %s", name, type(exc).__name__, exc)
+                log.warning(
+                    "%s stopped logging: %s: %s", name, type(exc).__name__, exc, exc_info=True
+                )
                 self.loggers.remove(logger)
 
     def params(self, config: dict[str, Any]) -> None:
