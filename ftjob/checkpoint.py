@@ -129,6 +129,15 @@ class CheckpointStore:
         found = [_STEP_DIR.match(posixpath.basename(str(e).rstrip("/"))) for e in entries]
         return sorted((int(m.group(1)) for m in found if m), reverse=True)
 
+    def committed_steps(self) -> list[int]:
+        """Steps whose upload completed (they have a manifest), newest first; not verified."""
+        return [s for s in self.steps() if self.fs.exists(self.manifest_path(s))]
+
+    @staticmethod
+    def step_of(path: str) -> int | None:
+        found = _STEP_DIR.match(posixpath.basename(path.rstrip("/")))
+        return int(found.group(1)) if found else None
+
     def read_manifest(self, step: int) -> dict[str, Any]:
         try:
             raw = self.fs.cat_file(posixpath.join(self.path_for(step), MANIFEST))
@@ -217,8 +226,7 @@ class CheckpointStore:
     def prune(self, keep: int) -> list[int]:
         """Delete committed checkpoints older than the newest ``keep`` committed ones (Ray
         Train's own retention is off: one owner). Directories without a manifest are left."""
-        committed = [s for s in self.steps() if self.fs.exists(self.manifest_path(s))]
-        removed = committed[keep:]
+        removed = self.committed_steps()[keep:]
         for step in removed:
             try:
                 self.fs.rm(self.path_for(step), recursive=True)

@@ -191,8 +191,12 @@ def run(
         driver_storage=prep.fs.snapshot_stats(),
         run_started=started,
     )
-    if status != "succeeded" and summary["checkpoints"]["latest"]:
-        summary["resume_command"] = resume_command(overrides or [], prep)
+    if status != "succeeded":
+        restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
+        store = CheckpointStore(prep.fs, prep.run_path)
+        settle_latest(summary, store, echo, max(restored, default=-1))
+        if summary["checkpoints"]["latest"]:
+            summary["resume_command"] = resume_command(overrides or [], prep)
     path = write_summary(summary, run_dir)
     feed.finish(summary)
     for line in format_summary(summary).splitlines():
@@ -201,6 +205,33 @@ def run(
         echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
     echo(f"summary: {path}")
     return RunResult(prep.name, status, error, summary, path)
+
+
+def settle_latest(
+    summary: dict[str, Any],
+    store: CheckpointStore,
+    echo: Callable[[str], None],
+    restored_step: int = -1,
+) -> None:
+    """The newest committed checkpoint in storage is what a resume restores, so a stopped
+    run's summary names that one. Usually the ledger's latest; but workers outlive the
+    driver's last look at the ledger by a moment (until Ray has shut them down), and an
+    upload in flight then may still commit. And a resumed run that committed nothing new
+    continues from the one it restored (``restored_step``)."""
+    try:
+        newest = max(store.committed_steps(), default=-1)
+    except StorageError as exc:
+        echo(f"warning: could not list the checkpoints after the stop ({exc})")
+        return
+    record = summary["checkpoints"]
+    known = store.step_of(record["latest"]) if record["latest"] else None
+    if newest < 0 or (known is not None and newest <= known):
+        return
+    record["latest"] = store.path_for(newest)
+    if newest > max(restored_step, -1 if known is None else known):
+        echo(f"checkpoint step {newest} was committed while the run stopped")
+        record["committed"] += 1
+        record["committed_while_stopping"] = newest
 
 
 def resume_command(overrides: list[str], prep: Prepared) -> str:
