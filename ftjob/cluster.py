@@ -158,7 +158,7 @@ def cluster(job: JobConfig) -> Iterator[Any]:
             if r.address is not None:
                 ray.init(address=r.address, **common)
             elif r.local_nodes > 1:
-                local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay)
+                local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes)
                 ray.init(address=local.address, **common)
             else:
                 train_cpus = job.trainer.num_workers * job.trainer.worker_cpus
@@ -178,9 +178,15 @@ def check_resources(job: JobConfig) -> None:
 
     total = ray.cluster_resources()
     t = job.trainer
+    # An elastic group starts on as few as min_workers (and waits for nothing more).
+    n, key = (
+        (t.min_workers, "trainer.min_workers")
+        if t.elastic
+        else (t.num_workers, "trainer.num_workers")
+    )
     if t.use_gpu:
         per_worker = float(t.resources_per_worker.get("GPU", 1.0))
-        need = t.num_workers * per_worker
+        need = n * per_worker
         cpu_hint = (
             "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
         )
@@ -197,17 +203,17 @@ def check_resources(job: JobConfig) -> None:
                 f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
                 f"many GPUs (the largest has {largest:g}): lower it, or {cpu_hint}"
             )
-    need_cpu = t.num_workers * t.worker_cpus + t.decode_cpus
+    need_cpu = n * t.worker_cpus + t.decode_cpus
     if total.get("CPU", 0.0) < need_cpu:
         raise JobError(
-            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {t.num_workers} workers x {t.worker_cpus:g} "
+            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x {t.worker_cpus:g} "
             f"CPUs plus trainer.decode_cpus={t.decode_cpus:g} for data decoding need {need_cpu:g}: lower "
-            "trainer.num_workers or trainer.resources_per_worker.CPU"
+            f"{key} or trainer.resources_per_worker.CPU"
         )
-    for key, amount in t.resources_per_worker.items():
-        if key not in ("CPU", "GPU") and total.get(key, 0.0) < amount * t.num_workers:
+    for name, amount in t.resources_per_worker.items():
+        if name not in ("CPU", "GPU") and total.get(name, 0.0) < amount * n:
             raise JobError(
-                f"trainer.resources_per_worker.{key}={amount:g}: the cluster has {total.get(key, 0.0):g} {key}"
+                f"trainer.resources_per_worker.{name}={amount:g}: the cluster has {total.get(name, 0.0):g} {name}"
             )
 
 
@@ -217,10 +223,13 @@ class LocalCluster:
     after ``replace_delay`` seconds, as an autoscaler would. ``Cluster.add_node`` must run on
     the driver's main thread, so the runner calls :meth:`service` from there."""
 
-    def __init__(self, nodes: int, node_cpus: int, replace_delay: float) -> None:
+    def __init__(
+        self, nodes: int, node_cpus: int, replace_delay: float, replace_nodes: bool = True
+    ) -> None:
         from ray.cluster_utils import Cluster
 
         self.node_cpus, self.replace_delay = node_cpus, replace_delay
+        self.replace_nodes = replace_nodes
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
         for _ in range(nodes - 1):
             self.cluster.add_node(num_cpus=node_cpus)
@@ -232,7 +241,10 @@ class LocalCluster:
         return self.cluster.address
 
     def service(self, kills: list[dict[str, Any]], now: float) -> None:
-        """Add a node for every node kill older than replace_delay that was not replaced yet."""
+        """Add a node for every node kill older than replace_delay that was not replaced yet
+        (none with ray.replace_nodes=false: a cluster without spare capacity)."""
+        if not self.replace_nodes:
+            return
         for i, kill in enumerate(kills):
             gone = kill.get("deadline", kill["time"])  # a preempted node goes at its deadline
             if (

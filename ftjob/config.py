@@ -375,6 +375,7 @@ class RayConfig:
     num_cpus: int | None = None
     node_cpus: int = 2
     replace_delay: float = 5.0
+    replace_nodes: bool = True  # simulated cluster: killed nodes come back after replace_delay
     log_to_driver: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
@@ -440,6 +441,8 @@ class TrainerConfig:
     precision: str = "fp32"
     channels_last: bool = False
     placement: str | None = None
+    min_workers: int | None = None  # elastic: train on as few as this; num_workers is the most
+    resize_interval: float = 60.0  # elastic: how often a running group checks for capacity
 
     def __post_init__(self) -> None:
         g = self._group
@@ -492,6 +495,45 @@ class TrainerConfig:
             f"must be one of {list(PRECISIONS)}",
         )
         self._check_resources()
+        self._check_elastic()
+
+    def _check_elastic(self) -> None:
+        """Every world size the group may run at must split the global batch evenly: each
+        rank trains the same share of every global batch, so the averaged gradient is the
+        global batch's."""
+        g, low = self._group, self.min_workers
+        _require(
+            low is None or 1 <= low <= self.num_workers,
+            g,
+            "min_workers",
+            low,
+            f"must be between 1 and trainer.num_workers={self.num_workers} (the most workers), or "
+            "null for a fixed-size group",
+        )
+        _require(
+            self.resize_interval > 0,
+            g,
+            "resize_interval",
+            self.resize_interval,
+            "must be > 0 seconds",
+        )
+        if low is None:
+            return
+        uneven = [w for w in range(low, self.num_workers + 1) if self.global_batch_size % w]
+        _require(
+            not uneven,
+            g,
+            "min_workers",
+            low,
+            f"the global batch {self.global_batch_size} (trainer.batch_size x trainer.num_workers) "
+            f"does not split evenly over {uneven[0] if uneven else 0} workers: raise "
+            "trainer.min_workers, or choose a batch_size that every world size from min_workers "
+            "to num_workers divides",
+        )
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
     def _check_optimisation(self) -> None:
         g = self._group

@@ -41,20 +41,23 @@ def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
 def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per failure: where it came from and how long each part of recovery took.
 
-    Failure ``i`` ends attempt ``i``; attempt ``i+1`` is its recovery. Times: detection (origin
-    -> Ray Train noticed), restart (noticed -> new worker group in the train function),
-    download/load/skip (restore), time_to_recover (origin -> first trained step after it).
-    The origin is the chaos kill or injected failure that caused it, else the moment noticed.
-    """
+    Failure ``k`` ends the ``k``-th attempt not ended by a planned (elastic) resize; the next
+    attempt is its recovery. Times: detection (origin -> Ray Train noticed), restart (noticed
+    -> new worker group in the train function), download/load/skip (restore), time_to_recover
+    (origin -> first trained step). The origin: the chaos kill or injected failure behind it,
+    else the moment noticed."""
     attempts = snap["attempts"]
     noticed = sorted(f["noticed"] for f in snap["failures"])
     errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
     events = _recovery_events(snap)
+    failed = [a["index"] for a in attempts[:-1] if not a.get("resize")]
     records = []
-    for i in range(max(len(attempts) - 1, len(noticed))):
+    for k in range(max(len(failed), len(noticed))):
+        # Past the attempts followed by another: the last one, which died.
+        i = failed[k] if k < len(failed) else len(attempts) - 1 + (k - len(failed))
         attempt = attempts[i] if i < len(attempts) else None
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        notice = noticed[i] if i < len(noticed) else (nxt["started"] if nxt else None)
+        notice = noticed[k] if k < len(noticed) else (nxt["started"] if nxt else None)
         lo = attempt["started"] if attempt else 0.0
         hi = notice if notice is not None else float("inf")
         cause = [e for e in events if lo <= e["time"] <= hi]
@@ -65,7 +68,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
             "time": t0,
             "kind": origin["kind"] if origin else "error",
             "detail": origin["detail"] if origin else None,
-            "error": next(iter(errors[i].values()), None) if i < len(errors) else None,
+            "error": next(iter(errors[k].values()), None) if k < len(errors) else None,
             "detection_s": (notice - t0) if notice is not None and t0 is not None else None,
             "recovered": False,
         }

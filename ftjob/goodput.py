@@ -28,6 +28,7 @@ BUCKETS = (
     "setup",  # restored -> first step (model, process group, first batch)
     "redone",  # steps trained again after a restore
     "preemption",  # notice -> the node went (just-in-time checkpoint, then waiting)
+    "resize",  # a planned elastic resize: its checkpoint -> the resized group's first step
     "shutdown",  # last step -> the run's end
     "other",
 )
@@ -35,6 +36,16 @@ BUCKETS = (
 
 def _sum(records: list[dict[str, Any]], key: str) -> float:
     return sum(finite(r.get(key)) for r in records)
+
+
+def _planned_resizes(resizes: list[dict[str, Any]]) -> float:
+    """Seconds of planned elastic resizes, their checkpoint to the resized group's first step
+    (whose batch wait and step are in data_wait and training)."""
+    return sum(
+        max(0.0, finite(r["time_to_recover_s"]) - r.get("first_step_s", 0.0))
+        for r in resizes
+        if r["cause"] == "planned"
+    )
 
 
 def goodput(
@@ -46,6 +57,7 @@ def goodput(
     first_step_took: float = 0.0,
     metrics: dict[str, Any],
     failures: list[dict[str, Any]],
+    resizes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``{"wall_s", "ettr", "buckets": {name: seconds}}``; the buckets sum to ``wall_s``."""
     steps = finite(metrics.get(M.TRAIN_STEPS_COMPLETED))
@@ -84,6 +96,7 @@ def goodput(
             for f in preempted
             if f["notice"].get("deadline")
         ),
+        "resize": _planned_resizes(resizes or []),
         "shutdown": max(0.0, run_started + wall_s - finished) if finished else 0.0,
     }
     buckets["other"] = wall_s - sum(buckets.values())

@@ -15,9 +15,10 @@ from collections import defaultdict
 from typing import Any
 
 from ftjob.chaos import NODE_KINDS, describe_chaos
+from ftjob.elastic import describe_restart
 from ftjob.hang import HangPolicy, RunWatch, WatchConfig, restart_loop
 from ftjob.metrics import fmt, json_safe
-from ftjob.preemption import describe_notice
+from ftjob.preemption import DRIVER, RESIZE, describe_notice
 
 
 class ChaosRecords:
@@ -138,6 +139,7 @@ class RunLedger(ChaosRecords):
         self.progress: dict[str, Any] = {}
         self.fatal: str | None = None
         self.stop_request: dict[str, Any] | None = None
+        self.resize_request: dict[str, Any] | None = None
         self.finished: float | None = None
         self.pending_failures = set(fail_at_steps or [])
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
@@ -150,27 +152,33 @@ class RunLedger(ChaosRecords):
 
     # -- attempts ---------------------------------------------------------------------------
 
-    def begin_attempt(self, now: float) -> int:
+    def begin_attempt(self, now: float, world: int | None = None) -> int:
         index = len(self.attempts)
+        previous = self.attempts[-1] if self.attempts else None
         self.attempts.append(
             {
                 "index": index,
                 "started": now,
+                "world_size": world,
                 "workers": {},
                 "restored": None,
                 "preemption": None,
+                "resize": None,
                 "first_step": None,
                 "max_step": 0,
             }
         )
+        self.resize_request = None  # served: this is the resized group
         if index:
-            self.log(f"attempt {index + 1}: training workers restarted")
+            before = previous["world_size"] if previous else None
+            most = self.plan.get("num_workers")
+            self.log(f"attempt {index + 1}: {describe_restart(before, world, most)}")
         return index
 
-    def start_attempt(self, now: float) -> dict[str, Any]:
+    def start_attempt(self, now: float, world: int | None = None) -> dict[str, Any]:
         """Rank 0, first thing: the attempt's index, and why it must not train (a restart
         loop: the last attempts all failed without progress), if it must not."""
-        index = self.begin_attempt(now)
+        index = self.begin_attempt(now, world)
         c = self.watch.config
         stop = restart_loop(self.attempts, c.restart_loop_attempts, c.restart_loop_min_steps)
         if stop:
@@ -189,7 +197,7 @@ class RunLedger(ChaosRecords):
         """The driver, every poll: a hang or a straggler to act on (see ftjob.hang)."""
         latest = self.attempts[-1] if self.attempts else None
         quiet = self.finished or self.fatal or self.stop_request
-        if latest is None or latest["preemption"] or quiet:
+        if latest is None or latest["preemption"] or latest.get("resize") or quiet:
             return []
         if self.failures and self.failures[-1]["noticed"] >= latest["started"]:
             return []  # Ray Train is restarting the group: its workers are gone, not hung
@@ -293,17 +301,40 @@ class RunLedger(ChaosRecords):
     def stop_requested(self) -> bool:
         return self.stop_request is not None
 
+    def request_resize(self, current: int, target: int, now: float) -> None:
+        """The elastic scaling policy will resize the running group: the workers first commit a
+        checkpoint of their current step (the preemption path), so the resize loses nothing."""
+        if self.resize_request is None:
+            self.resize_request = {"from": current, "to": target, "requested": now}
+            self.log(f"capacity for {target} workers (running on {current}): resizing")
+
+    def notice_request(self) -> str | None:
+        """What rank 0's notice poller acts on: a stop (SIGTERM to the driver), a resize."""
+        if self.stop_request is not None:
+            return DRIVER
+        return RESIZE if self.resize_request is not None else None
+
+    def resize_checkpointed(self) -> bool:
+        """The latest attempt committed (or tried to) its checkpoint before the resize."""
+        latest = self.attempts[-1] if self.attempts else None
+        return bool(latest and latest.get("resize") and "jit" in latest["resize"])
+
     def latest_preemption(self) -> dict[str, Any] | None:
         """The latest attempt's notice and JIT checkpoint record (for the driver's wait)."""
         return self.attempts[-1]["preemption"] if self.attempts else None
 
     def preemption_notice(self, attempt: int, record: dict[str, Any]) -> None:
         """Rank 0, when every rank agreed on a notice (before the just-in-time checkpoint)."""
-        self.attempts[attempt]["preemption"] = dict(record)
+        if record["source"] == RESIZE:  # planned, not a preemption
+            record = {**record, **(self.resize_request or {})}
+            self.attempts[attempt]["resize"] = dict(record)
+        else:
+            self.attempts[attempt]["preemption"] = dict(record)
         self.lines.extend(describe_notice(record))
 
     def jit_checkpoint(self, attempt: int, record: dict[str, Any]) -> None:
-        notice = self.attempts[attempt].setdefault("preemption", {})
+        a = self.attempts[attempt]
+        notice = a["resize"] if a.get("resize") else a.setdefault("preemption", {})
         notice["jit"] = dict(record)
         self.lines.extend(describe_notice({"jit": record}))
 

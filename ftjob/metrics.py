@@ -49,6 +49,8 @@ CHECKPOINT_OPTIMAL_INTERVAL = "checkpoint/optimal_interval_s"  # the model's (0:
 HANG_COUNT = "hang/count"
 HANG_DETECTION_TIME = "hang/detection_time"  # mean seconds from a stall to its detection
 STRAGGLER_MAX_SLOWDOWN = "straggler/max_slowdown"  # the slowest rank's step time / the fastest's
+ELASTIC_RESIZES = "elastic/resizes"  # changes of world size between attempts
+ELASTIC_TIME_BELOW_FULL = "elastic/time_below_full_s"  # seconds trained on fewer than num_workers
 
 METRIC_KEYS: tuple[str, ...] = (
     TRAIN_STEP,
@@ -85,6 +87,8 @@ METRIC_KEYS: tuple[str, ...] = (
     HANG_COUNT,
     HANG_DETECTION_TIME,
     STRAGGLER_MAX_SLOWDOWN,
+    ELASTIC_RESIZES,
+    ELASTIC_TIME_BELOW_FULL,
 )
 
 

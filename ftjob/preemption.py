@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 DRAIN, DRIVER, WORKER = "drain", "driver", "worker"
-SOURCES = {1: DRAIN, 2: DRIVER, 3: WORKER}  # the agreed kind: the highest any rank saw
+RESIZE = "resize"  # not a preemption: an elastic group about to be resized (ftjob.scaling)
+# The agreed kind is the highest any rank saw: a real preemption outranks a planned resize.
+SOURCES = {1: RESIZE, 2: DRAIN, 3: DRIVER, 4: WORKER}
+_KIND = {source: kind for kind, source in SOURCES.items()}
 
 
 @dataclass(frozen=True)
@@ -68,10 +71,12 @@ class PreemptionNotices:
         ledger: Any = None,
         poll_s: float = 0.5,
         sigterm: bool = False,
+        drain: bool = True,
     ) -> None:
-        self.world, self.device = world, device
+        self.world, self.device, self.drain = world, device, drain
         self._ray_exit: Any = None
         self.requested = threading.Event()  # the driver asked (through the ledger)
+        self.requested_source = DRIVER  # or RESIZE: the elastic group is about to be resized
         self.terminated = threading.Event()  # this worker process got SIGTERM
         self.drain_ranks: list[int] = []
         self._stop = threading.Event()
@@ -89,21 +94,25 @@ class PreemptionNotices:
 
         while not self._stop.wait(poll_s):
             try:
-                if ray.get(ledger.stop_requested.remote(), timeout=10):
+                source = ray.get(ledger.notice_request.remote(), timeout=10)
+                if source is not None:
+                    self.requested_source = source
                     self.requested.set()
                     return
             except ray.exceptions.RayError:  # the ledger is gone: the run is ending anyway
                 return
 
     def local(self) -> tuple[int, float]:
-        """(0 none | 1 drain | 2 driver | 3 worker, deadline or +inf) as this rank sees it."""
+        """(0 none, or the kind of :data:`SOURCES`; deadline or +inf) as this rank sees it."""
         if self.terminated.is_set():
-            return 3, math.inf
-        drain = ray_drain_notice()
+            return _KIND[WORKER], math.inf
+        drain = ray_drain_notice() if self.drain else None
         if drain is not None:
             deadline, self.drain_ranks = drain
-            return 1, deadline if deadline is not None else math.inf
-        return (2, math.inf) if self.requested.is_set() else (0, math.inf)
+            return _KIND[DRAIN], deadline if deadline is not None else math.inf
+        if self.requested.is_set():
+            return _KIND[self.requested_source], math.inf
+        return 0, math.inf
 
     def noticed(self) -> bool:
         """A notice reached this rank (no agreement: for cutting work short)."""
@@ -168,6 +177,11 @@ def describe_notice(record: dict[str, Any]) -> list[str]:
             return [f"no just-in-time checkpoint: {jit.get('reason')}"]
         how = "already committed" if jit.get("reused") else f"in {jit['seconds']:.2f}s"
         return [f"just-in-time checkpoint of step {jit['step']} {how}: 0 steps will be lost"]
+    if record["source"] == RESIZE:
+        return [
+            f"resizing from {record.get('from')} to {record.get('to')} workers at step "
+            f"{record['step']}: saving a just-in-time checkpoint first"
+        ]
     deadline = record.get("deadline")
     left = (
         f"{deadline - record['received']:.0f} s before the deadline" if deadline else "no deadline"

@@ -9,6 +9,7 @@ an existing cluster at ``ray.address``; whatever the runner starts, it stops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -192,11 +193,7 @@ def run(
         run_started=started,
     )
     if status != "succeeded":
-        restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
-        store = CheckpointStore(prep.fs, prep.run_path)
-        settle_latest(summary, store, echo, max(restored, default=-1))
-        if summary["checkpoints"]["latest"]:
-            summary["resume_command"] = resume_command(overrides or [], prep)
+        _how_to_resume(summary, snapshot, prep, overrides or [], echo)
     path = write_summary(summary, run_dir)
     feed.finish(summary)
     for line in format_summary(summary).splitlines():
@@ -205,6 +202,21 @@ def run(
         echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
     echo(f"summary: {path}")
     return RunResult(prep.name, status, error, summary, path)
+
+
+def _how_to_resume(
+    summary: dict[str, Any],
+    snapshot: dict[str, Any],
+    prep: Prepared,
+    overrides: list[str],
+    echo: Callable[[str], None],
+) -> None:
+    """A run that did not succeed: the checkpoint it continues from, and the command."""
+    restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
+    store = CheckpointStore(prep.fs, prep.run_path)
+    settle_latest(summary, store, echo, max(restored, default=-1))
+    if summary["checkpoints"]["latest"]:
+        summary["resume_command"] = resume_command(overrides, prep)
 
 
 def settle_latest(
@@ -338,6 +350,7 @@ def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
         "steps_per_epoch": prep.plan.steps_per_epoch,
         "seed": prep.plan.seed,
         "epochs": job.trainer.epochs,
+        "num_workers": job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
     }
     ledger = start_ledger(plan, list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
     killer = None
@@ -353,6 +366,7 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     from ray.train.torch import TorchTrainer
 
     from ftjob.ledger import failure_watch
+    from ftjob.scaling import elastic_policy
     from ftjob.train_loop import WorkerSpec, train_loop
 
     t = job.trainer
@@ -376,7 +390,8 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
         train_loop,
         train_loop_config=spec,  # type: ignore[arg-type]
         scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
+            num_workers=(t.min_workers, t.num_workers) if t.elastic else t.num_workers,
+            elastic_resize_monitor_interval_s=t.resize_interval,
             use_gpu=t.use_gpu,
             resources_per_worker=dict(t.resources_per_worker),
             placement_strategy=t.placement or ("SPREAD" if job.ray.local_nodes > 1 else "PACK"),
@@ -395,7 +410,8 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
         ),
     )
     try:
-        outcome["result"] = trainer.fit()
+        with elastic_policy(ledger) if t.elastic else contextlib.nullcontext():
+            outcome["result"] = trainer.fit()
     except BaseException as exc:
         outcome["error"] = exc
 

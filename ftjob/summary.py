@@ -8,6 +8,7 @@ recomputed and tested without Ray. The runner writes it; sweep tables (:mod:`ftj
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -19,6 +20,7 @@ import numpy as np
 from ftjob import metrics as M
 from ftjob.chaos import ENDS_ATTEMPT
 from ftjob.data import epoch_order
+from ftjob.elastic import resize_records, time_below_full
 from ftjob.failures import PREEMPTION, failure_records, hang_metrics, preemption_metrics
 from ftjob.goodput import goodput, predict_ettr
 from ftjob.metrics import finite, fmt
@@ -79,14 +81,20 @@ def decide_status(
         a = broken[0]
         return "failed", (
             f"exact-once broken: epoch {a['epoch']} trained {a['duplicates']} duplicate, "
-            f"{a['missing']} missing and {a['unexpected']} unexpected sample(s) "
+            f"{a['missing']} missing and {a['unexpected']} unexpected sample(s), "
+            f"{a.get('misplaced', 0)} step(s) not on their global batch "
             f"({len(broken)} epoch(s) affected; see summary.json audit)"
         )
     return "succeeded", None
 
 
 def exactly_once(epoch_audit: dict[str, Any]) -> bool:
-    return not (epoch_audit["duplicates"] or epoch_audit["missing"] or epoch_audit["unexpected"])
+    return not (
+        epoch_audit["duplicates"]
+        or epoch_audit["missing"]
+        or epoch_audit["unexpected"]
+        or epoch_audit.get("misplaced", 0)
+    )
 
 
 def storage_totals(snap: dict[str, Any], extra: StorageStats | None = None) -> StorageStats:
@@ -98,32 +106,54 @@ def storage_totals(snap: dict[str, Any], extra: StorageStats | None = None) -> S
     return total
 
 
-def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per epoch: which samples the final model was trained on, across attempts.
-
-    Steps an attempt trained past the checkpoint the next attempt restored were thrown away
-    with that attempt (lost work), so they do not count; everything else must cover each
-    epoch's samples exactly once. A resumed run (``resume=true``) starts in the middle of an
-    epoch: the samples before the position it resumed at were trained by the run it continues
-    (``resumed_at`` counts them) and are not expected again."""
-    plan = snap["plan"]
-    first = (snap["attempts"][0]["restored"] or {}) if snap["attempts"] else {}
-    resumed_epoch, resumed_at = first.get("epoch"), first.get("position", 0)
+def _surviving_steps(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """The audited steps the final model was trained on: steps an attempt trained past the
+    checkpoint the next attempt restored were thrown away with that attempt (lost work)."""
     restored = {a["index"]: (a["restored"] or {}).get("step", 0) for a in snap["attempts"]}
     last = max(restored) if restored else 0
-    per_epoch: dict[int, list[int]] = {}
+    kept = []
     for entry in snap["audit"]:
         a, step = entry["attempt"], entry["step"]
         upper = restored.get(a + 1, float("inf")) if a < last else float("inf")
         if restored.get(a, 0) < step <= upper:
-            per_epoch.setdefault(entry["epoch"], []).extend(entry["ids"])
+            kept.append(entry)
+    return sorted(kept, key=lambda e: e["step"])
+
+
+def batch_digest(ids: list[int]) -> str:
+    """A global batch's identity, whatever the order its ranks sent their slices in."""
+    return hashlib.sha256(np.sort(np.asarray(ids, dtype=np.int64)).tobytes()).hexdigest()[:16]
+
+
+def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per epoch: which samples the final model was trained on, across attempts, and whether
+    each step trained the global batch the data order gives it (``misplaced`` counts steps
+    that did not: at any world size, step k trains the same samples).
+
+    Everything must cover each epoch's samples exactly once. A resumed run (``resume=true``)
+    starts in the middle of an epoch: the samples before the position it resumed at were
+    trained by the run it continues (``resumed_at`` counts them) and are not expected again."""
+    plan = snap["plan"]
+    first = (snap["attempts"][0]["restored"] or {}) if snap["attempts"] else {}
+    resumed_epoch, resumed_at = first.get("epoch"), first.get("position", 0)
+    B, per_epoch_steps = plan["global_batch_size"], plan["steps_per_epoch"]
+    per_epoch: dict[int, list[int]] = {}
+    misplaced: dict[int, int] = {}
+    orders: dict[int, np.ndarray] = {}
+    for entry in _surviving_steps(snap):
+        epoch = entry["epoch"]
+        per_epoch.setdefault(epoch, []).extend(entry["ids"])
+        if epoch not in orders:
+            orders[epoch] = epoch_order(plan["num_samples"], plan["seed"], epoch)
+        k = (entry["step"] - 1) % per_epoch_steps
+        planned = orders[epoch][k * B : (k + 1) * B]
+        if batch_digest(entry["ids"]) != batch_digest(planned.tolist()):
+            misplaced[epoch] = misplaced.get(epoch, 0) + 1
     out = []
     for epoch in sorted(per_epoch):
         ids = np.asarray(per_epoch[epoch], dtype=np.int64)
         start = resumed_at if epoch == resumed_epoch else 0
-        expected = epoch_order(plan["num_samples"], plan["seed"], epoch)[
-            start : plan["samples_per_epoch"]
-        ]
+        expected = orders[epoch][start : plan["samples_per_epoch"]]
         unique = np.unique(ids)
         out.append(
             {
@@ -134,9 +164,16 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
                 "duplicates": int(len(ids) - len(unique)),
                 "missing": int(len(np.setdiff1d(expected, unique))),
                 "unexpected": int(len(np.setdiff1d(unique, expected))),
+                "misplaced": misplaced.get(epoch, 0),
             }
         )
     return out
+
+
+def audit_batches(snap: dict[str, Any]) -> list[list[Any]]:
+    """``[step, digest of its global batch]`` for every step the final model was trained on:
+    two runs of one job (one killed and resized, one not) list the same."""
+    return [[e["step"], batch_digest(e["ids"])] for e in _surviving_steps(snap)]
 
 
 def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
@@ -216,8 +253,13 @@ def build_summary(
     """``run_started``: when the driver started (the goodput clock; default: the ledger's
     start, which misses the driver's own start-up)."""
     failures = failure_records(snap)
+    resizes = resize_records(snap["attempts"], failures)
     storage = storage_totals(snap, driver_storage)
     metrics = summary_metrics(snap, failures, storage)
+    most = snap["plan"].get("num_workers")
+    ended = snap["started"] + wall_time_s if run_started is None else run_started + wall_time_s
+    metrics[M.ELASTIC_RESIZES] = len(resizes)
+    metrics[M.ELASTIC_TIME_BELOW_FULL] = time_below_full(snap["attempts"], most, ended)
     first = _first_step(snap)
     accounted = goodput(
         wall_s=wall_time_s,
@@ -227,6 +269,7 @@ def build_summary(
         finished=snap["finished"],
         metrics=metrics,
         failures=failures,
+        resizes=resizes,
     )
     metrics[M.GOODPUT_ETTR] = accounted["ettr"]
     steps = {c["step"] for c in snap["checkpoints"]}  # each checkpointed step once
@@ -244,6 +287,8 @@ def build_summary(
             "wall_time_s": wall_time_s,
             "metrics": metrics,
             **_records(snap, failures, storage, config),
+            "world_sizes": [a.get("world_size") for a in snap["attempts"]],
+            "resizes": resizes,
             "timing": {
                 "started": snap["started"],
                 "first_step": first["time"] if first else None,
@@ -291,6 +336,7 @@ def _records(
     }
     if snap["audit"]:
         summary["audit"] = audit_report(snap)
+        summary["audit_batches"] = audit_batches(snap)
     return summary
 
 
@@ -301,6 +347,32 @@ def write_summary(summary: dict[str, Any], run_dir: str) -> str:
         json.dump(summary, f, indent=2)
     os.replace(tmp, path)
     return path
+
+
+def _event_lines(summary: dict[str, Any]) -> list[str]:
+    """Resizes, hangs, stragglers and skipped chaos, one line each."""
+    lines: list[str] = []
+    for r in summary.get("resizes", []):
+        ttr = r.get("time_to_recover_s")
+        lines.append(
+            f"  resize at attempt {r['attempt']}: {r['kind']} {r['from']} -> {r['to']} workers "
+            f"({r['cause']}), lost {r['lost_steps']} steps"
+            + (f", training again after {ttr:.1f}s" if ttr is not None else "")
+        )
+    for h in summary.get("hangs", []):
+        lines.append(
+            f"  hang: rank {h['rank']} in {h['section']} at step {h['step']}, found after "
+            f"{h['stalled_for_s']:.1f}s without progress (timeout {h['timeout_s']:.0f}s); stack: "
+            f"{h.get('stack_source') or 'not captured'}"
+        )
+    for s in (summary.get("stragglers") or {}).get("flagged", []):
+        lines.append(
+            f"  straggler: rank {s['rank']} {s['slowdown']:.2f}x slower than the fastest rank"
+            + (" (restarted)" if s.get("restarted") else "")
+        )
+    for skip in (summary.get("chaos") or {}).get("skipped", []):
+        lines.append(f"  chaos: no {skip.get('kind')} kill: {skip.get('reason')}")
+    return lines
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -343,19 +415,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         else:
             parts.append("not recovered")
         lines.append(", ".join(parts))
-    for h in summary.get("hangs", []):
-        lines.append(
-            f"  hang: rank {h['rank']} in {h['section']} at step {h['step']}, found after "
-            f"{h['stalled_for_s']:.1f}s without progress (timeout {h['timeout_s']:.0f}s); stack: "
-            f"{h.get('stack_source') or 'not captured'}"
-        )
-    for s in (summary.get("stragglers") or {}).get("flagged", []):
-        lines.append(
-            f"  straggler: rank {s['rank']} {s['slowdown']:.2f}x slower than the fastest rank"
-            + (" (restarted)" if s.get("restarted") else "")
-        )
-    for skip in (summary.get("chaos") or {}).get("skipped", []):
-        lines.append(f"  chaos: no {skip.get('kind')} kill: {skip.get('reason')}")
+    lines.extend(_event_lines(summary))
     for a in summary.get("audit", []):
         lines.append(
             f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"

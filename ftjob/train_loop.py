@@ -8,6 +8,7 @@ steps and checkpointing every M steps (rank 0 writes and uploads, every rank rep
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -41,6 +42,7 @@ from ftjob.data import (
     validation_ids,
 )
 from ftjob.datasets import TRAIN, VAL, ImageDataset
+from ftjob.elastic import micro_batches
 from ftjob.goodput import CheckpointSchedule
 from ftjob.heartbeat import Heartbeat
 from ftjob.models import build_model
@@ -225,6 +227,43 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
 
 
+def make_notices(
+    job: JobConfig, world: int, device: Any, ledger: Any, rank: int
+) -> PreemptionNotices | None:
+    """A rank's notice signals: preemptions (failure.preemption), and a planned elastic
+    resize, which takes the same path (a checkpoint of the current step, then teardown)."""
+    preemption = job.failure.preemption
+    if not (preemption or job.trainer.elastic):
+        return None
+    ledger = ledger if rank == 0 else None  # rank 0 polls the ledger; agree() tells the rest
+    return PreemptionNotices(world, device, ledger, sigterm=preemption, drain=preemption)
+
+
+def backward_in_micro_batches(
+    model: Any,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Gradients of the mean loss over this rank's slice, in micro-batches of at most
+    ``batch_size`` (several only below full size: elastic). Each micro-batch's mean loss is
+    weighted by its share of the slice, so the accumulated gradient is the slice's mean; a DDP
+    model all-reduces once, with the last micro-batch. Returns the slice's mean loss."""
+    n = images.shape[0]
+    chunks = micro_batches(n, batch_size)
+    total = torch.zeros((), device=images.device)
+    for lo, hi in chunks:
+        local = hi < n and hasattr(model, "no_sync")  # no all-reduce until the last
+        with model.no_sync() if local else contextlib.nullcontext():
+            loss = loss_of(images[lo:hi], labels[lo:hi])
+            if len(chunks) > 1:
+                loss = loss * ((hi - lo) / n)
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
 class Worker:
     """One training worker's attempt. ``run()`` is the whole attempt; checkpoints are the
     :class:`~ftjob.checkpointer.Checkpointer`'s, data order and position the iterator's."""
@@ -256,7 +295,10 @@ class Worker:
     # -- setup ----------------------------------------------------------------------------
 
     def _register(self) -> None:
-        start = ray.get(self.ledger.start_attempt.remote(time.time())) if self.rank == 0 else None
+        now = time.time()
+        start = (
+            ray.get(self.ledger.start_attempt.remote(now, self.world)) if self.rank == 0 else None
+        )
         start = broadcast(start, self.world)
         self.attempt, self.stop_reason = start["attempt"], start["stop"]
         set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
@@ -353,16 +395,19 @@ class Worker:
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
-        lr = self.lr(self.state.step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = F.cross_entropy(self.model(images), labels, label_smoothing=self.smoothing)
-        self.beat.straggle()  # chaos=slow
+            group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.beat.straggle()  # chaos=slow
+        loss = backward_in_micro_batches(
+            self.model, images, labels, self.trainer.batch_size, self._loss
+        )
         self.optimizer.step()
-        return loss.detach()
+        return loss
+
+    def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return F.cross_entropy(self.model(images), labels, label_smoothing=self.smoothing)
 
     def _diverged(self, loss: float) -> bool:
         """A non-finite loss stops the job (every rank sees the same all-reduced loss, so all
@@ -435,9 +480,7 @@ class Worker:
         self._register()
         if self.stop_reason is not None:  # a restart loop: the ledger says why
             return
-        if self.job.failure.preemption:
-            ledger = self.ledger if self.rank == 0 else None
-            self.notices = PreemptionNotices(self.world, self.device, ledger, sigterm=True)
+        self.notices = make_notices(self.job, self.world, self.device, self.ledger, self.rank)
         self._build()
         self.beat.enter("restore")  # until the iterator stands at the restored position
         try:

@@ -12,6 +12,8 @@ from ftjob.failures import failure_records
 from ftjob.ledger import RunLedger
 from ftjob.summary import (
     FitOutcome,
+    audit_batches,
+    audit_report,
     build_summary,
     decide_status,
     format_summary,
@@ -125,6 +127,7 @@ def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp
             "duplicates": 0,
             "missing": 0,
             "unexpected": 0,
+            "misplaced": 0,
         }
     ]
     text = open(write_summary(summary, str(tmp_path))).read()
@@ -209,6 +212,25 @@ def test_a_finished_run_whose_audit_shows_a_replayed_batch_failed():
     status, error = decide_status(ledger.snapshot(), FitOutcome(), 3)
     assert status == "failed"
     assert error.startswith("exact-once broken: epoch 0 trained 8 duplicate, 0 missing")
+
+
+def test_steps_that_trained_each_other_s_batch_fail_the_run_though_every_sample_came_once():
+    """At any world size step k trains the data order's k-th global batch; two steps that
+    swapped batches keep the epoch's sample set but are not the same training."""
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 4))
+    for step, batch in ((4, 5), (5, 4)):
+        ledger.audit_step(a0, step, 0, PLAN.shard(0, (batch - 1) * 8, 0, 1)[:8].tolist())
+        ledger.step_done(a0, step)
+    ledger.finish(9.0)
+    snap = ledger.snapshot()
+    [epoch] = audit_report(snap)
+    assert (epoch["duplicates"], epoch["missing"], epoch["misplaced"]) == (0, 0, 2)
+    status, error = decide_status(snap, FitOutcome(), 3)
+    assert status == "failed" and "2 step(s) not on their global batch" in error
+    steps = [step for step, _ in audit_batches(snap)]
+    assert steps == [1, 2, 3, 4, 5]
 
 
 def test_a_resumed_run_expects_only_the_samples_after_its_resume_position():

@@ -1,0 +1,84 @@
+"""Elastic training, the parts that need no Ray: how a rank splits its share of a global batch
+into micro-batches, and what a run's resizes were.
+
+The global batch is ``trainer.batch_size x trainer.num_workers`` at every world size. With
+``W`` workers each rank trains ``global / W`` samples of every global batch (the iterator's
+slice), in micro-batches of at most ``batch_size``, accumulating gradients; the loss of each
+micro-batch is weighted by its share of the rank's slice, so the gradient all-reduced across
+ranks is the global batch's mean, as at full size. Data order, learning-rate schedule and
+checkpoint position do not depend on ``W``: a resize changes which process trains a sample,
+never which samples a step trains. How the group is resized is in ``ftjob.scaling``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def micro_batches(rank_batch: int, batch_size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each micro-batch of a rank's ``rank_batch`` samples: as many full
+    ``batch_size`` ones as fit, then the rest."""
+    if rank_batch < 1 or batch_size < 1:
+        raise ValueError(f"rank batch {rank_batch} and micro-batch {batch_size} must be >= 1")
+    return [(i, min(i + batch_size, rank_batch)) for i in range(0, rank_batch, batch_size)]
+
+
+def describe_restart(before: int | None, world: int | None, most: int | None) -> str:
+    """The progress line's words for a new worker group."""
+    if world is None or before is None or most is None:
+        return "training workers restarted"
+    if world == before:
+        line = "training workers restarted"
+    else:
+        line = f"worker group {'grown' if world > before else 'shrunk'} from {before} to {world}"
+    if world < most:
+        line += f"; continuing on {world} of {most} workers"
+    return line
+
+
+def resize_records(
+    attempts: list[dict[str, Any]], failures: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One record per change of world size between attempts: a shrink or grow after a
+    failure (Ray Train restarted the group on what it could place), or a planned resize (the
+    group was running when capacity changed; it committed a checkpoint of its step first).
+    ``failures`` are the run's failure records (their clock: the failure's origin)."""
+    by_attempt = {f["attempt"]: f for f in failures}
+    records = []
+    for prev, nxt in zip(attempts, attempts[1:], strict=False):
+        before, after = prev.get("world_size"), nxt.get("world_size")
+        planned = prev.get("resize")
+        if before is None or after is None or before == after:
+            continue
+        restored = (nxt.get("restored") or {}).get("step", 0)
+        record: dict[str, Any] = {
+            "attempt": nxt["index"] + 1,
+            "kind": "grow" if after > before else "shrink",
+            "from": before,
+            "to": after,
+            "cause": "planned" if planned else "failure",
+            "lost_steps": max(0, prev["max_step"] - restored),
+        }
+        failure = by_attempt.get(prev["index"] + 1)
+        t0 = planned["received"] if planned else (failure or {}).get("time")
+        first = nxt.get("first_step")
+        record["time_to_recover_s"] = first["time"] - t0 if first and t0 is not None else None
+        record["first_step_s"] = (first or {}).get("took", 0.0)
+        if planned:
+            record["checkpoint"] = (planned.get("jit") or {}).get("path")
+        records.append(record)
+    return records
+
+
+def time_below_full(attempts: list[dict[str, Any]], most: int | None, ended: float) -> float:
+    """Seconds the run trained on fewer workers than ``trainer.num_workers``: attempts below
+    full size, from their start to the next attempt's (or the run's end)."""
+    if most is None:
+        return 0.0
+    total = 0.0
+    for i, attempt in enumerate(attempts):
+        world = attempt.get("world_size")
+        if world is not None and world < most:
+            end = attempts[i + 1]["started"] if i + 1 < len(attempts) else ended
+            total += max(0.0, end - attempt["started"])
+    return total

@@ -1,0 +1,148 @@
+"""Elastic worker groups on Ray Train (``trainer.min_workers``).
+
+Ray Train's :class:`ElasticScalingPolicy` restarts a failed group on as many workers as the
+cluster's nodes can hold (between min and max) and resizes a running group when that number
+changes. ftjob runs it with two changes:
+
+- **A dead node is not counted.** Ray learns that a node died from missed health checks
+  (about 15 s here) and refreshes its resource view every 20 s; in between, the policy restarts
+  the group at full size on the dead node and waits for a placement that never comes. ftjob's
+  policy reads a fresh view at each decision and leaves out every node whose raylet does not
+  accept a connection -- so after a node loss the group continues at once on the nodes that
+  remain.
+- **A planned resize loses no step.** When a running group could grow (a node came back), the
+  policy does not tear it down at once: it asks the workers, through the run ledger, to commit
+  a checkpoint of their current step (the preemption path: every rank agrees at the next step,
+  then waits), and resizes once that checkpoint is recorded (or after ``grow_timeout_s``).
+
+Only a Ray Train-internal hook (the trainer's scaling-policy factory) lets a run choose its
+policy; :func:`elastic_policy` swaps it for one ``fit()`` and puts it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+from ray.train.v2._internal.execution.scaling_policy import (
+    NoopDecision,
+    ResizeDecision,
+    ScalingDecision,
+)
+from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+from ray.train.v2._internal.util import time_monotonic
+
+logger = logging.getLogger(__name__)
+
+
+def unreachable_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
+    """Nodes among ``node_ids`` whose raylet refuses a TCP connection (or does not answer in
+    ``timeout_s``): dead, even while Ray still lists them as alive."""
+    down = set()
+    for node in ray.nodes():
+        if node["NodeID"] not in node_ids:
+            continue
+        address = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
+        except OSError:
+            down.add(node["NodeID"])
+    return down
+
+
+class FtjobElasticPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy, counting only reachable nodes, with a just-in-time
+    checkpoint before a running group is resized (see the module docstring)."""
+
+    def __init__(self, scaling_config: Any, ledger: Any, grow_timeout_s: float = 120.0) -> None:
+        super().__init__(scaling_config)
+        self.ledger = ledger
+        self.grow_timeout_s = grow_timeout_s
+        self._pending: tuple[ResizeDecision, float] | None = None  # waiting for its checkpoint
+
+    def _get_reserved_resources(self) -> Any:
+        now = time_monotonic()
+        if (
+            now - self._latest_reserved_resources_query_time
+            < self.GET_RESERVED_RESOURCES_INTERVAL_S
+        ):
+            return self._latest_reserved_resources
+        reserved = None
+        try:
+            coordinator = self._autoscaling_coordinator
+            # recompute: a fresh view of the cluster's nodes, not the last 20 s tick's.
+            fresh = ray.get(
+                coordinator.get_reserved_resources.remote(self._requester_id, recompute=True),
+                timeout=10,
+            )
+            down = unreachable_nodes(set(fresh))
+            if down:
+                logger.info("elastic: not counting %d unreachable node(s)", len(down))
+            reserved = {node: res for node, res in fresh.items() if node not in down}
+        except Exception:
+            logger.warning("elastic: could not read the cluster's resources", exc_info=True)
+        self._latest_reserved_resources_query_time = time_monotonic()
+        self._latest_reserved_resources = reserved
+        return reserved
+
+    def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
+        self._pending = None  # the group failed first: an ordinary restart
+        return super().make_decision_for_non_running_worker_group()
+
+    def make_decision_for_running_worker_group(
+        self, worker_group_state: Any, worker_group_status: Any
+    ) -> ScalingDecision:
+        if self._pending is not None:
+            return self._resize_when_checkpointed()
+        decision = super().make_decision_for_running_worker_group(
+            worker_group_state, worker_group_status
+        )
+        current = worker_group_state.num_workers
+        if not isinstance(decision, ResizeDecision) or decision.num_workers < current:
+            # Fewer placeable workers while the group runs: a node is dying under it, and the
+            # failure it is about to cause restarts the group on what is left.
+            return NoopDecision()
+        self.ledger.request_resize.remote(current, decision.num_workers, time.time())
+        self._pending = (decision, time_monotonic())
+        return NoopDecision()
+
+    def _resize_when_checkpointed(self) -> ScalingDecision:
+        assert self._pending is not None
+        decision, asked = self._pending
+        try:
+            done = ray.get(self.ledger.resize_checkpointed.remote(), timeout=10)
+        except Exception:
+            done = False
+        if not done and time_monotonic() - asked < self.grow_timeout_s:
+            return NoopDecision()
+        if not done:
+            logger.warning(
+                "elastic: no checkpoint before the resize after %.0f s: resizing anyway",
+                self.grow_timeout_s,
+            )
+        self._pending = None
+        return decision
+
+
+@contextlib.contextmanager
+def elastic_policy(ledger: Any, grow_timeout_s: float = 120.0) -> Iterator[None]:
+    """While active, an elastic TorchTrainer.fit() runs :class:`FtjobElasticPolicy`."""
+    from ray.train.v2.api import data_parallel_trainer as dpt
+
+    original = dpt.create_scaling_policy
+
+    def create(scaling_config: Any) -> Any:
+        if scaling_config.elasticity_enabled:
+            return FtjobElasticPolicy(scaling_config, ledger, grow_timeout_s)
+        return original(scaling_config)
+
+    dpt.create_scaling_policy = create
+    try:
+        yield
+    finally:
+        dpt.create_scaling_policy = original

@@ -1,0 +1,150 @@
+"""Elastic training without Ray: the micro-batch split of one global batch at every world
+size, the gradient it gives, the config it refuses, and the records of a run that shrank after
+a node loss and grew back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ftjob import metrics as M
+from ftjob.config import ConfigError, TrainerConfig
+from ftjob.elastic import micro_batches
+from ftjob.preemption import RESIZE
+from ftjob.summary import build_summary, format_summary
+from ftjob.train_loop import backward_in_micro_batches
+from tests.test_summary import make_ledger, restored, train
+
+GLOBAL, BATCH = 64, 16  # trainer.batch_size 16 x trainer.num_workers 4
+
+
+@pytest.mark.parametrize(
+    ("world", "expected"),
+    [
+        (4, [(0, 16)]),
+        (2, [(0, 16), (16, 32)]),
+        (1, [(0, 16), (16, 32), (32, 48), (48, 64)]),
+    ],
+)
+def test_each_rank_splits_its_slice_into_micro_batches_of_batch_size(world, expected):
+    assert micro_batches(GLOBAL // world, BATCH) == expected
+    # Every world size trains the whole global batch, never more than BATCH at once.
+    assert world * sum(hi - lo for lo, hi in expected) == GLOBAL
+    assert max(hi - lo for lo, hi in expected) <= BATCH
+
+
+def test_a_slice_that_batch_size_does_not_divide_ends_in_a_smaller_micro_batch():
+    assert micro_batches(48, 32) == [(0, 32), (32, 48)]  # 96 = 32 x 3 workers, on 2
+    with pytest.raises(ValueError):
+        micro_batches(0, 32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_the_averaged_gradient_is_the_global_batch_mean_at_every_world_size(world):
+    """What DDP all-reduces (the mean over ranks of each rank's accumulated gradient) equals the
+    gradient of the whole global batch's mean loss: a shrink changes no update."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+    x, y = torch.randn(GLOBAL, 8), torch.randint(0, 5, (GLOBAL,))
+    F.cross_entropy(model(x), y).backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+
+    summed = [torch.zeros_like(p) for p in model.parameters()]
+    per_rank = GLOBAL // world
+    losses = []
+    for rank in range(world):
+        model.zero_grad()
+        sl = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = backward_in_micro_batches(
+            model, x[sl], y[sl], BATCH, lambda a, b: F.cross_entropy(model(a), b)
+        )
+        losses.append(loss)
+        for total, p in zip(summed, model.parameters(), strict=True):
+            total += p.grad
+    for total, ref in zip(summed, reference, strict=True):
+        torch.testing.assert_close(total / world, ref, rtol=1e-5, atol=1e-6)
+    assert float(sum(losses) / world) == pytest.approx(float(F.cross_entropy(model(x), y).detach()))
+
+
+def test_elastic_config_is_checked_before_ray_starts():
+    assert TrainerConfig(num_workers=4, batch_size=24, min_workers=2).elastic  # 96: 2, 3, 4
+    assert not TrainerConfig(num_workers=2, min_workers=2).elastic  # min = max: fixed size
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(num_workers=2, min_workers=3)
+    assert err.value.key == "trainer.min_workers" and "between 1 and" in err.value.rule
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(num_workers=4, batch_size=32, min_workers=2)  # 128 over 3 workers
+    assert err.value.key == "trainer.min_workers" and err.value.value == 2
+    assert "global batch 128" in err.value.rule and "over 3 workers" in err.value.rule
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(resize_interval=0)
+    assert err.value.key == "trainer.resize_interval"
+
+
+def shrunk_and_grown():
+    """Attempt 0 on 2 workers dies with its node at step 7 (checkpoint at 5); attempt 1
+    continues on 1 worker from step 5; capacity returns at step 12: a checkpoint of step 12,
+    then attempt 2 on 2 workers from step 12."""
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    a0 = ledger.begin_attempt(0.0, world=2)
+    ledger.first_step(a0, 1, 1.0)
+    train(ledger, a0, range(1, 8), audit=False)
+    ledger.kill({"time": 10.0, "kind": "node", "target": {"node_id": "n2", "ranks": [1]}})
+    ledger.confirm_kill(10.0, True)
+    ledger.failure_noticed(11.0, {1: "ActorUnavailableError: node n2 unreachable"})
+    a1 = ledger.begin_attempt(14.0, world=1)
+    ledger.restored(a1, restored(5))
+    ledger.first_step(a1, 6, 16.0, took=0.5)
+    train(ledger, a1, range(6, 13), audit=False)
+    ledger.request_resize(1, 2, 30.0)
+    assert ledger.notice_request() == RESIZE
+    ledger.preemption_notice(
+        a1, {"source": RESIZE, "deadline": None, "received": 30.5, "step": 12, "ranks": []}
+    )
+    assert not ledger.resize_checkpointed()
+    ledger.jit_checkpoint(a1, {"step": 12, "path": "/ck/step_12", "seconds": 0.2, "time": 31.0})
+    assert ledger.resize_checkpointed()
+    a2 = ledger.begin_attempt(36.0, world=2)
+    assert ledger.notice_request() is None  # served: the grown group is not asked again
+    ledger.restored(a2, restored(12))
+    ledger.first_step(a2, 13, 40.0, took=0.5)
+    train(ledger, a2, range(13, 20), audit=False)
+    ledger.finish(50.0)
+    return ledger
+
+
+def test_a_shrink_after_a_node_loss_and_a_planned_grow_are_recorded_as_such():
+    ledger = shrunk_and_grown()
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=50, config={}
+    )
+    assert summary["world_sizes"] == [2, 1, 2]
+    shrink, grow = summary["resizes"]
+    assert (shrink["kind"], shrink["from"], shrink["to"], shrink["cause"]) == (
+        "shrink",
+        2,
+        1,
+        "failure",
+    )
+    assert shrink["lost_steps"] == 2 and shrink["time_to_recover_s"] == pytest.approx(6.0)
+    assert (grow["kind"], grow["from"], grow["to"], grow["cause"]) == ("grow", 1, 2, "planned")
+    assert grow["lost_steps"] == 0 and grow["checkpoint"] == "/ck/step_12"
+    assert grow["time_to_recover_s"] == pytest.approx(9.5)  # agreed at 30.5 -> first step at 40
+    # The node kill is the one failure; the grow is not one (and is no preemption either).
+    [failure] = summary["failures"]
+    assert failure["kind"] == "node_kill" and failure["lost_steps"] == 2
+    m = summary["metrics"]
+    assert m[M.FAILURES_COUNT] == 1 and m[M.PREEMPTION_COUNT] == 0
+    assert m[M.ELASTIC_RESIZES] == 2
+    assert m[M.ELASTIC_TIME_BELOW_FULL] == pytest.approx(22.0)  # attempt 1: 14 -> 36
+    assert summary["goodput"]["buckets"]["resize"] == pytest.approx(9.0)
+    assert sum(summary["goodput"]["buckets"].values()) == pytest.approx(50.0)
+    lines = "\n".join(ledger.lines)
+    assert "attempt 2: worker group shrunk from 2 to 1; continuing on 1 of 2 workers" in lines
+    assert "attempt 3: worker group grown from 1 to 2" in lines
+    assert "resizing from 1 to 2 workers at step 12" in lines
+    assert "resize at attempt 3: grow 1 -> 2 workers (planned), lost 0 steps" in format_summary(
+        summary
+    )
