@@ -10,7 +10,10 @@ function), checkpoint download, load, batch skip, setup (the rest: model and pro
 the new workers, the resumed stream's first batch, the first step) and time-to-recover (kill ->
 first trained step after the restore), then medians per kind.
 
-    python benchmarks/recovery.py [--repeats 1]
+Also, with one training worker per node, node kills on a fixed-size group and on an elastic
+one (``trainer.min_workers=1``), for their time-to-recover ratio.
+
+    python benchmarks/recovery.py [--repeats 1] [--kinds "node fixed,node elastic"]
 """
 
 from __future__ import annotations
@@ -27,10 +30,23 @@ from ftjob import runner
 from ftjob.compose import Composer, Target
 from ftjob.config import load_job, register_schema
 
+# One training worker per node (3 CPUs a node, 2 a worker), kills at steps 20 and 100: the
+# same job on a fixed-size group (Ray Train waits for the replacement node) and on an elastic
+# one (continues on the node left, grows back when the replacement is there).
+ONE_PER_NODE = [
+    "ray.local_nodes=3",
+    "ray.node_cpus=3",
+    "trainer.resources_per_worker={CPU: 2}",
+    "chaos=node_killer",
+    "chaos.at_steps=[20,100]",
+    "trainer.resize_interval=5",
+]
 KINDS = {
     "node kill": ["ray.local_nodes=3", "chaos=node_killer"],
     "preemption": ["ray.local_nodes=3", "chaos=preempt", "chaos.notice=8"],
     "worker kill": ["chaos=worker_killer"],
+    "node fixed": ONE_PER_NODE,
+    "node elastic": [*ONE_PER_NODE, "trainer.min_workers=1"],
 }
 COMMON = [
     "+experiment=digits_ft",
@@ -67,16 +83,22 @@ def run(overrides: list[str], seed: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, of: {', '.join(KINDS)}"
+    )
     args = parser.parse_args()
+    kinds = {k: KINDS[k] for k in args.kinds.split(",")}
     logging.getLogger("ray").setLevel(logging.ERROR)
-    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    grows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for r in range(args.repeats):
-        for kind, overrides in KINDS.items():
+        for kind, overrides in kinds.items():
             summary = run(overrides, seed=r)
             if summary["metrics"]["chaos/kills"] < 2:
                 raise RuntimeError(f"{kind}: only {summary['metrics']['chaos/kills']} kills landed")
             m = summary["metrics"]
             step_s = m["train/step"] / max(m["train/steps_completed"], 1)
+            grows[kind].extend(x for x in summary.get("resizes", []) if x["kind"] == "grow")
             for f in summary["failures"]:
                 if f.get("recovered"):
                     # The rest of time-to-recover: model and process group set-up in the new
@@ -139,6 +161,18 @@ def main() -> None:
         m = med_of["node kill"]
         rest = m["time_to_recover_s"] - (m["detection_s"] + m["restart_s"])
         print(f"ttr - (detection + restart) node-kill = {rest:.2f} s")
+    if "node fixed" in med_of and "node elastic" in med_of:
+        ratio = (
+            med_of["node elastic"]["time_to_recover_s"] / med_of["node fixed"]["time_to_recover_s"]
+        )
+        print(f"node-kill time-to-recover elastic/fixed = {ratio:.2f}")
+    for kind, done in grows.items():
+        if done:
+            back = statistics.median(g["time_to_recover_s"] for g in done)
+            lost = sum(g["lost_steps"] for g in done)
+            print(
+                f"{kind}: {len(done)} planned grows, training again after {back:.2f} s (median), {lost} steps lost"
+            )
     print(
         "\nper interruption (medians): lost steps, lost seconds (time-to-recover + steps re-done)"
     )

@@ -16,7 +16,15 @@ JOB = ["+experiment=digits_ft", "trainer.epochs=6"]
 EARLY_KILLS = ["chaos.at_steps=[20,70]"]
 
 
-def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path):
+@pytest.fixture(scope="module")
+def unkilled(tmp_path_factory):
+    """The reference: the same job without chaos, audited (step -> its global batch)."""
+    proc, summary = run_ftjob([*JOB, "trainer.audit_samples=true"], tmp_path_factory.mktemp("calm"))
+    assert proc.returncode == 0 and summary["metrics"][M.CHAOS_KILLS] == 0
+    return summary
+
+
+def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path, unkilled):
     chaos = [
         "ray.local_nodes=3",
         "chaos=node_killer",
@@ -37,9 +45,40 @@ def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path):
     assert m[M.VALIDATION_ACCURACY] >= 0.9
     assert "chaos: kill 2" in proc.stdout and "[state-dump]" not in proc.stdout
 
-    calm, reference = run_ftjob(JOB, tmp_path / "calm")
-    assert calm.returncode == 0 and reference["metrics"][M.CHAOS_KILLS] == 0
-    assert abs(m[M.VALIDATION_ACCURACY] - reference["metrics"][M.VALIDATION_ACCURACY]) <= 0.02
+    assert abs(m[M.VALIDATION_ACCURACY] - unkilled["metrics"][M.VALIDATION_ACCURACY]) <= 0.02
+
+
+def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_same_batches(
+    tmp_path, unkilled
+):
+    """digits_elastic: a node (one of the two workers) is killed at step 20; training goes on
+    at world size 1 until the node is back, then grows to 2 after a checkpoint of its step."""
+    proc, s = run_ftjob(
+        [
+            "+experiment=digits_elastic",
+            "trainer.epochs=6",
+            "trainer.audit_samples=true",
+            "ray.replace_delay=15",
+        ],
+        tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    assert s["status"] == "succeeded"
+    sizes = s["world_sizes"]
+    assert sizes[0] == 2 and 1 in sizes and 2 in sizes[sizes.index(1) :], sizes
+    shrink = next(r for r in s["resizes"] if r["kind"] == "shrink")
+    grow = next(r for r in s["resizes"] if r["kind"] == "grow")
+    assert (shrink["from"], shrink["to"], shrink["cause"]) == (2, 1, "failure")
+    assert (grow["from"], grow["to"], grow["cause"], grow["lost_steps"]) == (1, 2, "planned", 0)
+    assert grow["checkpoint"] and grow["time_to_recover_s"] > 0
+    m = s["metrics"]
+    assert m[M.ELASTIC_RESIZES] >= 2 and m[M.ELASTIC_TIME_BELOW_FULL] > 0
+    assert m[M.FAILURES_COUNT] == 1  # the node kill; the grow is no failure
+    assert "continuing on 1 of 2 workers" in proc.stdout
+    # Every step trained the same global batch as the unkilled run, each sample once.
+    assert all(a["duplicates"] == a["missing"] == a["misplaced"] == 0 for a in s["audit"])
+    assert s["audit_batches"] == unkilled["audit_batches"]
+    assert abs(m[M.VALIDATION_ACCURACY] - unkilled["metrics"][M.VALIDATION_ACCURACY]) <= 0.02
 
 
 def test_worker_kills_keep_every_sample_exactly_once(tmp_path):
