@@ -13,7 +13,7 @@ is ~4% of the training set, ImageNet's ratio; digits' fixed split validates 25% 
 as it trains on each epoch, so validation weighs more there. Methods run interleaved,
 repeated; the table shows medians and the ratios.
 
-    python benchmarks/throughput.py [--repeats 5] [--datasets synthetic,digits]
+    python benchmarks/throughput.py [--repeats 5] [--datasets synthetic,digits,imagefolder]
 
 The last line is ``ftjob/raytrain = X`` (synthetic data).
 """
@@ -64,7 +64,22 @@ WORKLOADS = {
     "digits": Workload(
         "digits", {"_target_": "ftjob.datasets.DigitsDataset"}, batch_size=32, epochs=6
     ),
+    # Real JPEG files (written at start, 256 px, 8 classes), decoded, randomly cropped and
+    # flipped to 64 px in the decode tasks, sent as uint8 and normalised in the workers.
+    "imagefolder": Workload(
+        "imagefolder JPEG",
+        {
+            "_target_": "ftjob.datasets.ImageFolderDataset",
+            "path": None,  # set by write_jpeg_tree
+            "image_size": 64,
+            "resize_size": 73,
+            "augment": True,
+        },
+        batch_size=64,
+        epochs=2,
+    ),
 }
+JPEGS = {"train": 2048, "val": 96}  # per split, over 8 classes
 MODEL = {"_target_": "ftjob.models.SmallCNN", "width": 32}
 LR = 1e-3
 
@@ -85,6 +100,35 @@ def _train_step(model: Any, opt: Any, images: Any, labels: Any) -> None:
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
+
+
+def write_jpeg_tree(root: str) -> None:
+    """Class-per-folder JPEGs: smooth colour fields with noise, 256 x 256, quality 90."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    yy, xx = np.mgrid[0:256, 0:256] / 256.0
+    for split, count in JPEGS.items():
+        for i in range(count):
+            label = i % 8
+            folder = os.path.join(root, split, f"class{label}")
+            os.makedirs(folder, exist_ok=True)
+            phase = rng.uniform(0, 2 * np.pi, 3)
+            field = np.stack([np.sin(2 * np.pi * (label + 1) * xx + p) for p in phase], axis=-1)
+            pixels = 127 + 100 * field + rng.normal(0, 12, field.shape)
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(
+                os.path.join(folder, f"{i}.jpg"), quality=90
+            )
+
+
+def _as_float(images: Any, normalisation: Any) -> Any:
+    """What the model takes: uint8 images (as decoded) normalised; float32 as they are."""
+    import torch
+
+    if images.dtype != torch.uint8:
+        return images
+    mean, std = (torch.tensor(v, dtype=torch.float32).reshape(1, -1, 1, 1) for v in normalisation)
+    return (images.float() / 255.0 - mean) / std
 
 
 def _rows(table: pa.Table) -> dict[str, np.ndarray]:
@@ -111,6 +155,7 @@ def plain_torch(w: Workload) -> float:
         for k in range(n // B):
             batch = _rows(catalog.take(pa.array(order[k * B : (k + 1) * B])))
             images = torch.from_numpy(dataset.decode(batch, TRAIN, epoch, 0))
+            images = _as_float(images, dataset.normalisation())
             labels = torch.from_numpy(batch["label"].astype(np.int64))
             _train_step(model, opt, images, labels)
             if start is None:
@@ -137,7 +182,8 @@ def _raytrain_loop(config: dict[str, Any]) -> None:
         for batch in shard.iter_torch_batches(
             batch_size=w.batch_size, prefetch_batches=2, drop_last=True
         ):
-            _train_step(model, opt, batch["image"], batch["label"])
+            images = _as_float(batch["image"], config["normalisation"])
+            _train_step(model, opt, images, batch["label"])
             if start is None:
                 start = time.perf_counter()
             else:
@@ -178,6 +224,7 @@ def raytrain(w: Workload) -> float:
                 train_loop_config={
                     "workload": w,
                     "num_classes": dataset.num_classes,
+                    "normalisation": dataset.normalisation(),
                     "result_file": result_file,
                 },
                 scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
@@ -229,6 +276,10 @@ def main() -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
     names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    jpeg_dir = tempfile.TemporaryDirectory()
+    if "imagefolder" in names:
+        write_jpeg_tree(jpeg_dir.name)
+        WORKLOADS["imagefolder"].dataset["path"] = jpeg_dir.name
     results: dict[tuple[str, str], list[float]] = {}
     order = list(METHODS)
     for r in range(args.repeats):

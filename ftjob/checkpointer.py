@@ -152,7 +152,8 @@ class NoUsableCheckpoint(RuntimeError):
 
 @dataclass
 class Restored:
-    """A checkpoint loaded into the model and optimizer, and how long that took."""
+    """A checkpoint located (state read) and then loaded into model and optimizer, and how
+    long each took."""
 
     state: TrainState
     metrics: dict[str, float]
@@ -160,6 +161,7 @@ class Restored:
     download_s: float
     load_s: float
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    local_dir: str = ""  # the downloaded copy, until loaded
 
     def record(self) -> dict[str, Any]:
         """The ledger's restore record (the loop adds the iterator's skip time)."""
@@ -182,6 +184,29 @@ def prune_quietly(store: CheckpointStore, keep: int) -> None:
         if not is_storage_error(exc):
             raise
         logger.warning("pruning old checkpoints failed: %s", exc)
+
+
+def choose_checkpoint(
+    store: CheckpointStore, local_root: str, config: Any
+) -> tuple[int, str, str, list[dict[str, Any]]] | str | None:
+    """Rank 0: (step, path, local dir, quarantined) of the checkpoint to restore, None to
+    start from step 0, or the error that stops the job. Whatever does not verify is
+    quarantined on the way."""
+    skipped: list[dict[str, Any]] = []
+    result = store.restore_latest(local_root, skipped)
+    for bad in skipped:
+        bad["quarantined_to"] = store.quarantine(bad["step"], bad["reason"])
+    if result is not None:
+        return result.step, result.path, result.local_dir, skipped
+    lost = [bad for bad in skipped if bad["committed"]]
+    if not lost or config.restart_if_unrecoverable:
+        return None
+    details = "; ".join(f"step {b['step']}: {b['reason']}" for b in lost)
+    return (
+        f"no committed checkpoint of this run verifies ({details}); nothing was deleted: "
+        f"they were moved to {store.quarantine_root}. Inspect them, or set "
+        "checkpoint.restart_if_unrecoverable=true to start over from step 0"
+    )
 
 
 class Checkpointer:
@@ -227,18 +252,16 @@ class Checkpointer:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(
-        self, module: Any, optimizer: Any, device: Any, global_batch: int
-    ) -> Restored | None:
-        """Rank 0 picks the newest valid checkpoint; every rank loads that one. Raises
-        :class:`NoUsableCheckpoint` on every rank when committed checkpoints exist but none
-        verifies (unless checkpoint.restart_if_unrecoverable)."""
-        import torch
-
+    def locate(self, global_batch: int) -> Restored | None:
+        """Rank 0 picks the newest valid checkpoint; every rank has it downloaded and its
+        state read -- the data position is known before the model exists, so the stream can
+        start there while the model is built; :meth:`load` then fills model and optimizer.
+        Raises :class:`NoUsableCheckpoint` on every rank when committed checkpoints exist but
+        none verifies (unless checkpoint.restart_if_unrecoverable)."""
         start = time.perf_counter()
         chosen: Any = None
         if self.rank == 0:
-            chosen = self._choose()
+            chosen = choose_checkpoint(self.store, self.local_root, self.config)
         chosen = broadcast(chosen, self.world)
         if isinstance(chosen, str):
             raise NoUsableCheckpoint(chosen)
@@ -248,57 +271,34 @@ class Checkpointer:
         if self.rank != 0:
             local_dir = os.path.join(self.local_root, self.store.dir_name(step))
             self.store.download(step, local_dir)
-        download_s = time.perf_counter() - start
-        with self.metrics.timer(M.CHECKPOINT_LOAD):
-            load_start = time.perf_counter()
-            with open(os.path.join(local_dir, STATE_FILE)) as f:
-                state = json.load(f)
-            module.load_state_dict(
-                torch.load(os.path.join(local_dir, MODEL_FILE), map_location=device)
-            )
-            optimizer.load_state_dict(
-                torch.load(os.path.join(local_dir, OPTIMIZER_FILE), map_location=device)
-            )
-            load_s = time.perf_counter() - load_start
-        shutil.rmtree(local_dir, ignore_errors=True)
+        with open(os.path.join(local_dir, STATE_FILE)) as f:
+            state = json.load(f)
         if state["global_batch_size"] != global_batch:
             raise RuntimeError(
                 f"checkpoint {path} was trained with global batch {state['global_batch_size']}, this run uses "
                 f"{global_batch}: resuming would break exact-once data order"
             )
+        s = TrainState(
+            state["step"], state["epoch"], state["position"], state.get("validated", True)
+        )
         return Restored(
-            TrainState(
-                step=state["step"],
-                epoch=state["epoch"],
-                position=state["position"],
-                validated=state.get("validated", True),
-            ),
-            state["metrics"],
-            path,
-            download_s,
-            load_s,
-            skipped,
+            s, state["metrics"], path, time.perf_counter() - start, 0.0, skipped, local_dir
         )
 
-    def _choose(self) -> tuple[int, str, str, list[dict[str, Any]]] | str | None:
-        """Rank 0: (step, path, local dir, quarantined) of the checkpoint to restore, None to
-        start from step 0, or the error that stops the job. Whatever does not verify is
-        quarantined on the way."""
-        skipped: list[dict[str, Any]] = []
-        result = self.store.restore_latest(self.local_root, skipped)
-        for bad in skipped:
-            bad["quarantined_to"] = self.store.quarantine(bad["step"], bad["reason"])
-        if result is not None:
-            return result.step, result.path, result.local_dir, skipped
-        lost = [bad for bad in skipped if bad["committed"]]
-        if not lost or self.config.restart_if_unrecoverable:
-            return None
-        details = "; ".join(f"step {b['step']}: {b['reason']}" for b in lost)
-        return (
-            f"no committed checkpoint of this run verifies ({details}); nothing was deleted: "
-            f"they were moved to {self.store.quarantine_root}. Inspect them, or set "
-            "checkpoint.restart_if_unrecoverable=true to start over from step 0"
-        )
+    def load(self, restored: Restored, module: Any, optimizer: Any, device: Any) -> None:
+        """The located checkpoint's weights and optimizer state, into ``module`` and
+        ``optimizer``; its local copy is removed."""
+        import torch
+
+        with self.metrics.timer(M.CHECKPOINT_LOAD):
+            load_start = time.perf_counter()
+            local = restored.local_dir
+            module.load_state_dict(torch.load(os.path.join(local, MODEL_FILE), map_location=device))
+            optimizer.load_state_dict(
+                torch.load(os.path.join(local, OPTIMIZER_FILE), map_location=device)
+            )
+            restored.load_s = time.perf_counter() - load_start
+        shutil.rmtree(local, ignore_errors=True)
 
     # -- save -----------------------------------------------------------------------------
 

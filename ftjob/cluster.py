@@ -161,9 +161,11 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes)
                 ray.init(address=local.address, **common)
             else:
-                train_cpus = job.trainer.num_workers * job.trainer.worker_cpus
-                # Training workers hold their CPUs for the whole run; data decoding needs its own.
-                num_cpus = r.num_cpus or (os.cpu_count() or 1) + math.ceil(train_cpus)
+                t = job.trainer
+                # Training workers hold their CPUs for the whole run; data decoding needs its
+                # own: the machine's cores, and at least one decode task per worker.
+                decode = max(os.cpu_count() or 1, math.ceil(t.num_workers * t.decode_cpus))
+                num_cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
             yield local
         finally:
@@ -203,12 +205,13 @@ def check_resources(job: JobConfig) -> None:
                 f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
                 f"many GPUs (the largest has {largest:g}): lower it, or {cpu_hint}"
             )
-    need_cpu = n * t.worker_cpus + t.decode_cpus
+    # Each worker's stream needs a decode task running beside it, or training waits for data.
+    need_cpu = n * (t.worker_cpus + t.decode_cpus)
     if total.get("CPU", 0.0) < need_cpu:
         raise JobError(
-            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x {t.worker_cpus:g} "
-            f"CPUs plus trainer.decode_cpus={t.decode_cpus:g} for data decoding need {need_cpu:g}: lower "
-            f"{key} or trainer.resources_per_worker.CPU"
+            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x ({t.worker_cpus:g} CPUs "
+            f"+ trainer.decode_cpus={t.decode_cpus:g} for their data decoding) need {need_cpu:g}: "
+            f"lower {key}, trainer.resources_per_worker.CPU or trainer.decode_cpus"
         )
     for name, amount in t.resources_per_worker.items():
         if name not in ("CPU", "GPU") and total.get(name, 0.0) < amount * n:

@@ -20,7 +20,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +28,8 @@ import numpy as np
 import pyarrow as pa
 
 from ftjob.datasets import TRAIN, VAL, ImageDataset
+
+logger = logging.getLogger(__name__)
 
 ORDER_STREAM = 0x0DE5  # keeps the order's random stream apart from augmentation streams
 
@@ -142,6 +144,23 @@ class RayDataStream:
         self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
         self.pin_memory, self.channels_last = pin_memory, channels_last
         self.window_bytes = int(window_mb * 2**20)
+        self._scale: tuple[Any, Any] | None = None  # uint8 -> normalised float, on the device
+
+    def _normalised(self, images: Any) -> Any:
+        """uint8 images (as decoded, sent through the object store) normalised to float32 on
+        the training device; float32 images as they are."""
+        import torch
+
+        if images.dtype != torch.uint8:
+            return images
+        if self._scale is None:
+            mean, std = self.dataset.normalisation() or ((0.0,) * 3, (1.0,) * 3)
+            shape = (1, len(mean), 1, 1)
+            m = torch.tensor(mean, dtype=torch.float32, device=images.device).reshape(shape)
+            s = torch.tensor(std, dtype=torch.float32, device=images.device).reshape(shape)
+            self._scale = (m * 255.0, s * 255.0)
+        m, s = self._scale
+        return (images.float() - m) / s
 
     def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]:
         import torch
@@ -162,10 +181,10 @@ class RayDataStream:
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
                 pin_memory=self.pin_memory,
-                dtypes={"image": torch.float32, "label": torch.int64, "id": torch.int64},
+                dtypes={"label": torch.int64, "id": torch.int64},  # images: as decoded
             ):
                 yield Batch(
-                    images=b["image"].contiguous(memory_format=memory_format),
+                    images=self._normalised(b["image"]).contiguous(memory_format=memory_format),
                     labels=b["label"],
                     ids=b["id"].cpu().numpy(),
                 )
@@ -381,9 +400,17 @@ class ValidationSet:
     not wait for the stream to start and decode; iterating starts the prefetch if needed and
     waits for it."""
 
-    def __init__(self, stream: _Stream, ids: np.ndarray, batch_size: int, cache_bytes: int) -> None:
+    def __init__(
+        self,
+        stream: _Stream,
+        ids: np.ndarray,
+        batch_size: int,
+        cache_bytes: int,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
         self.stream, self.ids, self.batch_size = stream, ids, batch_size
         self.cache_bytes = cache_bytes
+        self.note = note or (lambda line: logger.warning(line))
         self.cache: list[Batch] | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -394,8 +421,16 @@ class ValidationSet:
         try:
             for batch in self.stream.batches(self.ids, self.batch_size, epoch=0):
                 size += _nbytes(batch)
+                need = _nbytes(batch) / len(batch.ids) * len(self.ids)
+                if not kept and need > self.cache_bytes:  # known from the first batch
+                    self.note(
+                        f"the validation set of a worker needs {need / 2**20:.0f} MB decoded, more "
+                        f"than trainer.validation_cache_mb={self.cache_bytes / 2**20:.0f}: every "
+                        "validation decodes it again; raise it to decode once"
+                    )
+                    return
                 if size > self.cache_bytes or self._stop.is_set():
-                    return  # too big to keep (or closing): validations stream instead
+                    return  # closing (or a last batch larger than the rest)
                 kept.append(batch)
         except Exception:
             return  # the validation itself streams and raises it where it is seen

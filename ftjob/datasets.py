@@ -13,6 +13,7 @@ Your own dataset: subclass :class:`ImageDataset` and point ``dataset._target_`` 
 from __future__ import annotations
 
 import io
+import math
 import posixpath
 from abc import ABC, abstractmethod
 from typing import Any
@@ -53,7 +54,14 @@ class ImageDataset(ABC):
 
     @abstractmethod
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
-        """Images for catalog rows, float32 NCHW, normalised. Runs inside Ray Data tasks."""
+        """Images for catalog rows, NCHW: uint8 (0..255), normalised on the training device with
+        :meth:`normalisation` -- a quarter of the bytes through the object store -- or float32,
+        already normalised. Runs inside Ray Data tasks."""
+
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+        """Per-channel (mean, std), in units of the full 0..1 range, that uint8 images from
+        :meth:`decode` are normalised with on the device; None for float32 images."""
+        return None
 
     def describe(self) -> str:
         return type(self).__name__
@@ -67,11 +75,14 @@ class ImageDataset(ABC):
         return None
 
 
-def _normalise(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
-    """uint8/float HWC images (N,H,W,C) in [0,1] -> normalised float32 NCHW."""
-    m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1)
-    s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1)
-    return (images.transpose(0, 3, 1, 2).astype(np.float32) - m) / s
+def _draft(img: Any, shrink: float) -> tuple[Any, float]:
+    """``img`` set to decode at a reduced scale (JPEG only: PIL's draft mode) that keeps at
+    least ``1/shrink`` of its size, and the scale it got (1.0 when none)."""
+    if shrink < 2 or img.format != "JPEG":
+        return img, 1.0
+    width = img.size[0]
+    img.draft("RGB", (math.ceil(img.size[0] / shrink), math.ceil(img.size[1] / shrink)))
+    return img, img.size[0] / width
 
 
 class DigitsDataset(ImageDataset):
@@ -362,12 +373,20 @@ class ImageFolderDataset(ImageDataset):
 
         size = self.image_size
         with Image.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB")
+            width, height = img.size
             if train and self.augment:
-                out = img.resize((size, size), Image.BILINEAR, box=self._crop_box(*img.size, rng))
+                box = self._crop_box(width, height, rng)
+                # A large JPEG decodes at 1/2, 1/4 or 1/8 scale when the crop still has
+                # `size` pixels a side at that scale: the box is scaled to match.
+                shrink = min(box[2] - box[0], box[3] - box[1]) / size
+                img, factor = _draft(img, shrink)
+                box = tuple(v * factor for v in box)
+                out = img.convert("RGB").resize((size, size), Image.BILINEAR, box=box)
                 if rng.random() < 0.5:
                     out = out.transpose(Image.FLIP_LEFT_RIGHT)
             else:
+                img, _ = _draft(img, min(width, height) / self.resize_size)
+                img = img.convert("RGB")
                 w, h = img.size
                 scale = self.resize_size / min(w, h)
                 img = img.resize(
@@ -388,7 +407,10 @@ class ImageFolderDataset(ImageDataset):
                 for p, i in zip(paths, rows["id"], strict=True)
             ]
         )
-        return _normalise(images.astype(np.float32) / 255.0, self.mean, self.std)
+        return np.ascontiguousarray(images.transpose(0, 3, 1, 2))  # uint8 NCHW
+
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return self.mean, self.std
 
     def describe(self) -> str:
         return f"ImageFolderDataset({self.path})"

@@ -321,9 +321,10 @@ class RunWatch:
         self.detector.beat(attempt, rank, beat, now)
         if rank == 0:  # how the attempt's start went: set-up, restore, warm-up to a first step
             phases = self.phases.setdefault(attempt, {})
-            for section in ("setup", "restore", "warmup"):
-                if section not in phases and beat.get("durations", {}).get(section):
-                    phases[section] = beat["durations"][section][0]
+            for section in ("setup", "restore", "warmup"):  # summed, should one come twice
+                done = beat.get("durations", {}).get(section)
+                if done:
+                    phases[section] = phases.get(section, 0.0) + sum(done)
         if beat.get("local"):
             self.stragglers.add(attempt, rank, beat["local"])
         slow = self.slow

@@ -9,6 +9,7 @@ steps and checkpointing every M steps (rank 0 writes and uploads, every rank rep
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -27,6 +28,7 @@ from ftjob import metrics as M
 from ftjob.checkpointer import (
     Checkpointer,
     NoUsableCheckpoint,
+    Restored,
     TrainState,
     attempt_scratch_dir,
 )
@@ -50,6 +52,8 @@ from ftjob.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.preemption import PreemptionNotices
 from ftjob.storage import RetryingFileSystem, set_fault_stream
 
+logger = logging.getLogger(__name__)
+
 
 def build_streams(
     dataset: ImageDataset,
@@ -59,8 +63,10 @@ def build_streams(
     plan: EpochPlan,
     rank: int,
     world: int,
+    note: Callable[[str], None] | None = None,
 ) -> tuple[ValidationSet, ResumableIterator]:
-    """This rank's validation set and resumable training iterator, decoded in Ray Data."""
+    """This rank's validation set and resumable training iterator, decoded in Ray Data;
+    ``note`` hears what the user should know (a validation set too big to cache)."""
     common = {
         "seed": trainer.seed,
         "device": device,
@@ -77,6 +83,7 @@ def build_streams(
         validation_ids(catalogs[VAL].num_rows, rank, world),
         trainer.val_batch_size or trainer.batch_size,
         trainer.validation_cache_mb * 2**20,
+        note,
     )
     return val_set, ResumableIterator(train_stream, plan, rank, world)
 
@@ -102,15 +109,28 @@ def make_checkpointer(
     )
 
 
-def start_feeder(
-    iterator: ResumableIterator, state: TrainState, plan: EpochPlan, trainer: Any
-) -> BatchFeeder:
-    """Batches from ``state``'s position to the end of training (the epoch's stream starts
-    at the position: nothing before it is read)."""
+def open_streams(
+    spec: WorkerSpec,
+    catalogs: dict[str, Any],
+    device: torch.device,
+    plan: EpochPlan,
+    rank: int,
+    world: int,
+    state: TrainState,
+) -> tuple[ValidationSet, BatchFeeder, float]:
+    """This rank's validation set, and its training batches from ``state``'s position to the
+    end of training (the epoch's stream starts at the position: nothing before it is read),
+    already decoding; and how long positioning took (the skip)."""
+    trainer = spec.job.trainer
+    note = spec.ledger.log.remote if rank == 0 else None  # one line for the run, not per rank
+    val_set, iterator = build_streams(
+        spec.dataset, catalogs, trainer, device, plan, rank, world, note
+    )
+    start = time.perf_counter()
     first = (
         iterator.epoch(state.epoch, state.position) if state.epoch < trainer.epochs else iter(())
     )
-    return BatchFeeder(
+    feeder = BatchFeeder(
         iterator,
         first,
         state.epoch,
@@ -119,6 +139,7 @@ def start_feeder(
         first_steps=plan.steps_per_epoch - state.position // plan.global_batch_size,
         steps_per_epoch=plan.steps_per_epoch,
     )
+    return val_set, feeder, time.perf_counter() - start
 
 
 class LossWindow:
@@ -324,27 +345,16 @@ class Worker:
         groups = parameter_groups(self.module, self.trainer.weight_decay_norm_and_bias)
         self.optimizer = build_optimizer(self.job.optimizer, groups, self.trainer.lr)
         self.autocast = self.trainer.precision == "bf16"
-        self.val_set, self.iterator = build_streams(
-            self.spec.dataset,
-            self.catalogs,
-            self.trainer,
-            self.device,
-            self.plan,
-            self.rank,
-            self.world,
-        )
 
-    def _restore(self) -> None:
-        restored = self.checkpointer.restore(
-            self.module, self.optimizer, self.device, self.plan.global_batch_size
-        )
-        if restored is None:
-            return
-        self.metrics.load_state_dict(restored.metrics)
-        self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
-        self.state = restored.state
-        self.validated_step = self.state.step if self.state.validated else -1
-        self.restore_info = restored.record()
+    def _locate(self) -> Restored | None:
+        """The checkpoint to restore, downloaded, its state (step, data position) applied."""
+        located = self.checkpointer.locate(self.plan.global_batch_size)
+        if located is not None:
+            self.metrics.load_state_dict(located.metrics)
+            self.metrics.add(M.CHECKPOINT_DOWNLOAD, located.download_s)
+            self.state = located.state
+            self.validated_step = self.state.step if self.state.validated else -1
+        return located
 
     def _validation_owed(self) -> bool:
         """Was the restored step due a validation that did not run to its end?"""
@@ -464,36 +474,36 @@ class Worker:
             self.attempt, {**progress, "time": time.time()}, self.metrics.as_dict()
         )
 
-    def _start_feeder(self) -> BatchFeeder:
-        """Position the iterator after the last trained sample (timed: the skip) and report
-        the restore; then stream batches from there to the end of training."""
-        start = time.perf_counter()
-        feeder = start_feeder(self.iterator, self.state, self.plan, self.trainer)
-        skip_s = time.perf_counter() - start
-        self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
-        self.checkpointer.send_storage_stats()
-        if self.rank == 0 and self.restore_info is not None:
-            self.ledger.restored.remote(self.attempt, {**self.restore_info, "skip": skip_s})
-        return feeder
-
     def run(self) -> None:
         self._register()
         if self.stop_reason is not None:  # a restart loop: the ledger says why
             return
         self.notices = make_notices(self.job, self.world, self.device, self.ledger, self.rank)
         self._build()
-        self.beat.enter("restore")  # until the iterator stands at the restored position
+        self.beat.enter("restore")  # until the stream starts at the restored position
         try:
-            self._restore()
+            located = self._locate()
         except NoUsableCheckpoint as exc:  # every rank: retrying would find the same
             if self.rank == 0:
                 self.ledger.set_fatal.remote(str(exc))
             return
-        if self._validation_owed():  # a preemption notice cut it short before the checkpoint
-            self._validate(self.state.epoch - 1 if self.state.position == 0 else self.state.epoch)
-        feeder = self._start_feeder()
-        self.beat.enter("warmup")  # until the first step
+        if located is not None:
+            self.checkpointer.load(located, self.module, self.optimizer, self.device)
+        self.val_set, feeder, skip_s = open_streams(
+            self.spec, self.catalogs, self.device, self.plan, self.rank, self.world, self.state
+        )
+        self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
         try:
+            if located is not None:
+                self.restore_info = {**located.record(), "skip": skip_s}
+                if self.rank == 0:
+                    self.ledger.restored.remote(self.attempt, self.restore_info)
+            self.checkpointer.send_storage_stats()
+            if self._validation_owed():  # a preemption notice cut it short before the checkpoint
+                self._validate(
+                    self.state.epoch - 1 if self.state.position == 0 else self.state.epoch
+                )
+            self.beat.enter("warmup")  # until the first step
             if not self._train(feeder):
                 return
         finally:

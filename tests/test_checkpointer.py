@@ -4,6 +4,7 @@ never ends without its final checkpoint."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -74,13 +75,16 @@ def test_a_saved_step_restores_model_optimizer_and_position(tmp_path: Path) -> N
     model, optimizer = model_and_optimizer(0)
     assert checkpointer.save(TrainState(step=7, epoch=1, position=64), model, optimizer, 32)
     fresh, fresh_optimizer = model_and_optimizer(1)
-    restored = checkpointer.restore(fresh, fresh_optimizer, "cpu", 32)
+    restored = checkpointer.locate(32)
     assert restored is not None and restored.state == TrainState(step=7, epoch=1, position=64)
+    assert not torch.equal(fresh.weight, model.weight)  # located: state read, nothing loaded
+    checkpointer.load(restored, fresh, fresh_optimizer, "cpu")
     assert torch.equal(fresh.weight, model.weight)
+    assert not os.path.exists(restored.local_dir)  # the local copy is gone once loaded
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert [name for name, _ in ledger.calls if name == "checkpoint"] == ["checkpoint"]
     with pytest.raises(RuntimeError, match="global batch 32, this run uses 64"):
-        checkpointer.restore(fresh, fresh_optimizer, "cpu", 64)
+        checkpointer.locate(64)
 
 
 def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Path) -> None:
@@ -89,7 +93,7 @@ def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Pat
     checkpointer.save(TrainState(step=5), model, optimizer, 32)
     _flip_bytes(checkpointer.store, 5)
     with pytest.raises(NoUsableCheckpoint, match="restart_if_unrecoverable=true") as err:
-        checkpointer.restore(model, optimizer, "cpu", 32)
+        checkpointer.locate(32)
     assert "step 5: model.pt does not match its checksum" in str(err.value)
     assert checkpointer.store.steps() == []
     [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
@@ -101,7 +105,7 @@ def test_starting_over_is_allowed_only_when_asked(tmp_path: Path) -> None:
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=5), model, optimizer, 32)
     _flip_bytes(checkpointer.store, 5)
-    assert checkpointer.restore(model, optimizer, "cpu", 32) is None
+    assert checkpointer.locate(32) is None
 
 
 def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
@@ -111,7 +115,7 @@ def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=5), model, optimizer, 32)
     checkpointer.store.fs.rm_file(checkpointer.store.manifest_path(5))  # killed mid-upload
-    assert checkpointer.restore(model, optimizer, "cpu", 32) is None
+    assert checkpointer.locate(32) is None
     assert checkpointer.store.steps() == []
 
 

@@ -96,13 +96,14 @@ class _LocalStream:
     def __init__(self, fail: bool = False) -> None:
         self.dataset = SyntheticDataset(num_samples=64, num_val_samples=40, image_size=8)
         self.catalog = self.dataset.catalog(VAL)
-        self.passes, self.fail = 0, fail
+        self.passes, self.fail, self.batches_decoded = 0, fail, 0
 
     def batches(self, ids, batch_size, epoch):
         self.passes += 1
         for i in range(0, len(ids), batch_size):
             if self.fail:
                 raise OSError("connection reset by peer")
+            self.batches_decoded += 1
             chunk = ids[i : i + batch_size]
             rows = _rows(self.catalog.take(pa.array(chunk)), len(chunk))
             images = torch.from_numpy(self.dataset.decode(rows, VAL, epoch, 0))
@@ -123,13 +124,19 @@ def test_validation_set_prefetches_once_and_serves_every_validation_from_memory(
     assert all(torch.equal(a.images, b.images) for a, b in zip(first, second, strict=True))
 
 
-def test_validation_set_too_big_to_cache_streams_every_time():
+def test_validation_set_too_big_to_cache_streams_every_time_and_says_so_at_once():
     stream = _LocalStream()
     one_batch = 8 * 3 * 8 * 8 * 4
-    val = ValidationSet(stream, validation_ids(40, 0, 2), batch_size=8, cache_bytes=one_batch)
+    notes: list[str] = []
+    val = ValidationSet(
+        stream, validation_ids(40, 0, 2), batch_size=8, cache_bytes=one_batch, note=notes.append
+    )
     val.prefetch()
     assert _ids(val) == _ids(val) == list(range(20))
     assert stream.passes == 3  # the abandoned prefetch, then one pass per validation
+    assert stream.batches_decoded == 1 + 3 + 3  # the prefetch stopped at its first batch
+    [note] = notes
+    assert "trainer.validation_cache_mb=0" in note and "every validation decodes it again" in note
     val.prefetch()  # does not try again
     assert stream.passes == 3
 
@@ -274,7 +281,8 @@ def test_imagefolder_lists_decodes_and_augments_per_sample(tmp_path):
     assert train.column("label").to_pylist() == [0, 0, 0, 1, 1, 1]
     rows = _rows(train, 6)
     first = ds.decode(rows, TRAIN, epoch=0, seed=0)
-    assert first.shape == (6, 3, 16, 16)
+    assert first.shape == (6, 3, 16, 16) and first.dtype == np.uint8  # normalised on the device
+    assert ds.normalisation() == ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert np.array_equal(first, ds.decode(rows, TRAIN, epoch=0, seed=0))  # same (seed, epoch, id)
     assert not np.array_equal(first, ds.decode(rows, TRAIN, epoch=1, seed=0))
     val = ds.decode(_rows(ds.catalog(VAL), 2), VAL, epoch=3, seed=1)
@@ -283,6 +291,46 @@ def test_imagefolder_lists_decodes_and_augments_per_sample(tmp_path):
         _ = ImageFolderDataset(path=str(tmp_path), num_classes=1000).num_classes
     with pytest.raises(FileNotFoundError, match="no images"):
         ImageFolderDataset(path=str(tmp_path / "missing")).catalog(TRAIN)
+
+
+def test_uint8_images_are_normalised_on_the_device_float_images_pass_as_they_are(tmp_path):
+    from ftjob.data import RayDataStream
+
+    ds = ImageFolderDataset(path=str(tmp_path), mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.5))
+    stream = RayDataStream(ds, pa.table({"id": [0]}), VAL, seed=0)
+    raw = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    mean = torch.tensor([0.4, 0.5, 0.6]).reshape(1, 3, 1, 1)
+    std = torch.tensor([0.2, 0.25, 0.5]).reshape(1, 3, 1, 1)
+    normalised = stream._normalised(raw)
+    assert normalised.dtype == torch.float32
+    torch.testing.assert_close(normalised, (raw.float() / 255 - mean) / std)
+    already = torch.randn(2, 3, 4, 4)
+    assert stream._normalised(already) is already
+
+
+def test_a_large_jpeg_decodes_at_a_reduced_scale_with_the_same_crop(tmp_path):
+    """PIL's draft mode: a 1024 px JPEG whose crop is shrunk to 32 px decodes at 1/8 scale;
+    the picture is the same one, up to the JPEG's own reduced-scale rounding."""
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:1024, 0:1024]
+    smooth = np.stack([xx % 256, yy % 256, (xx + yy) % 256], axis=-1).astype(np.uint8)
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+        Image.fromarray(smooth).save(tmp_path / split / "a" / "big.jpg", quality=95)
+        Image.fromarray(smooth).save(tmp_path / split / "a" / "big.png")
+    ds = ImageFolderDataset(path=str(tmp_path), image_size=32, resize_size=36, num_classes=None)
+    rows = _rows(ds.catalog(VAL), 2)
+    assert [str(p).rsplit(".", 1)[1] for p in rows["path"]] == ["jpg", "png"]
+    jpeg, png = ds.decode(rows, VAL, epoch=0, seed=0)  # the PNG is decoded at full size
+    assert np.abs(jpeg.astype(int) - png.astype(int)).mean() < 2
+    from ftjob.datasets import _draft
+
+    with Image.open(tmp_path / "val" / "a" / "big.jpg") as img:
+        drafted, factor = _draft(img, 1024 / 36)
+        assert drafted.size == (128, 128) and factor == 1 / 8  # 1/8 still has >= 36 px a side
+    with Image.open(tmp_path / "val" / "a" / "big.png") as img:
+        assert _draft(img, 1024 / 36) == (img, 1.0)  # not a JPEG: decoded as it is
 
 
 def test_sample_rng_does_not_depend_on_batching():
