@@ -175,13 +175,15 @@ class RayDataStream:
         blocks = [rows.slice(i, block) for i in range(0, rows.num_rows, block)]
         decode = _Decode(self.dataset, self.split, epoch, self.seed)
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        # As decoded: uint8 when the dataset normalises on the device, else float32.
+        image_dtype = torch.uint8 if self.dataset.normalisation() else torch.float32
         for window in self._windows(blocks, decode):
             for b in window.iter_torch_batches(
                 batch_size=batch_size,
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
                 pin_memory=self.pin_memory,
-                dtypes={"label": torch.int64, "id": torch.int64},  # images: as decoded
+                dtypes={"image": image_dtype, "label": torch.int64, "id": torch.int64},
             ):
                 yield Batch(
                     images=self._normalised(b["image"]).contiguous(memory_format=memory_format),

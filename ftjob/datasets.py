@@ -77,12 +77,13 @@ class ImageDataset(ABC):
 
 def _draft(img: Any, shrink: float) -> tuple[Any, float]:
     """``img`` set to decode at a reduced scale (JPEG only: PIL's draft mode) that keeps at
-    least ``1/shrink`` of its size, and the scale it got (1.0 when none)."""
+    least ``1/shrink`` of its size, and the scale it got: 1/2, 1/4, 1/8, or 1.0 for none."""
     if shrink < 2 or img.format != "JPEG":
         return img, 1.0
     width = img.size[0]
     img.draft("RGB", (math.ceil(img.size[0] / shrink), math.ceil(img.size[1] / shrink)))
-    return img, img.size[0] / width
+    # The reduced size is rounded up (1001 px at 1/2: 501), so the scale is the power of two.
+    return img, 1.0 / round(width / img.size[0])
 
 
 class DigitsDataset(ImageDataset):
@@ -380,7 +381,10 @@ class ImageFolderDataset(ImageDataset):
                 # `size` pixels a side at that scale: the box is scaled to match.
                 shrink = min(box[2] - box[0], box[3] - box[1]) / size
                 img, factor = _draft(img, shrink)
-                box = tuple(v * factor for v in box)
+                w, h = img.size
+                box = tuple(
+                    min(v * factor, edge) for v, edge in zip(box, (w, h, w, h), strict=True)
+                )
                 out = img.convert("RGB").resize((size, size), Image.BILINEAR, box=box)
                 if rng.random() < 0.5:
                     out = out.transpose(Image.FLIP_LEFT_RIGHT)

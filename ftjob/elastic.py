@@ -36,18 +36,31 @@ def describe_restart(before: int | None, world: int | None, most: int | None) ->
     return line
 
 
-def resize_records(
-    attempts: list[dict[str, Any]], failures: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
+def ended_by_resize(snap: dict[str, Any]) -> set[int]:
+    """Indexes of the attempts a planned resize ended: the scaling policy carried one out
+    while the attempt ran (``executed_resizes``), and no failure was noticed in it."""
+    attempts, done = snap["attempts"], snap.get("executed_resizes", [])
+    noticed = [f["noticed"] for f in snap["failures"]]
+    ended = set()
+    for a, nxt in zip(attempts, attempts[1:], strict=False):
+        lo, hi = a["started"], nxt["started"]
+        if any(lo <= t < hi for t in done) and not any(lo <= t < hi for t in noticed):
+            ended.add(a["index"])
+    return ended
+
+
+def resize_records(snap: dict[str, Any], failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per change of world size between attempts: a shrink or grow after a
     failure (Ray Train restarted the group on what it could place), or a planned resize (the
-    group was running when capacity changed; it committed a checkpoint of its step first).
-    ``failures`` are the run's failure records (their clock: the failure's origin)."""
+    group was running when capacity changed; it committed a checkpoint of its step first,
+    unless the workers did not agree in time). ``failures`` are the run's failure records
+    (their clock: the failure's origin)."""
+    attempts, planned = snap["attempts"], ended_by_resize(snap)
+    done = snap.get("executed_resizes", [])
     by_attempt = {f["attempt"]: f for f in failures}
     records = []
     for prev, nxt in zip(attempts, attempts[1:], strict=False):
         before, after = prev.get("world_size"), nxt.get("world_size")
-        planned = prev.get("resize")
         if before is None or after is None or before == after:
             continue
         restored = (nxt.get("restored") or {}).get("step", 0)
@@ -56,16 +69,19 @@ def resize_records(
             "kind": "grow" if after > before else "shrink",
             "from": before,
             "to": after,
-            "cause": "planned" if planned else "failure",
+            "cause": "planned" if prev["index"] in planned else "failure",
             "lost_steps": max(0, prev["max_step"] - restored),
         }
-        failure = by_attempt.get(prev["index"] + 1)
-        t0 = planned["received"] if planned else (failure or {}).get("time")
+        if prev["index"] in planned:
+            notice = prev.get("resize") or {}  # none: the workers did not agree in time
+            executed = [t for t in done if prev["started"] <= t < nxt["started"]]
+            t0 = notice.get("received", executed[0] if executed else None)
+            record["checkpoint"] = (notice.get("jit") or {}).get("path")
+        else:
+            t0 = (by_attempt.get(prev["index"] + 1) or {}).get("time")
         first = nxt.get("first_step")
         record["time_to_recover_s"] = first["time"] - t0 if first and t0 is not None else None
         record["first_step_s"] = (first or {}).get("took", 0.0)
-        if planned:
-            record["checkpoint"] = (planned.get("jit") or {}).get("path")
         records.append(record)
     return records
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ftjob import metrics as M
+from ftjob.elastic import ended_by_resize
 
 PREEMPTION = "preemption"  # the kind of a failure record that a notice came before
 NOT_FAILURES = ("hang", "slow")  # chaos that causes no failure itself (a hang is found, then ended)
@@ -50,7 +51,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
     noticed = sorted(f["noticed"] for f in snap["failures"])
     errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
     events = _recovery_events(snap)
-    failed = [a["index"] for a in attempts[:-1] if not a.get("resize")]
+    failed = [a["index"] for a in attempts[:-1] if a["index"] not in ended_by_resize(snap)]
     records = []
     for k in range(max(len(failed), len(noticed))):
         # Past the attempts followed by another: the last one, which died.

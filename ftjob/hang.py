@@ -261,14 +261,15 @@ def restart_loop(attempts: list[dict[str, Any]], loop_attempts: int, min_steps: 
     """Why the run must stop, when the last ``loop_attempts`` finished attempts each failed
     before raising the run's high-water mark by ``min_steps`` steps; else None. ``attempts``
     are the ledger's, the newest (just started) one last; attempts ended by a preemption
-    notice do not count."""
+    notice or a planned resize do not count."""
     if loop_attempts <= 0 or len(attempts) <= loop_attempts:
         return None
     ended = attempts[:-1]
     high = 0
     gains = []
     for attempt in ended:
-        gains.append((attempt["max_step"] - high, bool(attempt.get("preemption"))))
+        planned = attempt.get("preemption") or attempt.get("resize")  # not failures
+        gains.append((attempt["max_step"] - high, bool(planned)))
         high = max(high, attempt["max_step"])
     recent = gains[-loop_attempts:]
     if any(preempted or gain >= min_steps for gain, preempted in recent):

@@ -140,6 +140,8 @@ class RunLedger(ChaosRecords):
         self.fatal: str | None = None
         self.stop_request: dict[str, Any] | None = None
         self.resize_request: dict[str, Any] | None = None
+        self.executed_resizes: list[float] = []
+        self.resize_said: tuple[int, int] | None = None
         self.finished: float | None = None
         self.pending_failures = set(fail_at_steps or [])
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
@@ -293,7 +295,13 @@ class RunLedger(ChaosRecords):
     # -- preemption -------------------------------------------------------------------------
 
     def request_stop(self, reason: str, now: float) -> None:
-        """The driver got a notice (SIGTERM): the workers checkpoint their current step."""
+        """The driver got a notice (SIGTERM): the workers checkpoint their current step.
+        Workers already checkpointing for a resize need do nothing else: that checkpoint is
+        the notice's."""
+        latest = self.attempts[-1] if self.attempts else None
+        if latest is not None and latest.get("resize") and not latest["preemption"]:
+            latest["preemption"] = {**latest.pop("resize"), "source": DRIVER}
+            latest["resize"] = None
         if self.stop_request is None:
             self.stop_request = {"reason": reason, "time": now}
             self.log(f"preemption notice ({reason}): checkpointing the current step, then stopping")
@@ -306,13 +314,19 @@ class RunLedger(ChaosRecords):
         checkpoint of their current step (the preemption path), so the resize loses nothing."""
         if self.resize_request is None:
             self.resize_request = {"from": current, "to": target, "requested": now}
-            self.log(f"capacity for {target} workers (running on {current}): resizing")
+            if self.resize_said != (current, target):  # the policy asks again until served
+                self.resize_said = (current, target)
+                self.log(f"capacity for {target} workers (running on {current}): resizing")
 
     def notice_request(self) -> str | None:
         """What rank 0's notice poller acts on: a stop (SIGTERM to the driver), a resize."""
         if self.stop_request is not None:
             return DRIVER
         return RESIZE if self.resize_request is not None else None
+
+    def resize_executed(self, now: float) -> None:
+        """The scaling policy handed Ray Train a resize of the running group."""
+        self.executed_resizes.append(now)
 
     def resize_checkpointed(self) -> bool:
         """The latest attempt committed (or tried to) its checkpoint before the resize."""
@@ -325,6 +339,8 @@ class RunLedger(ChaosRecords):
 
     def preemption_notice(self, attempt: int, record: dict[str, Any]) -> None:
         """Rank 0, when every rank agreed on a notice (before the just-in-time checkpoint)."""
+        if record["source"] == RESIZE and self.stop_request is not None:
+            record = {**record, "source": DRIVER}  # the stop came meanwhile: it is the notice
         if record["source"] == RESIZE:  # planned, not a preemption
             record = {**record, **(self.resize_request or {})}
             self.attempts[attempt]["resize"] = dict(record)
@@ -381,6 +397,7 @@ class RunLedger(ChaosRecords):
                 "progress": self.progress,
                 "fatal": self.fatal,
                 "stop_request": self.stop_request,
+                "executed_resizes": self.executed_resizes,
                 **self.watch.snapshot(),
             }
         )

@@ -63,7 +63,8 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
         super().__init__(scaling_config)
         self.ledger = ledger
         self.grow_timeout_s = grow_timeout_s
-        self._pending: tuple[ResizeDecision, float] | None = None  # waiting for its checkpoint
+        self._pending: tuple[int, float] | None = None  # (target, asked at): its checkpoint
+        self._running = False
 
     def _get_reserved_resources(self) -> Any:
         now = time_monotonic()
@@ -91,34 +92,40 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
         return reserved
 
     def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
-        self._pending = None  # the group failed first: an ordinary restart
+        if self._running:  # the group just failed: a view from before is not good enough
+            self._latest_reserved_resources_query_time = float("-inf")
+            self._running = False
+        self._pending = None  # an ordinary restart, whatever was planned
         return super().make_decision_for_non_running_worker_group()
 
     def make_decision_for_running_worker_group(
         self, worker_group_state: Any, worker_group_status: Any
     ) -> ScalingDecision:
+        self._running = True
+        current = worker_group_state.num_workers
         if self._pending is not None:
-            return self._resize_when_checkpointed()
+            return self._resize_when_checkpointed(current)
         decision = super().make_decision_for_running_worker_group(
             worker_group_state, worker_group_status
         )
-        current = worker_group_state.num_workers
         if not isinstance(decision, ResizeDecision) or decision.num_workers < current:
             # Fewer placeable workers while the group runs: a node is dying under it, and the
             # failure it is about to cause restarts the group on what is left.
             return NoopDecision()
         self.ledger.request_resize.remote(current, decision.num_workers, time.time())
-        self._pending = (decision, time_monotonic())
+        self._pending = (decision.num_workers, time_monotonic())
         return NoopDecision()
 
-    def _resize_when_checkpointed(self) -> ScalingDecision:
+    def _resize_when_checkpointed(self, current: int) -> ScalingDecision:
         assert self._pending is not None
-        decision, asked = self._pending
+        target, asked = self._pending
         try:
             done = ray.get(self.ledger.resize_checkpointed.remote(), timeout=10)
         except Exception:
             done = False
         if not done and time_monotonic() - asked < self.grow_timeout_s:
+            # Again: a request made before this group's first step is cleared by its start.
+            self.ledger.request_resize.remote(current, target, time.time())
             return NoopDecision()
         if not done:
             logger.warning(
@@ -126,7 +133,12 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
                 self.grow_timeout_s,
             )
         self._pending = None
-        return decision
+        # The workers wait to be torn down now: restart them, at what can be placed now (the
+        # capacity may have gone again meanwhile; the same size still restarts the group).
+        reserved = self._get_reserved_resources()
+        placeable = self._count_possible_workers(reserved) if reserved is not None else target
+        self.ledger.resize_executed.remote(time.time())
+        return self._get_resize_decision(max(self.scaling_config.min_workers, placeable))
 
 
 @contextlib.contextmanager

@@ -253,7 +253,7 @@ def build_summary(
     """``run_started``: when the driver started (the goodput clock; default: the ledger's
     start, which misses the driver's own start-up)."""
     failures = failure_records(snap)
-    resizes = resize_records(snap["attempts"], failures)
+    resizes = resize_records(snap, failures)
     storage = storage_totals(snap, driver_storage)
     metrics = summary_metrics(snap, failures, storage)
     most = snap["plan"].get("num_workers")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import threading
 
 import numpy as np
@@ -331,6 +332,21 @@ def test_a_large_jpeg_decodes_at_a_reduced_scale_with_the_same_crop(tmp_path):
         assert drafted.size == (128, 128) and factor == 1 / 8  # 1/8 still has >= 36 px a side
     with Image.open(tmp_path / "val" / "a" / "big.png") as img:
         assert _draft(img, 1024 / 36) == (img, 1.0)  # not a JPEG: decoded as it is
+
+
+def test_a_drafted_crop_that_reaches_the_edge_of_an_odd_sized_jpeg_stays_inside_it(
+    tmp_path, monkeypatch
+):
+    """1001 x 800 at 1/2 scale is 501 x 400 (PIL rounds up): a crop box to the bottom-right
+    corner scaled by 501/1001 would end past the image; by the true 1/2 it ends at its edge."""
+    from PIL import Image
+
+    data = io.BytesIO()
+    Image.fromarray(np.full((800, 1001, 3), 128, dtype=np.uint8)).save(data, format="JPEG")
+    ds = ImageFolderDataset(path=str(tmp_path), image_size=224, augment=True)
+    monkeypatch.setattr(ds, "_crop_box", lambda w, h, rng: (201, 0, 1001, 800))
+    out = ds._transform(data.getvalue(), True, np.random.default_rng(0))
+    assert out.shape == (224, 224, 3) and out.dtype == np.uint8
 
 
 def test_sample_rng_does_not_depend_on_batching():

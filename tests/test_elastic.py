@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from ftjob import metrics as M
 from ftjob.config import ConfigError, TrainerConfig
 from ftjob.elastic import micro_batches
+from ftjob.hang import restart_loop
 from ftjob.preemption import RESIZE
-from ftjob.summary import build_summary, format_summary
+from ftjob.summary import FitOutcome, build_summary, decide_status, format_summary
 from ftjob.train_loop import backward_in_micro_batches
 from tests.test_summary import make_ledger, restored, train
 
@@ -106,6 +107,7 @@ def shrunk_and_grown():
     assert not ledger.resize_checkpointed()
     ledger.jit_checkpoint(a1, {"step": 12, "path": "/ck/step_12", "seconds": 0.2, "time": 31.0})
     assert ledger.resize_checkpointed()
+    ledger.resize_executed(31.5)  # the policy hands Ray Train the resize
     a2 = ledger.begin_attempt(36.0, world=2)
     assert ledger.notice_request() is None  # served: the grown group is not asked again
     ledger.restored(a2, restored(12))
@@ -148,3 +150,91 @@ def test_a_shrink_after_a_node_loss_and_a_planned_grow_are_recorded_as_such():
     assert "resize at attempt 3: grow 1 -> 2 workers (planned), lost 0 steps" in format_summary(
         summary
     )
+
+
+def test_a_resize_the_workers_did_not_agree_on_in_time_is_still_planned_not_a_failure():
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    a0 = ledger.begin_attempt(0.0, world=1)
+    ledger.first_step(a0, 1, 1.0)
+    train(ledger, a0, range(1, 9), audit=False)
+    ledger.request_resize(1, 2, 10.0)
+    ledger.resize_executed(130.0)  # timed out: resized without a checkpoint
+    a1 = ledger.begin_attempt(134.0, world=2)
+    assert ledger.notice_request() is None
+    ledger.restored(a1, restored(5))
+    ledger.first_step(a1, 6, 140.0)
+    train(ledger, a1, range(6, 10), audit=False)
+    ledger.failure_noticed(150.0, {0: "ActorDiedError"})  # a real failure, later
+    a2 = ledger.begin_attempt(156.0, world=2)
+    ledger.restored(a2, restored(5))
+    ledger.first_step(a2, 6, 160.0)
+    summary = build_summary(
+        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=170, config={}
+    )
+    [grow] = summary["resizes"]
+    assert (grow["cause"], grow["lost_steps"], grow["checkpoint"]) == ("planned", 3, None)
+    assert grow["time_to_recover_s"] == pytest.approx(10.0)  # from the executed resize
+    [failure] = summary["failures"]  # the failure belongs to the attempt it happened in
+    assert failure["attempt"] == 2 and failure["error"] == "ActorDiedError"
+    assert failure["lost_steps"] == 4
+
+
+def test_a_failure_during_a_planned_resize_is_a_failure():
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    a0 = ledger.begin_attempt(0.0, world=1)
+    train(ledger, a0, range(1, 5), audit=False)
+    ledger.request_resize(1, 2, 10.0)
+    ledger.preemption_notice(
+        a0, {"source": RESIZE, "deadline": None, "received": 10.5, "step": 4, "ranks": []}
+    )
+    ledger.resize_executed(12.0)
+    ledger.failure_noticed(12.5, {0: "ActorDiedError: node died"})  # before the teardown
+    ledger.begin_attempt(20.0, world=2)
+    snap = ledger.snapshot()
+    assert [
+        f["error"]
+        for f in build_summary(
+            snap, name="r", status="failed", error="x", wall_time_s=30, config={}
+        )["failures"]
+    ] == ["ActorDiedError: node died"]
+
+
+def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the_notice_s():
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    a0 = ledger.begin_attempt(0.0, world=1)
+    train(ledger, a0, range(1, 4), audit=False)
+    ledger.request_resize(1, 2, 5.0)
+    ledger.preemption_notice(
+        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
+    )
+    ledger.request_stop("SIGTERM", 5.3)
+    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
+    assert ledger.latest_preemption()["jit"]["step"] == 3
+    assert not ledger.resize_checkpointed()  # the policy does not resize a stopping run
+    status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
+    assert status == "preempted" and "just-in-time checkpoint of step 3" in error
+
+    late = make_ledger()  # the stop came before the workers agreed on the resize
+    a0 = late.begin_attempt(0.0, world=1)
+    late.request_resize(1, 2, 5.0)
+    late.request_stop("SIGTERM", 5.1)
+    late.preemption_notice(
+        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
+    )
+    assert late.latest_preemption()["source"] == "driver" and late.attempts[0]["resize"] is None
+
+
+def test_attempts_ended_by_planned_resizes_are_no_restart_loop():
+    attempts = [
+        {"max_step": 7, "resize": None, "preemption": None},
+        {"max_step": 6, "resize": {"step": 6}, "preemption": None},  # shrunk: restored to 5
+        {"max_step": 6, "resize": {"step": 6}, "preemption": None},
+        {"max_step": 6, "resize": {"step": 6}, "preemption": None},
+        {"max_step": 0, "resize": None, "preemption": None},  # just started
+    ]
+    assert restart_loop(attempts, 3, 1) is None
+    failed = [dict(a, resize=None) for a in attempts]
+    assert restart_loop(failed, 3, 1) is not None
