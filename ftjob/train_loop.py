@@ -266,6 +266,7 @@ def backward_in_micro_batches(
     labels: torch.Tensor,
     batch_size: int,
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    before_backward: Callable[[], None] = lambda: None,
 ) -> torch.Tensor:
     """Gradients of the mean loss over this rank's slice, in micro-batches of at most
     ``batch_size`` (several only below full size: elastic). Each micro-batch's mean loss is
@@ -280,6 +281,8 @@ def backward_in_micro_batches(
             loss = loss_of(images[lo:hi], labels[lo:hi])
             if len(chunks) > 1:
                 loss = loss * ((hi - lo) / n)
+            if lo == 0:  # after DDP's forward sync of buffers, before the gradient all-reduce
+                before_backward()
             loss.backward()
         total += loss.detach()
     return total
@@ -408,10 +411,9 @@ class Worker:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-        self.beat.straggle()  # chaos=slow
         loss = backward_in_micro_batches(
-            self.model, images, labels, self.trainer.batch_size, self._loss
-        )
+            self.model, images, labels, self.trainer.batch_size, self._loss, self.beat.straggle
+        )  # chaos=slow sleeps between forward and backward: local time, not the others' wait
         self.optimizer.step()
         return loss
 
