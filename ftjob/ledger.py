@@ -299,7 +299,13 @@ class RunLedger(ChaosRecords):
         Workers already checkpointing for a resize need do nothing else: that checkpoint is
         the notice's."""
         latest = self.attempts[-1] if self.attempts else None
-        if latest is not None and latest.get("resize") and not latest["preemption"]:
+        executed = bool(latest and any(t >= latest["started"] for t in self.executed_resizes))
+        if (
+            latest is not None
+            and latest.get("resize")
+            and not latest["preemption"]
+            and not executed
+        ):
             latest["preemption"] = {**latest.pop("resize"), "source": DRIVER}
             latest["resize"] = None
         if self.stop_request is None:
@@ -327,11 +333,18 @@ class RunLedger(ChaosRecords):
     def resize_executed(self, now: float) -> None:
         """The scaling policy handed Ray Train a resize of the running group."""
         self.executed_resizes.append(now)
+        self.resize_request = None  # served; a later request is a new one, and is said
+        self.resize_said = None
 
     def resize_checkpointed(self) -> bool:
-        """The latest attempt committed (or tried to) its checkpoint before the resize."""
+        """The latest attempt committed (or tried to) its checkpoint for the resize asked now
+        (not for an earlier one, whose record the previous group's attempt still holds)."""
         latest = self.attempts[-1] if self.attempts else None
-        return bool(latest and latest.get("resize") and "jit" in latest["resize"])
+        record, asked = (latest or {}).get("resize"), self.resize_request
+        return (
+            bool(record and asked and record.get("requested") == asked["requested"])
+            and "jit" in record
+        )
 
     def latest_preemption(self) -> dict[str, Any] | None:
         """The latest attempt's notice and JIT checkpoint record (for the driver's wait)."""

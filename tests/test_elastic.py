@@ -238,3 +238,27 @@ def test_attempts_ended_by_planned_resizes_are_no_restart_loop():
     assert restart_loop(attempts, 3, 1) is None
     failed = [dict(a, resize=None) for a in attempts]
     assert restart_loop(failed, 3, 1) is not None
+
+
+def test_a_new_resize_is_not_taken_as_checkpointed_by_the_last_one_s_record():
+    """Resized to 1 (all that could be placed), capacity is back before the new group's rank 0
+    registered: the old attempt's record answers for the old request, not the new one."""
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    a0 = ledger.begin_attempt(0.0, world=2)
+    ledger.request_resize(2, 2, 5.0)
+    ledger.preemption_notice(
+        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
+    )
+    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
+    assert ledger.resize_checkpointed()
+    ledger.resize_executed(6.0)
+    ledger.request_resize(1, 2, 7.0)  # before the resized group's begin_attempt
+    assert not ledger.resize_checkpointed()
+    ledger.request_stop("SIGTERM", 7.5)  # that resize was carried out: not the notice's
+    assert ledger.attempts[0]["resize"]["jit"]["step"] == 3 and not ledger.attempts[0]["preemption"]
+    said = [line for line in ledger.lines if line.startswith("capacity for")]
+    assert said == [
+        "capacity for 2 workers (running on 2): resizing",
+        "capacity for 2 workers (running on 1): resizing",
+    ]
