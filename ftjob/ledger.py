@@ -112,7 +112,52 @@ class ChaosRecords:
         return sorted(self.kills + self.pending_kills, key=lambda k: k["time"])
 
 
-class RunLedger(ChaosRecords):
+class ElasticRecords:
+    """The run ledger's elastic part: a planned resize of the running group, from the scaling
+    policy's request through the workers' checkpoint to the resize it carried out."""
+
+    attempts: list[dict[str, Any]]
+    stop_request: dict[str, Any] | None
+    resize_request: dict[str, Any] | None
+    resize_said: tuple[int, int] | None
+    executed_resizes: list[float]
+
+    def log(self, line: str) -> None:
+        raise NotImplementedError
+
+    def request_resize(self, current: int, target: int, now: float) -> None:
+        """The elastic scaling policy will resize the running group: the workers first commit a
+        checkpoint of their current step (the preemption path), so the resize loses nothing."""
+        if self.resize_request is None:
+            self.resize_request = {"from": current, "to": target, "requested": now}
+            if self.resize_said != (current, target):  # the policy asks again until served
+                self.resize_said = (current, target)
+                self.log(f"capacity for {target} workers (running on {current}): resizing")
+
+    def notice_request(self) -> str | None:
+        """What rank 0's notice poller acts on: a stop (SIGTERM to the driver), a resize."""
+        if self.stop_request is not None:
+            return DRIVER
+        return RESIZE if self.resize_request is not None else None
+
+    def resize_executed(self, now: float) -> None:
+        """The scaling policy handed Ray Train a resize of the running group."""
+        self.executed_resizes.append(now)
+        self.resize_request = None  # served; a later request is a new one, and is said
+        self.resize_said = None
+
+    def resize_checkpointed(self) -> bool:
+        """The latest attempt committed (or tried to) its checkpoint for the resize asked now
+        (not for an earlier one, whose record the previous group's attempt still holds)."""
+        latest = self.attempts[-1] if self.attempts else None
+        record, asked = (latest or {}).get("resize"), self.resize_request
+        return (
+            bool(record and asked and record.get("requested") == asked["requested"])
+            and "jit" in record
+        )
+
+
+class RunLedger(ChaosRecords, ElasticRecords):
     """Plain class; :func:`start_ledger` runs it as a Ray actor."""
 
     def __init__(
@@ -314,37 +359,6 @@ class RunLedger(ChaosRecords):
 
     def stop_requested(self) -> bool:
         return self.stop_request is not None
-
-    def request_resize(self, current: int, target: int, now: float) -> None:
-        """The elastic scaling policy will resize the running group: the workers first commit a
-        checkpoint of their current step (the preemption path), so the resize loses nothing."""
-        if self.resize_request is None:
-            self.resize_request = {"from": current, "to": target, "requested": now}
-            if self.resize_said != (current, target):  # the policy asks again until served
-                self.resize_said = (current, target)
-                self.log(f"capacity for {target} workers (running on {current}): resizing")
-
-    def notice_request(self) -> str | None:
-        """What rank 0's notice poller acts on: a stop (SIGTERM to the driver), a resize."""
-        if self.stop_request is not None:
-            return DRIVER
-        return RESIZE if self.resize_request is not None else None
-
-    def resize_executed(self, now: float) -> None:
-        """The scaling policy handed Ray Train a resize of the running group."""
-        self.executed_resizes.append(now)
-        self.resize_request = None  # served; a later request is a new one, and is said
-        self.resize_said = None
-
-    def resize_checkpointed(self) -> bool:
-        """The latest attempt committed (or tried to) its checkpoint for the resize asked now
-        (not for an earlier one, whose record the previous group's attempt still holds)."""
-        latest = self.attempts[-1] if self.attempts else None
-        record, asked = (latest or {}).get("resize"), self.resize_request
-        return (
-            bool(record and asked and record.get("requested") == asked["requested"])
-            and "jit" in record
-        )
 
     def latest_preemption(self) -> dict[str, Any] | None:
         """The latest attempt's notice and JIT checkpoint record (for the driver's wait)."""
