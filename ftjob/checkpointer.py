@@ -254,8 +254,7 @@ class Checkpointer:
 
     def locate(self, global_batch: int) -> Restored | None:
         """Rank 0 picks the newest valid checkpoint; every rank has it downloaded and its
-        state read -- the data position is known before the model exists, so the stream can
-        start there while the model is built; :meth:`load` then fills model and optimizer.
+        state (step, data position) read; :meth:`load` then fills model and optimizer.
         Raises :class:`NoUsableCheckpoint` on every rank when committed checkpoints exist but
         none verifies (unless checkpoint.restart_if_unrecoverable)."""
         start = time.perf_counter()

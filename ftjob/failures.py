@@ -50,8 +50,8 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
     attempts = snap["attempts"]
     noticed = sorted(f["noticed"] for f in snap["failures"])
     errors = [f["errors"] for f in sorted(snap["failures"], key=lambda f: f["noticed"])]
-    events = _recovery_events(snap)
-    failed = [a["index"] for a in attempts[:-1] if a["index"] not in ended_by_resize(snap)]
+    events, planned = _recovery_events(snap), ended_by_resize(snap)
+    failed = [a["index"] for a in attempts[:-1] if a["index"] not in planned]
     records = []
     for k in range(max(len(failed), len(noticed))):
         # Past the attempts followed by another: the last one, which died.

@@ -85,7 +85,7 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
             if down:
                 logger.info("elastic: not counting %d unreachable node(s)", len(down))
             reserved = {node: res for node, res in fresh.items() if node not in down}
-        except Exception:
+        except ray.exceptions.RayError:  # the coordinator or the GCS did not answer
             logger.warning("elastic: could not read the cluster's resources", exc_info=True)
         self._latest_reserved_resources_query_time = time_monotonic()
         self._latest_reserved_resources = reserved
@@ -121,7 +121,8 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
         target, asked = self._pending
         try:
             done = ray.get(self.ledger.resize_checkpointed.remote(), timeout=10)
-        except Exception:
+        except ray.exceptions.RayError as exc:  # asked again at the next poll
+            logger.warning("elastic: the run ledger did not answer: %s", exc)
             done = False
         if not done and time_monotonic() - asked < self.grow_timeout_s:
             # Again: a request made before this group's first step is cleared by its start.

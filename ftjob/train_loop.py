@@ -9,7 +9,6 @@ steps and checkpointing every M steps (rank 0 writes and uploads, every rank rep
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import time
@@ -51,8 +50,6 @@ from ftjob.models import build_model
 from ftjob.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.preemption import PreemptionNotices
 from ftjob.storage import RetryingFileSystem, set_fault_stream
-
-logger = logging.getLogger(__name__)
 
 
 def build_streams(
@@ -319,10 +316,8 @@ class Worker:
     # -- setup ----------------------------------------------------------------------------
 
     def _register(self) -> None:
-        now = time.time()
-        start = (
-            ray.get(self.ledger.start_attempt.remote(now, self.world)) if self.rank == 0 else None
-        )
+        ask = self.ledger.start_attempt
+        start = ray.get(ask.remote(time.time(), self.world)) if self.rank == 0 else None
         start = broadcast(start, self.world)
         self.attempt, self.stop_reason = start["attempt"], start["stop"]
         set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")

@@ -83,13 +83,24 @@ def test_elastic_config_is_checked_before_ray_starts():
     assert err.value.key == "trainer.resize_interval"
 
 
+def agree_on_resize(ledger, attempt: int, step: int, received: float) -> None:
+    """What rank 0 sends once every rank agreed on the policy's resize request."""
+    notice = {"source": RESIZE, "deadline": None, "received": received, "step": step}
+    ledger.preemption_notice(attempt, {**notice, "ranks": []})
+
+
+def elastic_ledger(world: int):
+    """A ledger of a run of at most 2 workers, its first attempt started on ``world``."""
+    ledger = make_ledger()
+    ledger.plan["num_workers"] = 2
+    return ledger, ledger.begin_attempt(0.0, world=world)
+
+
 def shrunk_and_grown():
     """Attempt 0 on 2 workers dies with its node at step 7 (checkpoint at 5); attempt 1
     continues on 1 worker from step 5; capacity returns at step 12: a checkpoint of step 12,
     then attempt 2 on 2 workers from step 12."""
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
-    a0 = ledger.begin_attempt(0.0, world=2)
+    ledger, a0 = elastic_ledger(2)
     ledger.first_step(a0, 1, 1.0)
     train(ledger, a0, range(1, 8), audit=False)
     ledger.kill({"time": 10.0, "kind": "node", "target": {"node_id": "n2", "ranks": [1]}})
@@ -101,9 +112,7 @@ def shrunk_and_grown():
     train(ledger, a1, range(6, 13), audit=False)
     ledger.request_resize(1, 2, 30.0)
     assert ledger.notice_request() == RESIZE
-    ledger.preemption_notice(
-        a1, {"source": RESIZE, "deadline": None, "received": 30.5, "step": 12, "ranks": []}
-    )
+    agree_on_resize(ledger, a1, step=12, received=30.5)
     assert not ledger.resize_checkpointed()
     ledger.jit_checkpoint(a1, {"step": 12, "path": "/ck/step_12", "seconds": 0.2, "time": 31.0})
     assert ledger.resize_checkpointed()
@@ -153,9 +162,7 @@ def test_a_shrink_after_a_node_loss_and_a_planned_grow_are_recorded_as_such():
 
 
 def test_a_resize_the_workers_did_not_agree_on_in_time_is_still_planned_not_a_failure():
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
-    a0 = ledger.begin_attempt(0.0, world=1)
+    ledger, a0 = elastic_ledger(1)
     ledger.first_step(a0, 1, 1.0)
     train(ledger, a0, range(1, 9), audit=False)
     ledger.request_resize(1, 2, 10.0)
@@ -181,14 +188,10 @@ def test_a_resize_the_workers_did_not_agree_on_in_time_is_still_planned_not_a_fa
 
 
 def test_a_failure_during_a_planned_resize_is_a_failure():
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
-    a0 = ledger.begin_attempt(0.0, world=1)
+    ledger, a0 = elastic_ledger(1)
     train(ledger, a0, range(1, 5), audit=False)
     ledger.request_resize(1, 2, 10.0)
-    ledger.preemption_notice(
-        a0, {"source": RESIZE, "deadline": None, "received": 10.5, "step": 4, "ranks": []}
-    )
+    agree_on_resize(ledger, a0, step=4, received=10.5)
     ledger.resize_executed(12.0)
     ledger.failure_noticed(12.5, {0: "ActorDiedError: node died"})  # before the teardown
     ledger.begin_attempt(20.0, world=2)
@@ -202,14 +205,10 @@ def test_a_failure_during_a_planned_resize_is_a_failure():
 
 
 def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the_notice_s():
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
-    a0 = ledger.begin_attempt(0.0, world=1)
+    ledger, a0 = elastic_ledger(1)
     train(ledger, a0, range(1, 4), audit=False)
     ledger.request_resize(1, 2, 5.0)
-    ledger.preemption_notice(
-        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
-    )
+    agree_on_resize(ledger, a0, step=3, received=5.2)
     ledger.request_stop("SIGTERM", 5.3)
     ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
     assert ledger.latest_preemption()["jit"]["step"] == 3
@@ -221,9 +220,7 @@ def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the
     a0 = late.begin_attempt(0.0, world=1)
     late.request_resize(1, 2, 5.0)
     late.request_stop("SIGTERM", 5.1)
-    late.preemption_notice(
-        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
-    )
+    agree_on_resize(late, a0, step=3, received=5.2)
     assert late.latest_preemption()["source"] == "driver" and late.attempts[0]["resize"] is None
 
 
@@ -243,13 +240,9 @@ def test_attempts_ended_by_planned_resizes_are_no_restart_loop():
 def test_a_new_resize_is_not_taken_as_checkpointed_by_the_last_one_s_record():
     """Resized to 1 (all that could be placed), capacity is back before the new group's rank 0
     registered: the old attempt's record answers for the old request, not the new one."""
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
-    a0 = ledger.begin_attempt(0.0, world=2)
+    ledger, a0 = elastic_ledger(2)
     ledger.request_resize(2, 2, 5.0)
-    ledger.preemption_notice(
-        a0, {"source": RESIZE, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
-    )
+    agree_on_resize(ledger, a0, step=3, received=5.2)
     ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
     assert ledger.resize_checkpointed()
     ledger.resize_executed(6.0)
