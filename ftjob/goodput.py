@@ -133,7 +133,8 @@ def write_goodput_plot(path: str, jobs: list[tuple[str, dict[str, float]]]) -> N
     ax.set_title("goodput: where each job's time went" if jobs else "no job reported goodput")
     if jobs:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.tick_params(axis="x", labelrotation=30)
+    # Rotated labels end under their own bar (centred, a long one would sit under the next).
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", rotation_mode="anchor")
     fig.savefig(path, dpi=100)
 
 

@@ -66,16 +66,22 @@ OUTCOMES: tuple[Outcome, ...] = (
     Outcome(M.PREEMPTION_JIT_CHECKPOINT_TIME, "JIT checkpoint (s)", 2),
     Outcome(M.VALIDATION_ACCURACY, "val accuracy", 4),
 )
-# Plotted against the swept parameters: recovery cost (kill and checkpoint-interval sweeps),
-# total cost, model quality, and the storage outcomes of retry-policy sweeps.
+# Plotted against the swept parameters: goodput, recovery cost (kill and checkpoint-interval
+# sweeps), total cost, throughput, model quality, and the storage outcomes of retry-policy
+# sweeps.
 PLOTTED = (
+    M.GOODPUT_ETTR,
     M.RECOVERY_TIME_TO_RECOVER,
     M.RECOVERY_LOST_STEPS,
     WALL_TIME,
     M.VALIDATION_ACCURACY,
     M.CHECKPOINT_UPLOAD_RETRIES,
     M.CHECKPOINT_UPLOAD_FAILURES,
+    M.TRAIN_GLOBAL_THROUGHPUT,
 )
+# Drawn dashed in the same panel, in each line's colour: the first-order model's prediction
+# beside the measured ETTR.
+COMPANION = {M.GOODPUT_ETTR: M.GOODPUT_PREDICTED_ETTR}
 
 
 @dataclass
@@ -346,6 +352,10 @@ def plot_series(rows: Sequence[JobRow], keys: Sequence[str]) -> dict[str, list[J
     return series
 
 
+def _values(members: Sequence[JobRow], metric: str) -> list[float]:
+    return [math.nan if r.outcomes.get(metric) is None else r.outcomes[metric] for r in members]
+
+
 def write_plot(path: str, rows: Sequence[JobRow], keys: Sequence[str]) -> None:
     # The object API with the Agg canvas: no pyplot, no global backend switch in the caller.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -359,22 +369,26 @@ def write_plot(path: str, rows: Sequence[JobRow], keys: Sequence[str]) -> None:
     finished = [row for row in rows if row.finished]
     positions, ticks, tick_labels = _x_axis([x_value(row) for row in finished])
     headers = {o.key: o.header for o in OUTCOMES}
-    fig = Figure(figsize=(14, 8), layout="constrained")
+    fig = Figure(figsize=(18, 8), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3).flatten()
+    axes = fig.subplots(2, 4).flatten()
     series = plot_series(rows, keys)
     for ax, metric in zip(axes, PLOTTED, strict=True):
+        companion = COMPANION.get(metric)
         for label, members in series.items():
             members = sorted(members, key=lambda r: positions[x_value(r)])
             xs = [positions[x_value(r)] for r in members]
-            ys = [math.nan if r.outcomes[metric] is None else r.outcomes[metric] for r in members]
-            ax.plot(xs, ys, marker="o", label=label or None)
+            ys = _values(members, metric)
+            (line,) = ax.plot(xs, ys, marker="o", label=label or None)
+            if companion is not None:
+                ax.plot(xs, _values(members, companion), ls="--", color=line.get_color())
             failed = [
                 (x, y) for x, y, r in zip(xs, ys, members, strict=True) if r.status != "succeeded"
             ]
             if failed:
                 ax.plot(*zip(*failed, strict=True), "x", color="red", markersize=10, mew=2)
-        ax.set_title(headers[metric])
+        title = headers[metric]
+        ax.set_title(f"{title} (dashed: {headers[companion]})" if companion else title)
         ax.set_xlabel(x_key)
         if len(ticks) <= 12:  # beyond that matplotlib's own ticks read better
             ax.set_xticks(ticks, tick_labels)
