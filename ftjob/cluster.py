@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ftjob.config import JobConfig, JobError
+from ftjob.config import JobConfig, JobError, RayConfig
 
 logger = logging.getLogger("ftjob.cluster")
 
@@ -138,6 +138,18 @@ def probe_cluster(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
+def system_config(r: RayConfig) -> dict[str, Any]:
+    """Ray settings for a cluster ftjob starts. A restarted worker on another node pulls the
+    train function and the catalogs from a copy Ray picks at random among the nodes that had
+    one -- a node killed seconds ago is still among them until Ray marks it dead (~16 s), and
+    Ray asks the next copy only after the pull timeout (its default: 10 s, measured as a 10 s
+    gap in node-kill recoveries). Existing clusters: ``RAY_object_manager_pull_timeout_ms``
+    on ``ray start``."""
+    if r.object_pull_timeout_ms is None:
+        return {}
+    return {"object_manager_pull_timeout_ms": int(r.object_pull_timeout_ms)}
+
+
 @contextmanager
 def cluster(job: JobConfig) -> Iterator[Any]:
     """Connect to or start the cluster ``job.ray`` describes; yields the LocalCluster (or None).
@@ -158,7 +170,9 @@ def cluster(job: JobConfig) -> Iterator[Any]:
             if r.address is not None:
                 ray.init(address=r.address, **common)
             elif r.local_nodes > 1:
-                local = LocalCluster(r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes)
+                local = LocalCluster(
+                    r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes, system_config(r)
+                )
                 ray.init(address=local.address, **common)
             else:
                 t = job.trainer
@@ -166,7 +180,13 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 # own: the machine's cores, and at least one decode task per worker.
                 decode = max(os.cpu_count() or 1, math.ceil(t.num_workers * t.decode_cpus))
                 num_cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
-                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **common)
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    _system_config=system_config(r),
+                    **common,
+                )
             yield local
         finally:
             ray.shutdown()
@@ -227,13 +247,19 @@ class LocalCluster:
     the driver's main thread, so the runner calls :meth:`service` from there."""
 
     def __init__(
-        self, nodes: int, node_cpus: int, replace_delay: float, replace_nodes: bool = True
+        self,
+        nodes: int,
+        node_cpus: int,
+        replace_delay: float,
+        replace_nodes: bool = True,
+        system_config: dict[str, Any] | None = None,
     ) -> None:
         from ray.cluster_utils import Cluster
 
         self.node_cpus, self.replace_delay = node_cpus, replace_delay
         self.replace_nodes = replace_nodes
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        head: dict[str, Any] = {"num_cpus": 0, "_system_config": system_config or {}}
+        self.cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(nodes - 1):
             self.cluster.add_node(num_cpus=node_cpus)
         self.replaced: set[int] = set()

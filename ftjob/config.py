@@ -378,9 +378,18 @@ class RayConfig:
     replace_nodes: bool = True  # simulated cluster: killed nodes come back after replace_delay
     log_to_driver: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
+    # Clusters ftjob starts: how long Ray waits on an object pull before asking another copy.
+    object_pull_timeout_ms: int | None = 1000
 
     def __post_init__(self) -> None:
         g = self._group
+        _require(
+            self.object_pull_timeout_ms is None or self.object_pull_timeout_ms >= 100,
+            g,
+            "object_pull_timeout_ms",
+            self.object_pull_timeout_ms,
+            "must be >= 100 ms, or null for Ray's default (10000)",
+        )
         _require(
             self.local_nodes >= 1,
             g,

@@ -1,5 +1,6 @@
-"""The cluster a run joins: refusing an address where no cluster answers, and keeping Ray's
-raylet-death dumps out of the user's console (no Ray started)."""
+"""The cluster a run joins: refusing an address where no cluster answers, keeping Ray's
+raylet-death dumps out of the user's console (no Ray started), and the settings a simulated
+cluster starts with (one real start)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import io
 import socket
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
 from ftjob import cluster
 from ftjob.cluster import _RayNoiseFilter, probe_cluster
-from ftjob.config import JobError
+from ftjob.compose import Composer, Target
+from ftjob.config import JobError, load_job, register_schema
 
 
 def test_an_address_where_nothing_answers_is_refused_naming_it():
@@ -52,3 +55,18 @@ def test_raylet_death_reports_fold_into_one_line():
         "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs",
         "[ftjob] 00:20 step 20",
     ]
+
+
+def test_a_simulated_cluster_asks_another_copy_of_an_object_after_the_configured_timeout():
+    # A restarted worker would otherwise wait Ray's 10 s on a copy held by a just-killed node.
+    from ray._raylet import Config
+
+    register_schema()
+    try:
+        overrides = ["ray.local_nodes=2", "ray.node_cpus=1", "ray.object_pull_timeout_ms=1500"]
+        job = load_job(Composer().compose(Target("test"), overrides))
+    finally:
+        GlobalHydra.instance().clear()
+    with cluster.cluster(job) as local:
+        assert local is not None and len(local.cluster.list_all_nodes()) == 2
+        assert Config.object_manager_pull_timeout_ms() == 1500  # what GCS gave this driver

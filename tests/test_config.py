@@ -135,6 +135,7 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("dataset.image_size=4", "dataset.image_size"),
         ("trainer.placement=STRICT", "trainer.placement"),
         ("chaos.at_steps=[10]", "chaos.at_steps"),
+        ("ray.object_pull_timeout_ms=0", "ray.object_pull_timeout_ms"),
     ],
 )
 def test_bad_input_is_refused_naming_the_key(override, key):
