@@ -380,9 +380,26 @@ class RayConfig:
     runtime_env: dict[str, Any] = field(default_factory=dict)
     # Clusters ftjob starts: how long Ray waits on an object pull before asking another copy.
     object_pull_timeout_ms: int | None = 1000
+    # Clusters ftjob starts: how soon Ray marks a dead node dead (period x failures).
+    health_check_period_ms: int | None = 1000
+    health_check_failure_threshold: int | None = 3
 
     def __post_init__(self) -> None:
         g = self._group
+        _require(
+            self.health_check_period_ms is None or self.health_check_period_ms >= 100,
+            g,
+            "health_check_period_ms",
+            self.health_check_period_ms,
+            "must be >= 100 ms, or null for Ray's default (3000)",
+        )
+        _require(
+            self.health_check_failure_threshold is None or self.health_check_failure_threshold >= 1,
+            g,
+            "health_check_failure_threshold",
+            self.health_check_failure_threshold,
+            "must be >= 1, or null for Ray's default (5)",
+        )
         _require(
             self.object_pull_timeout_ms is None or self.object_pull_timeout_ms >= 100,
             g,

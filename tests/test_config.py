@@ -136,6 +136,8 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("trainer.placement=STRICT", "trainer.placement"),
         ("chaos.at_steps=[10]", "chaos.at_steps"),
         ("ray.object_pull_timeout_ms=0", "ray.object_pull_timeout_ms"),
+        ("ray.health_check_period_ms=50", "ray.health_check_period_ms"),
+        ("ray.health_check_failure_threshold=0", "ray.health_check_failure_threshold"),
     ],
 )
 def test_bad_input_is_refused_naming_the_key(override, key):
