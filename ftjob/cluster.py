@@ -28,8 +28,8 @@ logger = logging.getLogger("ftjob.cluster")
 class _RayNoiseFilter:
     """A stdout wrapper that turns Ray's raylet-death reports (a header plus the dead raylet's
     last 20 log lines, printed straight to stdout by the driver) into one short line, and drops
-    its paragraph on a killed worker process. The ledger already reports every kill and
-    failure; the details stay in Ray's log files."""
+    its paragraphs on a killed worker process and on a task retried after its node died. The
+    ledger already reports every kill and failure; the details stay in Ray's log files."""
 
     _DUMP_LINE = re.compile(
         r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\)|\(\d\) )|^\s*$"
@@ -50,6 +50,8 @@ class _RayNoiseFilter:
     def _line(self, line: str) -> None:
         if "A worker died or was killed while executing a task" in line:
             return  # a killed training worker: the ledger's failure line says it
+        if "Task failed because the node it was running on is dead" in line:
+            return  # a decode task on a killed node, which Ray runs again elsewhere
         if "Raylet is terminated" in line or "marked dead because the detector" in line:
             self.in_dump = True
             self.stream.write(
@@ -139,15 +141,27 @@ def probe_cluster(address: str, timeout: float = 5.0) -> None:
 
 
 def system_config(r: RayConfig) -> dict[str, Any]:
-    """Ray settings for a cluster ftjob starts. A restarted worker on another node pulls the
-    train function and the catalogs from a copy Ray picks at random among the nodes that had
-    one -- a node killed seconds ago is still among them until Ray marks it dead (~16 s), and
-    Ray asks the next copy only after the pull timeout (its default: 10 s, measured as a 10 s
-    gap in node-kill recoveries). Existing clusters: ``RAY_object_manager_pull_timeout_ms``
-    on ``ray start``."""
-    if r.object_pull_timeout_ms is None:
-        return {}
-    return {"object_manager_pull_timeout_ms": int(r.object_pull_timeout_ms)}
+    """Ray settings for a cluster ftjob starts (null keys: Ray's defaults).
+
+    - ``object_manager_pull_timeout_ms``: a restarted worker on another node pulls the train
+      function and the catalogs from a copy Ray picks at random among the nodes that had one --
+      a node killed seconds ago stays among them until Ray marks it dead, and Ray asks the next
+      copy only after the pull timeout (its default: 10 s, measured as a 10 s gap in node-kill
+      recoveries).
+    - ``health_check_period_ms`` x ``health_check_failure_threshold``: how long after a node's
+      raylet stops answering Ray marks the node dead (its default: 3 s x 5). Until then Ray
+      Train may not learn that the node's worker died (a surviving rank waiting in a report
+      barrier sees nothing), and its new placement group may wait on the dead node's
+      resources; measured here as 16 s detections and 12 s restarts after node kills.
+
+    Existing clusters: the same names as ``RAY_<name>`` on ``ray start`` (the health checks
+    on the head node)."""
+    settings = {
+        "object_manager_pull_timeout_ms": r.object_pull_timeout_ms,
+        "health_check_period_ms": r.health_check_period_ms,
+        "health_check_failure_threshold": r.health_check_failure_threshold,
+    }
+    return {key: int(value) for key, value in settings.items() if value is not None}
 
 
 @contextmanager

@@ -40,7 +40,7 @@ def test_auto_without_a_cluster_on_this_machine_says_what_auto_means(monkeypatch
         probe_cluster("not-an-address")
 
 
-def test_raylet_death_reports_fold_into_one_line():
+def test_raylet_death_reports_fold_into_one_line_and_retried_tasks_into_none():
     out = io.StringIO()
     noise = _RayNoiseFilter(out)
     noise.write("[ftjob] 00:10 step 10\n")
@@ -48,6 +48,11 @@ def test_raylet_death_reports_fold_into_one_line():
         "(raylet) The node with node id: ab12 has been marked dead because the detector has "
         "missed too many heartbeats from it. This can happen when a \t(1) raylet crashes\n"
         "\t(2) raylet has lagging heartbeats due to slow network or busy workload.\n"
+    )
+    noise.write(
+        "\x1b[33m(raylet)\x1b[0m Task _map_task failed. There are infinite retries remaining, so "
+        "the task will be retried. Error: Task failed because the node it was running on is dead "
+        "or unavailable. Node IP: 192.0.2.2, node ID: a7be.\n"
     )
     noise.write("[ftjob] 00:20 step 20\n")
     assert out.getvalue().splitlines() == [
@@ -57,16 +62,38 @@ def test_raylet_death_reports_fold_into_one_line():
     ]
 
 
-def test_a_simulated_cluster_asks_another_copy_of_an_object_after_the_configured_timeout():
-    # A restarted worker would otherwise wait Ray's 10 s on a copy held by a just-killed node.
+def test_a_simulated_cluster_gets_the_configured_pull_timeout_and_node_health_checks():
+    # A restarted worker would otherwise wait Ray's 10 s on a copy held by a just-killed node,
+    # and Ray would mark a killed node dead only after 3 s x 5 failed health checks.
     from ray._raylet import Config
 
     register_schema()
     try:
-        overrides = ["ray.local_nodes=2", "ray.node_cpus=1", "ray.object_pull_timeout_ms=1500"]
+        overrides = [
+            "ray.local_nodes=2",
+            "ray.node_cpus=1",
+            "ray.object_pull_timeout_ms=1500",
+            "ray.health_check_period_ms=700",
+            "ray.health_check_failure_threshold=2",
+        ]
         job = load_job(Composer().compose(Target("test"), overrides))
     finally:
         GlobalHydra.instance().clear()
     with cluster.cluster(job) as local:
         assert local is not None and len(local.cluster.list_all_nodes()) == 2
         assert Config.object_manager_pull_timeout_ms() == 1500  # what GCS gave this driver
+        assert Config.health_check_period_ms() == 700
+        assert Config.health_check_failure_threshold() == 2
+
+
+def test_the_trainer_leaves_out_ray_trains_dataset_integration_and_keeps_the_rest():
+    # ftjob streams its own data; Ray Train's integration would start an idle DatasetManager
+    # actor with every attempt. Everything else Ray Train sets up stays.
+    import ray.train
+
+    from ftjob.runner import _torch_trainer
+
+    trainer = _torch_trainer()(lambda config: None, scaling_config=ray.train.ScalingConfig())
+    names = {type(c).__name__ for c in trainer._create_default_callbacks()}
+    assert "DatasetsCallback" not in names
+    assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= names
