@@ -47,8 +47,8 @@ class Heartbeat:
         self.durations: dict[str, list[float]] = defaultdict(list)
         self.local: list[float] = []
         self.slow = 0.0  # chaos=slow: the fraction of its local step time this rank sleeps
-        self._pace: deque[float] = deque(maxlen=21)  # recent local step times, not slowed
-        self._step_start = self._ready = 0.0
+        self._pace: deque[float] = deque(maxlen=21)  # recent local step times, less the sleep
+        self._step_start = self._ready = self._slept = 0.0
         self._waited = 0.0
         self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,11 +78,15 @@ class Heartbeat:
 
     def step_started(self, waited: float) -> None:
         self._step_start, self._waited, self._ready = time.perf_counter(), waited, 0.0
+        self._slept = 0.0
 
     def straggle(self) -> None:
-        """chaos=slow: sleep ``slow`` times this rank's usual local step time."""
+        """chaos=slow: sleep ``slow`` times this rank's current local step time (the median of
+        its recent steps, each less what it slept -- its pace now, not at the run's start,
+        whose first steps share the process with the stream's start-up)."""
         if self.slow > 0 and self._pace:
-            time.sleep(self.slow * statistics.median(self._pace))
+            self._slept = self.slow * statistics.median(self._pace)
+            time.sleep(self._slept)
 
     def step_done(self, step: int) -> None:
         now = time.perf_counter()
@@ -92,8 +96,7 @@ class Heartbeat:
             if self.current == "step":
                 self.durations["step"].append(now - self.progress)
                 self.local.append(local)
-                if not self.slow:  # the rank's own pace: what chaos=slow scales
-                    self._pace.append(local)
+                self._pace.append(local - self._slept)  # the rank's own pace: chaos=slow scales it
             else:  # the first step of an attempt ends its warm-up (its wait is no pace)
                 self.durations[self.current].append(now - self.entered)
                 self.current = "step"

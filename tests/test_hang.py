@@ -183,6 +183,33 @@ def test_heartbeat_sections_and_steps_without_a_thread():
     assert sent["durations"]["restore"][0] >= 0.01
 
 
+def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
+    # chaos=slow: the rank sleeps `slow` x its recent step time less what it slept. Its first
+    # steps were 3x slower (they share the process with the stream's start-up); once it runs
+    # at its own pace, the sleep follows that pace, and the local step time it reports is
+    # (1 + slow) x the pace: the slowdown the user asked for.
+    clock = {"now": 0.0}
+    fake = type("FakeTime", (), {})()
+    fake.perf_counter = lambda: clock["now"]
+    fake.sleep = lambda s: clock.__setitem__("now", clock["now"] + s)
+    monkeypatch.setattr("ftjob.heartbeat.time", fake)
+    hb = Heartbeat(ledger=None, attempt=0, rank=0, enabled=False)
+    hb.enter("warmup")
+    slept = []
+    for step, compute in enumerate([0.3] * 6 + [0.1] * 40, start=1):
+        if step == 4:
+            hb.slow = 1.0  # chaos=slow reaches the rank while its steps are still slow
+        hb.step_started(0.0)
+        fake.sleep(compute)
+        before = clock["now"]
+        hb.straggle()
+        slept.append(clock["now"] - before)
+        hb.step_done(step)
+    assert slept[:3] == [0.0, 0.0, 0.0]
+    assert slept[-1] == pytest.approx(0.1)  # its pace now, not the 0.3 of its first steps
+    assert hb._beat()["local"][-1] == pytest.approx(0.2)
+
+
 def test_trimmed_stacks_put_the_training_thread_first():
     dump = "Process 1: python\nPython v3.11\n\nThread 1 (idle)\n    wait (threading.py:1)\n\n"
     dump += "Thread 2 (idle)\n    _train (ftjob/train_loop.py:9)\n"
