@@ -138,8 +138,11 @@ class RayDataStream:
         pin_memory: bool = False,
         channels_last: bool = False,
         window_mb: float = 256,
+        local_first_window: bool = False,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
+        # The first window of this stream's first epoch decodes in this process (LocalWindow).
+        self._local_first = local_first_window
         self.seed, self.device = seed, device
         self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
         self.pin_memory, self.channels_last = pin_memory, channels_last
@@ -195,6 +198,10 @@ class RayDataStream:
         """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
         import ray.data
 
+        if self._local_first:
+            self._local_first = False
+            return LocalWindow.decode(blocks, decode)
+
         ds = ray.data.from_arrow(blocks).map_batches(
             decode, batch_size=None, batch_format="numpy", num_cpus=self.decode_cpus
         )
@@ -228,6 +235,50 @@ class RayDataStream:
                 yield window
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # no decode outlives its stream
+
+
+class LocalWindow:
+    """A window decoded in the training process, read like a materialized Ray dataset.
+
+    A (re)started worker's first batch would otherwise wait for Ray Data to start decode
+    worker processes -- on a replacement node, seconds of interpreter and import start-up on
+    cores the new training workers need too. The first window is one block (a few batches):
+    the same rows, the same decode and the same batches as Ray Data would give, decoded here
+    while the next window starts in Ray Data."""
+
+    def __init__(self, columns: dict[str, np.ndarray]) -> None:
+        self.columns = columns
+
+    @classmethod
+    def decode(cls, blocks: list[pa.Table], decode: _Decode) -> LocalWindow:
+        from ray.data.block import BlockAccessor
+
+        parts = [decode(BlockAccessor.for_block(b).to_batch_format("numpy")) for b in blocks]
+        return cls({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+    def size_bytes(self) -> int:
+        return sum(int(v.nbytes) for v in self.columns.values())
+
+    def iter_torch_batches(
+        self,
+        *,
+        batch_size: int,
+        dtypes: dict[str, Any],
+        device: Any = "cpu",
+        pin_memory: bool = False,
+        prefetch_batches: int = 0,
+    ) -> Iterator[dict[str, Any]]:
+        import torch
+
+        rows = len(next(iter(self.columns.values())))
+        for start in range(0, rows, batch_size):
+            batch = {}
+            for key, values in self.columns.items():
+                t = torch.as_tensor(values[start : start + batch_size], dtype=dtypes.get(key))
+                if pin_memory:
+                    t = t.pin_memory()
+                batch[key] = t.to(device, non_blocking=pin_memory)
+            yield batch
 
 
 class WindowSizer:
@@ -472,6 +523,7 @@ __all__ = [
     "BatchFeeder",
     "BatchSource",
     "EpochPlan",
+    "LocalWindow",
     "RayDataStream",
     "ResumableIterator",
     "ValidationSet",

@@ -73,7 +73,7 @@ def build_streams(
         "pin_memory": device.type == "cuda",
         "channels_last": trainer.channels_last,
     }
-    train_stream = RayDataStream(dataset, catalogs[TRAIN], TRAIN, **common)
+    train_stream = RayDataStream(dataset, catalogs[TRAIN], TRAIN, local_first_window=True, **common)
     val_stream = RayDataStream(dataset, catalogs[VAL], VAL, **common)
     val_set = ValidationSet(
         val_stream,

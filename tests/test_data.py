@@ -367,3 +367,49 @@ def test_validation_cut_short_by_a_notice_does_not_count():
     polls = iter([False, False, True])  # the notice arrives before the third batch
     *_, complete = evaluate(model, batches, torch.device("cpu"), False, 1, lambda: next(polls))
     assert not complete and model.training  # back in training mode either way
+
+
+@pytest.mark.ray
+def test_a_first_window_decoded_in_the_process_gives_ray_datas_batches(tmp_path, monkeypatch):
+    # A restarted worker decodes its first window itself instead of waiting for Ray Data's
+    # decode processes: the same rows, images, labels and batch boundaries, uint8 images
+    # normalised on the device as well as float32 ones.
+    import ray
+
+    from ftjob.data import LocalWindow, RayDataStream
+    from tests.conftest import make_image_tree
+
+    local_rows = []
+    decode_here = LocalWindow.decode.__func__
+
+    def counted(cls, blocks, decode):  # the real decode, counted
+        local_rows.append(sum(b.num_rows for b in blocks))
+        return decode_here(cls, blocks, decode)
+
+    monkeypatch.setattr(LocalWindow, "decode", classmethod(counted))
+    folder = ImageFolderDataset(
+        path=str(make_image_tree(tmp_path, train_per_class=100)),
+        mean=(0.4, 0.5, 0.6),
+        std=(0.2, 0.25, 0.5),
+    )
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    try:
+        for ds, batch_size in ((folder, 32), (DigitsDataset(), 48)):
+            ids = epoch_order(ds.catalog(TRAIN).num_rows, seed=1, epoch=0)[:200]
+            got, local_rows[:] = {}, []
+            for local in (False, True):
+                stream = RayDataStream(
+                    ds, ds.catalog(TRAIN), TRAIN, seed=1, local_first_window=local
+                )
+                got[local] = list(stream.batches(ids, batch_size, epoch=0))
+            assert local_rows == [batch_size * (128 // batch_size)]  # one block, then Ray Data
+            assert len(got[True]) > 128 // batch_size + 1  # the rest came from Ray Data
+            assert [len(b.ids) for b in got[True]] == [len(b.ids) for b in got[False]]
+            assert np.array_equal(np.concatenate([b.ids for b in got[True]]), ids)
+            for a, b in zip(got[True], got[False], strict=True):
+                assert np.array_equal(a.ids, b.ids)
+                assert torch.equal(a.labels, b.labels) and a.labels.dtype == torch.int64
+                assert a.images.dtype == torch.float32
+                torch.testing.assert_close(a.images, b.images, rtol=0, atol=0)
+    finally:
+        ray.shutdown()
