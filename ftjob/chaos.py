@@ -297,7 +297,7 @@ def _preempt(node_id: str, notice: float, strategy: Any) -> int:
 
 def drain_node(node_id: str, notice: float) -> None:
     """Tell Ray the node goes away in ``notice`` seconds (what ``ray drain-node --reason
-    DRAIN_NODE_REASON_PREEMPTION`` sends); Ray Train's preemption watcher sees it."""
+    DRAIN_NODE_REASON_PREEMPTION`` sends); ftjob's drain relay sees it."""
     import ray
     from ray.core.generated import autoscaler_pb2
 

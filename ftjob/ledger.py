@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 from ftjob.chaos import NODE_KINDS, describe_chaos
+from ftjob.drains import DrainRelay
 from ftjob.elastic import describe_restart
 from ftjob.hang import HangPolicy, RunWatch, WatchConfig, restart_loop
 from ftjob.metrics import fmt, json_safe
@@ -192,6 +193,7 @@ class RunLedger(ChaosRecords, ElasticRecords):
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.lines: list[str] = []
         self.step_records: list[dict[str, Any]] = []  # for the experiment loggers, append-only
+        self.drains: DrainRelay | None = None  # in this process for the whole run (ftjob.drains)
 
     def log(self, line: str) -> None:
         """A progress line for the driver to print."""
@@ -359,6 +361,15 @@ class RunLedger(ChaosRecords, ElasticRecords):
 
     def stop_requested(self) -> bool:
         return self.stop_request is not None
+
+    def watch_drains(
+        self, interval: float, nodes: dict[str, list[int]], actors: dict[int, Any]
+    ) -> None:
+        """Ray Train, per worker group: which ranks run on which node ({} after shutdown)."""
+        if self.drains is None:
+            self.drains = DrainRelay(interval)
+        self.drains.watch(nodes, actors)
+        self.drains.start()
 
     def latest_preemption(self) -> dict[str, Any] | None:
         """The latest attempt's notice and JIT checkpoint record (for the driver's wait)."""

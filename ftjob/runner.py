@@ -383,6 +383,7 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     import ray
     import ray.train
 
+    from ftjob.drains import drain_relay
     from ftjob.ledger import failure_watch
     from ftjob.scaling import elastic_policy
     from ftjob.train_loop import WorkerSpec, train_loop
@@ -402,8 +403,9 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     # noticed and how long a ray.train.report waits for the previous one to be taken.
     f = job.failure
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(f.health_check_interval)
-    # How soon a node drain (a preemption notice) reaches the workers.
-    os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = str(f.preemption_poll_interval)
+    # Node drains reach the workers through the run ledger's process, not through a watcher
+    # process Ray Train would start with every attempt (ftjob.drains).
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     trainer = _torch_trainer()(
         train_loop,
         train_loop_config=spec,  # type: ignore[arg-type]
@@ -424,7 +426,7 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
                 preemption_grace_s=f.preemption_grace_s,
                 relax_collectives_on_preemption=f.relax_collectives_on_preemption,
             ),
-            callbacks=[failure_watch(ledger)],
+            callbacks=[failure_watch(ledger), drain_relay(ledger, f.preemption_poll_interval)],
         ),
     )
     try:
