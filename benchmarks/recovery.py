@@ -91,6 +91,9 @@ def main() -> None:
     logging.getLogger("ray").setLevel(logging.ERROR)
     records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     grows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    # Each run's batch wait outside recoveries (goodput's data_wait): a recovery that gets its
+    # first batch sooner must not just move the wait after its first step.
+    waits: dict[str, list[float]] = {kind: [] for kind in kinds}
     for r in range(args.repeats):
         for kind, overrides in kinds.items():
             summary = run(overrides, seed=r)
@@ -99,6 +102,7 @@ def main() -> None:
             m = summary["metrics"]
             step_s = m["train/step"] / max(m["train/steps_completed"], 1)
             grows[kind].extend(x for x in summary.get("resizes", []) if x["kind"] == "grow")
+            waits[kind].append(summary["goodput"]["buckets"]["data_wait"])
             for f in summary["failures"]:
                 if f.get("recovered"):
                     # The rest of time-to-recover: model and process group set-up in the new
@@ -155,6 +159,9 @@ def main() -> None:
                 for p in ("setup", "restore", "warmup")
             }
             print(f"{kind:<12} " + "  ".join(f"{p} {v:.2f}" for p, v in parts.items()))
+    print("\ndata wait per run (seconds, goodput's data_wait)")
+    for kind, runs in waits.items():
+        print(f"{kind:<12} " + " ".join(f"{w:.1f}" for w in runs))
     if "worker kill" in med_of:
         print(f"\nsetup worker-kill = {med_of['worker kill']['setup_s']:.2f} s")
     if "node kill" in med_of:
