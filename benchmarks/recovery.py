@@ -149,14 +149,22 @@ def main() -> None:
         for kind, fs in records.items()
         if fs
     }
-    print("\nmedian phases inside the new workers (seconds): set-up (model, streams), restore")
-    print("(download, load, position), warm-up (first batch and first step)")
+    print("\nmedian phases inside the new workers (seconds): set-up (process group, model),")
+    print("restore (download, load, position), warm-up (first batch, first step)")
     for kind, failures in records.items():
         phases = [f.get("phases") or {} for f in failures]
         if any(phases):
             parts = {
                 p: statistics.median(ph.get(p, 0.0) for ph in phases)
-                for p in ("setup", "restore", "warmup")
+                for p in (
+                    "setup",
+                    "process_group",
+                    "model",
+                    "restore",
+                    "warmup",
+                    "first_batch",
+                    "first_step",
+                )
             }
             print(f"{kind:<12} " + "  ".join(f"{p} {v:.2f}" for p, v in parts.items()))
     print("\ndata wait per run (seconds, goodput's data_wait)")

@@ -39,6 +39,12 @@ def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(kills + injected + hangs + restarted, key=lambda e: e["time"])
 
 
+def _start_phases(snap: dict[str, Any], attempt: int, first: dict[str, Any] | None) -> dict:
+    """Inside an attempt's new workers (rank 0): set-up, restore, warm-up (its heartbeat
+    sections), and their parts (process group, model; first batch, first step)."""
+    return {**snap.get("phases", {}).get(str(attempt), {}), **(first or {}).get("phases", {})}
+
+
 def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
     """One record per failure: where it came from and how long each part of recovery took.
 
@@ -93,8 +99,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
             record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
-            # Inside the new workers: model and streams, restore, first batch and step.
-            record["phases"] = snap.get("phases", {}).get(str(i + 1), {})
+            record["phases"] = _start_phases(snap, i + 1, first)
         if attempt is not None and attempt.get("preemption"):
             _as_preemption(record, attempt["preemption"], nxt)
         records.append(record)

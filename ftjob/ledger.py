@@ -275,11 +275,20 @@ class RunLedger(ChaosRecords, ElasticRecords):
         if total and step >= total:
             self.trained_all = True
 
-    def first_step(self, attempt: int, step: int, now: float, took: float = 0.0) -> None:
-        """The attempt's first trained step: when it ended, and what it took (its batch wait
-        and the step itself, which goodput counts as data wait and training, not set-up)."""
+    def first_step(
+        self,
+        attempt: int,
+        step: int,
+        now: float,
+        took: float = 0.0,
+        phases: dict[str, float] | None = None,
+    ) -> None:
+        """The attempt's first trained step: when it ended, what it took (its batch wait and
+        the step itself, which goodput counts as data wait and training, not set-up), and rank
+        0's set-up phases before it."""
         if self.attempts[attempt]["first_step"] is None:
-            self.attempts[attempt]["first_step"] = {"step": step, "time": now, "took": took}
+            first = {"step": step, "time": now, "took": took, "phases": phases or {}}
+            self.attempts[attempt]["first_step"] = first
 
     def progress_update(
         self, attempt: int, progress: dict[str, Any], metrics: dict[str, float]

@@ -85,6 +85,18 @@ def build_streams(
     return val_set, ResumableIterator(train_stream, plan, rank, world)
 
 
+def start_phases(started: dict[str, float], waited: float, took: float) -> dict[str, float]:
+    """Where an attempt's start went in a worker: process group (the train function's entry to
+    the first collective, the ledger's answer included), model (notices, model, DDP,
+    optimizer), first batch (its wait after the restore and the stream's start), first step."""
+    return {
+        "process_group": started["registered"] - started["entered"],
+        "model": started["built"] - started["registered"],
+        "first_batch": waited,
+        "first_step": took - waited,
+    }
+
+
 def make_checkpointer(
     spec: WorkerSpec, rank: int, world: int, attempt: int, metrics: M.MetricSet
 ) -> Checkpointer:
@@ -290,6 +302,7 @@ class Worker:
     :class:`~ftjob.checkpointer.Checkpointer`'s, data order and position the iterator's."""
 
     def __init__(self, spec: WorkerSpec) -> None:
+        entered = time.perf_counter()
         self.spec = spec
         self.job = job = spec.job
         self.trainer = job.trainer
@@ -312,6 +325,8 @@ class Worker:
         self.losses = LossWindow(self.device, self.world)
         self.notices: PreemptionNotices | None = None
         self.validation_cut: int | None = None  # the step whose validation a notice cut short
+        # Set-up phases (seconds) until the first step, for the ledger's recovery records.
+        self.started: dict[str, float] = {"entered": entered}
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -475,8 +490,10 @@ class Worker:
         self._register()
         if self.stop_reason is not None:  # a restart loop: the ledger says why
             return
+        self.started["registered"] = time.perf_counter()
         self.notices = make_notices(self.job, self.world, self.device, self.ledger, self.rank)
         self._build()
+        self.started["built"] = time.perf_counter()
         self.beat.enter("restore")  # until the stream starts at the restored position
         try:
             located = self._locate()
@@ -551,7 +568,13 @@ class Worker:
                 self.ledger.step_done.remote(self.attempt, self.state.step)
                 if not first_step_done:  # with its own cost (batch wait + step): not set-up
                     took = time.perf_counter() - wait_start
-                    self.ledger.first_step.remote(self.attempt, self.state.step, time.time(), took)
+                    self.ledger.first_step.remote(
+                        self.attempt,
+                        self.state.step,
+                        time.time(),
+                        took,
+                        start_phases(self.started, waited, took),
+                    )
             if not first_step_done:
                 # Training is flowing: decode the validation set into its cache meanwhile.
                 self.val_set.prefetch()

@@ -41,6 +41,10 @@ def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path, un
     for f in s["failures"]:  # one recovery record per failure, each part measured
         assert f["recovered"] and f["kind"] == "node_kill"
         assert f["detection_s"] >= 0 and f["restart_s"] > 0 and f["time_to_recover_s"] > 0
+        # Inside the new workers: every part of their start, within the time to recover.
+        parts = ("process_group", "model", "first_batch", "first_step")
+        assert all(f["phases"][p] > 0 for p in parts), f["phases"]
+        assert sum(f["phases"][p] for p in parts) < f["time_to_recover_s"] - f["restart_s"]
     assert m[M.RECOVERY_TIME_TO_RECOVER] > 0 and m[M.CHECKPOINT_RESTORATION_TIME] > 0
     assert m[M.VALIDATION_ACCURACY] >= 0.9
     assert "chaos: kill 2" in proc.stdout and "[state-dump]" not in proc.stdout

@@ -67,10 +67,12 @@ def test_failure_records_measure_each_part_of_recovery():
     ledger.confirm_kill(120.0, True)  # Ray marks the node dead after the failure is noticed
     a1 = ledger.begin_attempt(130.0)
     ledger.restored(a1, restored(2))
-    ledger.first_step(a1, 3, 134.0)
+    parts = {"process_group": 0.4, "model": 1.2, "first_batch": 0.1, "first_step": 0.3}
+    ledger.first_step(a1, 3, 134.0, 0.4, parts)
     train(ledger, a1, range(3, 6))
     ledger.finish(140.0)
     [f] = failure_records(ledger.snapshot())
+    assert f["phases"] == parts and f["first_step_s"] == 0.4
     assert f["kind"] == "node_kill" and f["recovered"]
     assert f["detection_s"] == pytest.approx(5.0)
     assert f["restart_s"] == pytest.approx(5.0)
