@@ -132,7 +132,7 @@ def test_sigterm_to_the_driver_or_a_worker_saves_the_current_step(tmp_path):
 def test_a_notice_during_an_upload_or_a_validation_still_loses_no_step(tmp_path):
     # Every checkpoint upload request takes 1 s (5 files: ~5 s a checkpoint), and validation
     # (at epoch ends only) decodes 8000 images each time: both outlast the time a notice takes
-    # to arrive (the killer's poll, then Ray Train's drain poll, ~1.5 s). The first notice comes
+    # to arrive (the killer's poll, then the drain relay's poll, ~1.5 s). The first notice comes
     # during the checkpoint of step 30, the second during the validation of step 44 (the end of
     # epoch 2).
     proc, s = run_ftjob(
