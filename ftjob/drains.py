@@ -83,6 +83,8 @@ class DrainRelay:
         return info
 
     def _run(self) -> None:
+        import ray
+
         # Ray Train's preemption types import Ray Data (0.6 CPU-seconds): once, here, not when
         # the first drain must be relayed in a hurry.
         import ray.train.v2.api.preemption  # noqa: F401
@@ -92,8 +94,8 @@ class DrainRelay:
             self._wake.clear()
             try:
                 self.poll_once()
-            except Exception:  # a GCS hiccup: the next poll tries again
-                logger.warning("polling Ray for node drains failed", exc_info=True)
+            except (ray.exceptions.RayError, ConnectionError, TimeoutError):  # a GCS hiccup
+                logger.warning("polling Ray for node drains failed; polling on", exc_info=True)
 
 
 class _RelayHooks:

@@ -39,7 +39,9 @@ def _recovery_events(snap: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(kills + injected + hangs + restarted, key=lambda e: e["time"])
 
 
-def _start_phases(snap: dict[str, Any], attempt: int, first: dict[str, Any] | None) -> dict:
+def _start_phases(
+    snap: dict[str, Any], attempt: int, first: dict[str, Any] | None
+) -> dict[str, float]:
     """Inside an attempt's new workers (rank 0): set-up, restore, warm-up (its heartbeat
     sections), and their parts (process group, model; first batch, first step)."""
     return {**snap.get("phases", {}).get(str(attempt), {}), **(first or {}).get("phases", {})}
