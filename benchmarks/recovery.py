@@ -10,6 +10,10 @@ function), checkpoint download, load, batch skip, setup (the rest: model and pro
 the new workers, the resumed stream's first batch, the first step) and time-to-recover (kill ->
 first trained step after the restore), then medians per kind.
 
+Beside ftjob's worker kills, the engine underneath recovering from the same kills: a
+hand-written Ray Train loop on the same job (benchmarks/raytrain_recovery.py, kind ``raytrain
+worker kill``), time-to-recover side by side and their ratio.
+
 Also, with one training worker per node, node kills on a fixed-size group and on an elastic
 one (``trainer.min_workers=1``), for their time-to-recover ratio.
 
@@ -19,8 +23,12 @@ one (``trainer.min_workers=1``), for their time-to-recover ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -47,7 +55,9 @@ KINDS = {
     "worker kill": ["chaos=worker_killer"],
     "node fixed": ONE_PER_NODE,
     "node elastic": [*ONE_PER_NODE, "trainer.min_workers=1"],
+    "raytrain worker kill": [],  # the hand-written Ray Train loop (raytrain_recovery.py)
 }
+RAYTRAIN = "raytrain worker kill"
 COMMON = [
     "+experiment=digits_ft",
     "trainer.epochs=12",
@@ -80,6 +90,60 @@ def run(overrides: list[str], seed: int) -> dict[str, Any]:
     return result.summary
 
 
+def run_raytrain(seed: int) -> list[dict[str, Any]]:
+    """The hand-written Ray Train loop with COMMON's epochs and kills, in a fresh process."""
+    opts = dict(o.split("=", 1) for o in COMMON if "=" in o)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "recoveries.json")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "raytrain_recovery.py")
+        args = [opts["trainer.epochs"], opts["chaos.interval"], opts["chaos.max_kills"]]
+        subprocess.run(
+            [sys.executable, script, out, str(seed), *args],
+            check=True,
+            capture_output=True,
+            timeout=900,
+        )
+        with open(out) as f:
+            return json.load(f)
+
+
+def compare_with_raytrain(ftjob: list[dict[str, Any]], raytrain: list[dict[str, Any]]) -> None:
+    """Worker kills, ftjob against the hand-written loop: medians and the time-to-recover
+    ratio. ftjob's train-function clock starts at its attempt's registration (a little after
+    the entry); its restore is in its set-up side, as the loop's is."""
+    rows = {
+        "ftjob": [
+            (
+                f["detection_s"] + f["restart_s"],
+                f["time_to_recover_s"] - f["detection_s"] - f["restart_s"],
+                f["time_to_recover_s"],
+                f["lost_steps"],
+            )
+            for f in ftjob
+        ],
+        "raytrain": [
+            (r["to_train_fn_s"], r["train_fn_to_step_s"], r["time_to_recover_s"], r["lost_steps"])
+            for r in raytrain
+        ],
+    }
+    header = f"{'':<9} {'kill->train fn':>15} {'train fn->step':>15} {'TTR':>6} {'lost steps':>11}"
+    print("\nworker kills, ftjob and the hand-written Ray Train loop (seconds)")
+    print(header)
+    for name, values in rows.items():
+        for a, b, c, d in values:
+            print(f"{name:<9} {a:>15.2f} {b:>15.2f} {c:>6.2f} {d:>11.1f}")
+    print("medians")
+    print(header)
+    med = {}
+    for name, values in rows.items():
+        med[name] = [statistics.median(v[i] for v in values) for i in range(4)]
+        a, b, c, d = med[name]
+        print(f"{name:<9} {a:>15.2f} {b:>15.2f} {c:>6.2f} {d:>11.1f}")
+    print(
+        f"worker-kill time-to-recover ftjob/raytrain = {med['ftjob'][2] / med['raytrain'][2]:.2f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
@@ -89,13 +153,18 @@ def main() -> None:
     args = parser.parse_args()
     kinds = {k: KINDS[k] for k in args.kinds.split(",")}
     logging.getLogger("ray").setLevel(logging.ERROR)
-    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-    grows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds if kind != RAYTRAIN}
+    baseline: list[dict[str, Any]] = []  # the hand-written loop's recoveries
+    grows: dict[str, list[dict[str, Any]]] = {kind: [] for kind in records}
     # Each run's batch wait outside recoveries (goodput's data_wait): a recovery that gets its
     # first batch sooner must not just move the wait after its first step.
-    waits: dict[str, list[float]] = {kind: [] for kind in kinds}
+    waits: dict[str, list[float]] = {kind: [] for kind in records}
     for r in range(args.repeats):
         for kind, overrides in kinds.items():
+            if kind == RAYTRAIN:
+                baseline.extend(run_raytrain(seed=r))
+                print(f"[repeat {r + 1}] {kind}: {len(baseline)} recoveries so far", flush=True)
+                continue
             summary = run(overrides, seed=r)
             if summary["metrics"]["chaos/kills"] < 2:
                 raise RuntimeError(f"{kind}: only {summary['metrics']['chaos/kills']} kills landed")
@@ -172,6 +241,8 @@ def main() -> None:
         print(f"{kind:<12} " + " ".join(f"{w:.1f}" for w in runs))
     if "worker kill" in med_of:
         print(f"\nsetup worker-kill = {med_of['worker kill']['setup_s']:.2f} s")
+        if baseline:
+            compare_with_raytrain(records["worker kill"], baseline)
     if "node kill" in med_of:
         m = med_of["node kill"]
         rest = m["time_to_recover_s"] - (m["detection_s"] + m["restart_s"])
