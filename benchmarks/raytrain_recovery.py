@@ -31,7 +31,8 @@ import threading
 import time
 from typing import Any
 
-WORKERS = 2
+from handwritten import WORKERS, digits_train, embedded_ray
+
 BATCH = 32
 HEALTH_CHECK_INTERVAL_S = 0.5  # ftjob's default failure.health_check_interval
 
@@ -137,53 +138,38 @@ def recoveries(lines: list[str], kills: list[dict[str, Any]]) -> list[dict[str, 
 
 
 def child(out_path: str, seed: int, epochs: int, interval: float, max_kills: int) -> None:
-    import ray
-    import ray.data
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from ftjob.data import _Decode
-    from ftjob.datasets import TRAIN, DigitsDataset
-
-    dataset = DigitsDataset()
-    catalog = dataset.catalog(TRAIN)
     os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(HEALTH_CHECK_INTERVAL_S)
-    ray.init(
-        address="local",
-        num_cpus=(os.cpu_count() or 1) + WORKERS,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
     kills: list[dict[str, Any]] = []
-    try:
-        blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
-        ds = ray.data.from_arrow(blocks).map_batches(
-            _Decode(dataset, TRAIN, 0, 0), batch_size=None, batch_format="numpy"
+    with (
+        embedded_ray(),
+        tempfile.TemporaryDirectory() as storage,
+        tempfile.TemporaryDirectory() as stamps,
+    ):
+        rows, ds = digits_train()
+        killer = threading.Thread(
+            target=_killer, args=(stamps, interval, max_kills, seed, kills), daemon=True
         )
-        with tempfile.TemporaryDirectory() as storage, tempfile.TemporaryDirectory() as stamps:
-            killer = threading.Thread(
-                target=_killer, args=(stamps, interval, max_kills, seed, kills), daemon=True
-            )
-            killer.start()
-            TorchTrainer(
-                _loop,
-                train_loop_config={
-                    "stamps": stamps,
-                    "epochs": epochs,
-                    "steps_per_epoch": catalog.num_rows // (BATCH * WORKERS),
-                },
-                scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
-                run_config=ray.train.RunConfig(
-                    storage_path=storage,
-                    name="recovery",
-                    failure_config=ray.train.FailureConfig(max_failures=4),
-                ),
-                datasets={"train": ds},
-            ).fit()
-            with open(os.path.join(stamps, "steps")) as f:
-                lines = f.read().splitlines()
-    finally:
-        ray.shutdown()
+        killer.start()
+        TorchTrainer(
+            _loop,
+            train_loop_config={
+                "stamps": stamps,
+                "epochs": epochs,
+                "steps_per_epoch": rows // (BATCH * WORKERS),
+            },
+            scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
+            run_config=ray.train.RunConfig(
+                storage_path=storage,
+                name="recovery",
+                failure_config=ray.train.FailureConfig(max_failures=4),
+            ),
+            datasets={"train": ds},
+        ).fit()
+        with open(os.path.join(stamps, "steps")) as f:
+            lines = f.read().splitlines()
     with open(out_path, "w") as f:
         json.dump(recoveries(lines, kills), f)
 

@@ -126,19 +126,17 @@ def compare_with_raytrain(ftjob: list[dict[str, Any]], raytrain: list[dict[str, 
             for r in raytrain
         ],
     }
+    med = {
+        name: tuple(statistics.median(col) for col in zip(*values, strict=True))
+        for name, values in rows.items()
+    }
     header = f"{'':<9} {'kill->train fn':>15} {'train fn->step':>15} {'TTR':>6} {'lost steps':>11}"
-    print("\nworker kills, ftjob and the hand-written Ray Train loop (seconds)")
-    print(header)
-    for name, values in rows.items():
-        for a, b, c, d in values:
-            print(f"{name:<9} {a:>15.2f} {b:>15.2f} {c:>6.2f} {d:>11.1f}")
-    print("medians")
-    print(header)
-    med = {}
-    for name, values in rows.items():
-        med[name] = [statistics.median(v[i] for v in values) for i in range(4)]
-        a, b, c, d = med[name]
-        print(f"{name:<9} {a:>15.2f} {b:>15.2f} {c:>6.2f} {d:>11.1f}")
+    for title, table in (("(seconds)", rows), ("medians", {k: [v] for k, v in med.items()})):
+        print(f"\nworker kills, ftjob and the hand-written Ray Train loop {title}")
+        print(header)
+        for name, values in table.items():
+            for a, b, c, d in values:
+                print(f"{name:<9} {a:>15.2f} {b:>15.2f} {c:>6.2f} {d:>11.1f}")
     print(
         f"worker-kill time-to-recover ftjob/raytrain = {med['ftjob'][2] / med['raytrain'][2]:.2f}"
     )

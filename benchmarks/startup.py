@@ -20,20 +20,16 @@ import sys
 import tempfile
 import time
 
-WORKERS = 2
+from handwritten import WORKERS, digits_train, embedded_ray
 
 
 def _raytrain_child(stamp_file: str) -> None:
     """The hand-written loop (run in a fresh process): write the time of the first step."""
-    import ray
-    import ray.data
     import ray.train
     import torch
     import torch.nn.functional as F
     from ray.train.torch import TorchTrainer
 
-    from ftjob.data import _Decode
-    from ftjob.datasets import TRAIN, DigitsDataset
     from ftjob.models import SmallCNN
 
     def loop(config: dict) -> None:
@@ -50,30 +46,15 @@ def _raytrain_child(stamp_file: str) -> None:
                     f.write(str(time.time()))
             return  # the first step is all this benchmark needs
 
-    dataset = DigitsDataset()
-    catalog = dataset.catalog(TRAIN)
-    # As ftjob does: the training workers' CPUs on top of the machine's, for Ray Data's decode.
-    ray.init(
-        address="local",
-        num_cpus=(os.cpu_count() or 1) + WORKERS,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
-    try:
-        blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
-        ds = ray.data.from_arrow(blocks).map_batches(
-            _Decode(dataset, TRAIN, 0, 0), batch_size=None, batch_format="numpy"
-        )
-        with tempfile.TemporaryDirectory() as storage:
-            TorchTrainer(
-                loop,
-                train_loop_config={"stamp": stamp_file},
-                scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
-                run_config=ray.train.RunConfig(storage_path=storage, name="startup"),
-                datasets={"train": ds},
-            ).fit()
-    finally:
-        ray.shutdown()
+    with embedded_ray(), tempfile.TemporaryDirectory() as storage:
+        _, ds = digits_train()
+        TorchTrainer(
+            loop,
+            train_loop_config={"stamp": stamp_file},
+            scaling_config=ray.train.ScalingConfig(num_workers=WORKERS),
+            run_config=ray.train.RunConfig(storage_path=storage, name="startup"),
+            datasets={"train": ds},
+        ).fit()
 
 
 def raytrain() -> float:
