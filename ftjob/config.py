@@ -214,6 +214,9 @@ class ChaosConfig:
     at_steps: list[int] = field(default_factory=list)
     notice: float = 30.0
     slowdown: float = 0.5
+    # node and preempt kills take a raylet down with every tenant's work on it: on a cluster
+    # ftjob did not start (ray.address) they need this explicit opt-in.
+    allow_on_existing_cluster: bool = False
     storage: StorageChaosConfig = field(default_factory=StorageChaosConfig)
 
     def __post_init__(self) -> None:
@@ -621,6 +624,24 @@ class TrainerConfig:
         return float(self.resources_per_worker.get("CPU", 1.0))
 
 
+# A run name becomes a directory of the run's storage and of every node's scratch: it must never
+# climb out of them (``..``), hide (``.x``), or be expanded as a glob pattern (``[``, ``*``, ``?``).
+RUN_NAME = re.compile(r"(?!\.)[A-Za-z0-9._-]{1,128}")
+
+
+def validate_run_name(name: str | None, key: str = "name") -> None:
+    """Refuse a run name outside the safe set (letters, digits, ``._-``; not starting with a
+    dot; 1-128 characters)."""
+    _require(
+        name is None or (isinstance(name, str) and RUN_NAME.fullmatch(name) is not None),
+        "",
+        key,
+        name,
+        "a run name is 1-128 letters, digits, '.', '_' or '-', not starting with '.' "
+        "(it names directories of the run's storage): choose e.g. name=exp-1",
+    )
+
+
 @dataclass
 class JobConfig:
     """The whole job. ``model``, ``dataset`` and ``optimizer`` are ``_target_`` nodes: the
@@ -650,13 +671,7 @@ class JobConfig:
             self.resume,
             "resume=true continues the run called `name`: set name=RUN_NAME too",
         )
-        _require(
-            self.name is None or (self.name.strip() != "" and "/" not in self.name),
-            "",
-            "name",
-            self.name,
-            "must be a non-empty run name without '/'",
-        )
+        validate_run_name(self.name)
         if self.chaos.kind in ("node", "preempt") and self.chaos.enabled:
             _require(
                 self.ray.local_nodes > 1 or self.ray.address is not None,
@@ -690,6 +705,17 @@ class JobConfig:
             check_backend(dataset_path, "dataset.path")
         for group in TARGET_GROUPS:
             check_group_target(getattr(self, group), group)
+        if self.chaos.enabled and self.chaos.kind in ("node", "preempt"):
+            _require(
+                self.ray.address is None or self.chaos.allow_on_existing_cluster,
+                "chaos",
+                "allow_on_existing_cluster",
+                self.chaos.allow_on_existing_cluster,
+                f"chaos.kind={self.chaos.kind} SIGKILLs raylets of the cluster at "
+                f"ray.address={self.ray.address!r}, and every other job's work on those nodes "
+                "with them: set chaos.allow_on_existing_cluster=true if this cluster is yours "
+                "to break (or test on a simulated one: drop ray.address, set ray.local_nodes=3)",
+            )
 
     def _check_storage_on_cluster(self) -> None:
         """On an existing cluster, nodes other than the driver's cannot read the driver's

@@ -83,6 +83,7 @@ def test_imagenet_ft_is_the_seed_benchmark_job():
     assert job.dataset["num_classes"] == 1000
     assert job.trainer.use_gpu and job.trainer.validate_every_n_steps > 0
     assert (job.chaos.kind, job.chaos.interval, job.chaos.max_kills) == ("node", 480.0, 2)
+    assert job.chaos.allow_on_existing_cluster  # reviewed config that opts in to node kills
 
 
 def test_a_cluster_job_needs_checkpoint_storage_every_node_reaches():
@@ -138,6 +139,14 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("ray.object_pull_timeout_ms=0", "ray.object_pull_timeout_ms"),
         ("ray.health_check_period_ms=50", "ray.health_check_period_ms"),
         ("ray.health_check_failure_threshold=0", "ray.health_check_failure_threshold"),
+        ("name=..", "name"),
+        ("name=.", "name"),
+        ("name=.hidden", "name"),
+        ("name='exp[1]'", "name"),
+        ("name='exp*'", "name"),
+        ("name='exp?'", "name"),
+        ("name=a/b", "name"),
+        ("name=" + "x" * 129, "name"),
     ],
 )
 def test_bad_input_is_refused_naming_the_key(override, key):
@@ -160,6 +169,37 @@ def test_dataset_values_that_would_fail_in_decode_tasks_are_refused_first(overri
     with pytest.raises(ConfigError) as err:
         precheck(["dataset=imagefolder", "dataset.path=/data/images", *overrides])
     assert err.value.key == key and rule in err.value.rule
+
+
+def test_node_chaos_on_a_cluster_ftjob_did_not_start_needs_an_explicit_opt_in():
+    cluster = ["ray.address=10.0.0.1:6379", "checkpoint.storage_path=s3://bucket/ck"]
+    for chaos in ("chaos=node_killer", "chaos=preempt"):
+        with pytest.raises(ConfigError) as err:
+            precheck([*cluster, chaos])
+        assert err.value.key == "chaos.allow_on_existing_cluster"
+        assert "every other job's work" in err.value.rule
+        precheck([*cluster, chaos, "chaos.allow_on_existing_cluster=true"])
+    precheck([*cluster, "chaos=worker_killer"])  # only ftjob's own workers: no opt-in
+
+
+def test_a_run_name_that_climbs_out_exits_2_in_seconds_and_touches_nothing(tmp_path):
+    tmp = tmp_path / "tmp"
+    (tmp / "ftjob-scratch").mkdir(parents=True)
+    canary = tmp / "someone-elses-file"
+    canary.write_text("keep me")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob", "name=.."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert proc.returncode == 2 and time.monotonic() - start < 15
+    assert "name='..'" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert canary.read_text() == "keep me" and (tmp / "ftjob-scratch").is_dir()
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_a_missing_option_lists_the_options_that_exist():
@@ -218,7 +258,16 @@ def _ftjob(args: list[str], tmp_path, **env: str) -> subprocess.Popen[str]:
     )
 
 
-def test_ctrl_c_while_the_dataset_is_listed_exits_with_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "code", "status", "said"),
+    [
+        (signal.SIGINT, 130, "interrupted", "interrupted (Ctrl-C)"),
+        (signal.SIGTERM, 143, "preempted", "stopped by a preemption notice (SIGTERM)"),
+    ],
+)
+def test_a_run_stopped_while_the_dataset_is_listed_ends_with_a_summary(
+    tmp_path, sig, code, status, said
+):
     mark = tmp_path / "listing"
     proc = _ftjob(
         ["dataset._target_=tests.cli_datasets.SlowListingDataset"],
@@ -229,10 +278,16 @@ def test_ctrl_c_while_the_dataset_is_listed_exits_with_one_line(tmp_path):
     while not mark.exists():  # past start-up, into the minute-long listing
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 130
-    assert stderr.strip() == "ftjob: interrupted before training started"
+    proc.send_signal(sig)
+    stdout, _ = proc.communicate(timeout=30)
+    assert proc.returncode == code
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == status
+    assert summary["error"] == (
+        f"{said} during start-up (checking the storage, the resume target and the dataset), "
+        "before the first step"
+    )
+    assert "summary: " in stdout
 
 
 def test_an_unexpected_error_exits_1_with_a_summary_and_its_traceback_kept(tmp_path):
