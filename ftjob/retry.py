@@ -1,6 +1,11 @@
 """The retry policy for storage requests: which errors are transient, how long to wait, when
 to give up, and what was counted along the way.
 
+An error is classified by what it is, not by what its text happens to contain: the errno (those
+of shared filesystems only when the OS raised them), the type, the HTTP status or S3 error
+code a storage client attached, and only then the message -- with the storage paths, URLs and
+ftjob's own context taken out, so that a run named ``exp-500`` is not a server error.
+
 Built on tenacity; sleep, clock and rng are injectable so tests run policies without waiting.
 The filesystem layers that apply it live in :mod:`ftjob.storage`.
 """
@@ -27,7 +32,8 @@ logger = logging.getLogger("ftjob.storage")
 # -- classification ------------------------------------------------------------------------
 
 # Message patterns, matched case-insensitively against "TypeName: message" of each exception in
-# the chain (s3fs translates S3 error codes into OSErrors whose message is S3's own text).
+# the chain (s3fs translates S3 error codes into OSErrors whose message is S3's own text), with
+# the paths and URLs in it taken out first (see :func:`message_of`).
 TRANSIENT_PATTERNS = (
     r"slow ?down",
     r"reduce your request rate",
@@ -64,17 +70,24 @@ PERMANENT_PATTERNS = (
     r"unable to locate credentials",
     r"not ?authori[sz]ed",
 )
+# A credentials refresh that failed is transient only when it says the network or the token
+# server failed; anything else (a revoked grant, a bad key) does not heal by waiting.
+REFRESH_TRANSIENT_PATTERNS = (*TRANSIENT_PATTERNS, r"network", r"unreachable", r"temporar")
 # s3fs maps SlowDown/ServiceUnavailable/503 to EBUSY and InternalError/500 to EREMOTEIO.
 TRANSIENT_ERRNOS = {
     errno.EBUSY,
-    getattr(errno, "EREMOTEIO", errno.EIO),
     errno.ETIMEDOUT,
     errno.ECONNRESET,
     errno.ECONNREFUSED,
     errno.ECONNABORTED,
     errno.EPIPE,
     errno.EAGAIN,
-}
+} | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
+# Shared filesystems (NFS, FUSE mounts of buckets) report a server that went away, a stale file
+# handle or a mount that lost its transport with these. They count only for errors the OS
+# raised: s3fs turns S3 error codes it does not know into OSError(EIO) with the client's error as
+# the cause, and those are judged by what S3 said.
+OS_TRANSIENT_ERRNOS = {errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT}
 TRANSIENT_TYPES = (ConnectionError, TimeoutError)
 # Bad paths and bad permissions do not heal by waiting.
 PERMANENT_TYPES = (
@@ -106,16 +119,77 @@ TRANSIENT_TYPE_NAMES = (
     "IncompleteRead",
     "ProtocolError",
     "FSTimeoutError",
+    # requests: gcsfs raises ProxyError for a 502
+    "ProxyError",
+    # google.auth: an HTTP request to the token server failed, or timed out
+    "TransportError",
+    "TimeoutError",
+)
+# Errors of storage clients that are not OSErrors (s3fs and gcsfs translate most into OSError),
+# and of the credentials behind them.
+CLIENT_ERROR_TYPE_NAMES = (
+    "BotoCoreError",
+    "ClientError",
+    "ClientResponseError",
+    "HttpError",
+    "GoogleAPICallError",
+    "GoogleAuthError",
+)
+# S3 error codes that heal by waiting whatever their HTTP status (RequestTimeout is a 400,
+# ConditionalRequestConflict -- concurrent conditional writes to one key -- a 409).
+TRANSIENT_S3_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "OperationAborted",
+        "ConditionalRequestConflict",
+    }
 )
 
 
-# Errors of storage clients that are not OSErrors (s3fs and gcsfs translate most into OSError).
-CLIENT_ERROR_TYPE_NAMES = ("BotoCoreError", "ClientError", "ClientResponseError", "HttpError")
+def transient_status(status: int) -> bool | None:
+    """An HTTP status's verdict: 408, 429 and 5xx (but 501 Not Implemented) heal by waiting;
+    other 4xx (401, 403, 404, 412, ...) do not; anything else says nothing."""
+    if status in (408, 429) or (500 <= status <= 599 and status != 501):
+        return True
+    if 400 <= status <= 599:
+        return False
+    return None
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an error carries, read by duck typing: aiohttp's ``status``
+    (``ClientResponseError``, ``ClientHttpProxyError``), gcsfs's and google-api-core's
+    ``code``, requests' ``response.status_code``, botocore's ``response`` dict."""
+    for attr in ("status", "status_code", "code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        value = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    else:
+        value = getattr(response, "status_code", None)
+    return value if isinstance(value, int) and 100 <= value <= 599 else None
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    return error.get("Code") if isinstance(error, dict) else None
 
 
 def is_storage_error(exc: BaseException) -> bool:
-    """Did the storage fail (an OSError, or a storage client's own error), rather than ftjob's
-    code? Callers that tolerate storage failures catch only these: a bug must surface."""
+    """Did the storage fail (an OSError, or a storage client's own error, its credentials'
+    included), rather than ftjob's code? Callers that tolerate storage failures catch only
+    these: a bug must surface."""
     if isinstance(exc, OSError) or type(exc).__name__ == "StorageError":
         return True
     return bool(_names(exc) & set(TRANSIENT_TYPE_NAMES + CLIENT_ERROR_TYPE_NAMES))
@@ -134,18 +208,41 @@ def _names(exc: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(exc).__mro__}
 
 
+# What ftjob adds to a storage error's message (see _with_context): it names the path and the
+# bucket, which are no evidence of what went wrong.
+GAVE_UP = "gave up after {attempts} attempts"
+NOT_RETRIED = "permanent error, not retried"
+_CONTEXT = re.compile(
+    r"\s*\[storage .*?: (?:" + GAVE_UP.format(attempts=r"\d+") + "|" + NOT_RETRIED + r")\]"
+)
+# A quoted path or URL ('/mnt/x', "s3://b/k", 'bucket/key'), then any other word with a slash.
+_QUOTED_PATH = re.compile(r"""(['"])(?:[a-zA-Z][\w+.-]*://|[/~.]|[\w.-]+/)[^'"\n]*\1""")
+_PATH_WORD = re.compile(r"\S*/\S*")
+
+
+def message_of(exc: BaseException) -> str:
+    """``TypeName: message`` of ``exc`` without the storage paths and URLs in it, nor ftjob's
+    own context suffix: what message rules match. A run called ``exp-500`` or a mount at
+    ``/mnt/timeout-tests`` says nothing about whether an error heals."""
+    text = _CONTEXT.sub("", f"{type(exc).__name__}: {exc}")
+    return _PATH_WORD.sub(" ", _QUOTED_PATH.sub(" ", text))
+
+
 @dataclass(frozen=True)
 class ErrorClassifier:
     """Transient or permanent? User rules (``give_up_on`` then ``retry_on``: exception type
-    names or case-insensitive regexes of the message) come before the defaults; anything
-    unrecognised is permanent, so surprises fail fast instead of spinning."""
+    names or case-insensitive regexes of the message, paths left out) come before the
+    defaults; anything unrecognised is permanent, so surprises fail fast instead of spinning.
+
+    The defaults read each exception of the chain in turn, outermost first, structured
+    signals before its message: errno, type, HTTP status or S3 error code."""
 
     retry_on: tuple[str, ...] = ()
     give_up_on: tuple[str, ...] = ()
 
     @staticmethod
     def _matches(rules: tuple[str, ...], exc: BaseException) -> bool:
-        text = f"{type(exc).__name__}: {exc}"
+        text = message_of(exc)
         return any(rule in _names(exc) or re.search(rule, text, re.IGNORECASE) for rule in rules)
 
     def is_transient(self, exc: BaseException) -> bool:
@@ -154,19 +251,40 @@ class ErrorClassifier:
             return False
         if any(self._matches(self.retry_on, e) for e in chain):
             return True
-        for e in chain:
-            # Structured signals first: a message may quote a path ("exp-403/...").
-            if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
-                return True
-            if isinstance(e, PERMANENT_TYPES):
-                return False
-            if isinstance(e, TRANSIENT_TYPES) or _names(e) & set(TRANSIENT_TYPE_NAMES):
-                return True
+        return self._default(chain)
+
+    def _default(self, chain: list[BaseException]) -> bool:
+        from_client = any(_names(e) & set(CLIENT_ERROR_TYPE_NAMES) for e in chain)
+        for i, e in enumerate(chain):
+            verdict = _structured(e, from_client)
+            if verdict is not None:
+                return verdict
+            if "RefreshError" in _names(e):
+                return self._matches(REFRESH_TRANSIENT_PATTERNS, e) or self._default(chain[i + 1 :])
             if self._matches(PERMANENT_PATTERNS, e):
                 return False
             if self._matches(TRANSIENT_PATTERNS, e):
                 return True
         return False
+
+
+def _structured(e: BaseException, from_client: bool) -> bool | None:
+    """The verdict of ``e``'s errno, type, HTTP status or S3 error code; None if they say
+    nothing. ``from_client``: a storage client's error is in the chain."""
+    if isinstance(e, OSError) and e.errno is not None:
+        if e.errno in TRANSIENT_ERRNOS or (e.errno in OS_TRANSIENT_ERRNOS and not from_client):
+            return True
+    if isinstance(e, PERMANENT_TYPES):
+        return False
+    names = _names(e)
+    if isinstance(e, TRANSIENT_TYPES) or names & set(TRANSIENT_TYPE_NAMES):
+        return True
+    if "GoogleAuthError" in names and getattr(e, "retryable", False) is True:
+        return True  # google.auth says so (a 5xx or "temporarily_unavailable" from the server)
+    if _s3_code(e) in TRANSIENT_S3_CODES:
+        return True
+    status = http_status(e)
+    return transient_status(status) if status is not None else None
 
 
 # -- policy ---------------------------------------------------------------------------------
@@ -382,7 +500,7 @@ def _with_context(
     message; the original exception itself when its type cannot be rebuilt from a message."""
     bucket = bucket_of(target)
     where = f"{op} {target}" + (f" (bucket {bucket!r})" if bucket else "")
-    verdict = f"gave up after {attempts} attempts" if transient else "permanent error, not retried"
+    verdict = GAVE_UP.format(attempts=attempts) if transient else NOT_RETRIED
     errno_ = exc.errno if isinstance(exc, OSError) else None
     # OSError(errno, text) prints "[Errno N] text": keep the text, the errno is passed on.
     text = _one_line(exc.strerror if errno_ is not None and exc.strerror else exc)  # type: ignore[union-attr]

@@ -7,21 +7,29 @@ import errno
 import gc
 import http.client
 import logging
+import os
 import pickle
 import random
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
 import botocore.exceptions as boto
+import google.auth.exceptions as google_auth
 import pyarrow.fs
 import pytest
+import requests
+import yarl
+from aiohttp.client_reqrep import RequestInfo
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+from multidict import CIMultiDict, CIMultiDictProxy
 from s3fs.errors import translate_boto_error
 
 from ftjob.config import ConfigError, RetryConfig, StorageChaosConfig
-from ftjob.retry import ErrorClassifier, OpStats, RetryPolicy, StorageStats
+from ftjob.retry import ErrorClassifier, OpStats, RetryPolicy, StorageStats, is_storage_error
 from ftjob.storage import (
     INJECTED_ERRORS,
     FaultInjectingFileSystem,
@@ -29,6 +37,7 @@ from ftjob.storage import (
     StorageError,
     _DelegatingFileSystem,
     build_filesystem,
+    exclusive_create_guarantee,
     innermost,
     preflight,
     split_options,
@@ -156,6 +165,159 @@ def test_a_path_in_the_message_does_not_decide_the_class() -> None:
     assert ErrorClassifier().is_transient(throttled)
     missing = FileNotFoundError("s3://b/exp-503/timed-out/model.pt")
     assert not ErrorClassifier().is_transient(missing)
+    # Message rules alone (no errno, no telling type) read the message without its paths.
+    classify = ErrorClassifier().is_transient
+    assert not classify(OSError("failed on s3://b/run-503-x/step_1"))
+    assert classify(OSError("503 Service Unavailable on s3://b/x"))
+    assert not classify(RuntimeError("cannot write /mnt/timeout-tests/x"))
+    assert not classify(RuntimeError("cannot write '/mnt/my runs/timeout 500/x'"))
+    assert not classify(RuntimeError("upload of ckpt-bucket/exp-500/step_1/model.pt failed"))
+    assert classify(RuntimeError("Read timed out writing /mnt/forbidden/x"))
+    assert classify(OSError("Service Unavailable for s3://b/access-denied-tests/x"))
+
+
+def test_user_rules_match_the_message_not_its_paths() -> None:
+    quota = RuntimeError("Quota exceeded on s3://b/exp-7/step_1")
+    assert ErrorClassifier(retry_on=("quota",)).is_transient(quota)
+    assert not ErrorClassifier(retry_on=("exp-7",)).is_transient(quota)
+    reset = ConnectionResetError(errno.ECONNRESET, "reset writing /mnt/quota/step_1")
+    assert ErrorClassifier(give_up_on=("quota",)).is_transient(reset)
+
+
+def test_a_described_error_is_classified_by_its_message_not_ftjobs_context() -> None:
+    # The error a storage call raises names its target and bucket; callers classify it again.
+    fake = FakeTime()
+    target = "s3://exp-500/run/checkpoints/step_000000010/model.pt"
+    with pytest.raises(RuntimeError) as info:
+        policy(fake).call(failing([RuntimeError("Quota exceeded")]), op="pipe_file", target=target)
+    assert "bucket 'exp-500'" in str(info.value)
+    assert not ErrorClassifier().is_transient(info.value)
+    assert not ErrorClassifier(retry_on=("not retried",)).is_transient(info.value)
+
+
+@pytest.mark.parametrize("code", ["EIO", "ESTALE", "ENOTCONN", "ETIMEDOUT"])
+def test_shared_filesystem_errors_are_transient(code: str) -> None:
+    # What an NFS server that went away, or a FUSE mount of a bucket, makes the OS raise.
+    number = getattr(errno, code)
+    error = OSError(number, os.strerror(number), "/mnt/nfs/run/checkpoints/step_1/model.pt")
+    assert ErrorClassifier().is_transient(error)
+    assert policy(FakeTime()).call(failing([error]), op="put_file", target="/mnt/nfs/x") == "ok"
+
+
+def test_an_s3_error_s3fs_does_not_know_is_not_transient_for_its_eio() -> None:
+    unknown = translate_boto_error(client_error("InvalidObjectName", "Object name is bad", 400))
+    assert isinstance(unknown, OSError) and unknown.errno == errno.EIO  # s3fs's fallback
+    assert not ErrorClassifier().is_transient(unknown)
+
+
+def test_concurrent_conditional_writes_on_s3_are_retried() -> None:
+    conflict = translate_boto_error(
+        client_error(
+            "ConditionalRequestConflict",
+            "A conflicting conditional operation is currently in progress against this "
+            "resource. Please try again.",
+            409,
+        )
+    )
+    assert ErrorClassifier().is_transient(conflict)
+
+
+def test_a_failed_if_none_match_is_an_existing_file_and_not_retried() -> None:
+    response = {
+        "Error": {
+            "Code": "PreconditionFailed",
+            "Message": "At least one of the pre-conditions you specified did not hold",
+            "Condition": "If-None-Match",
+        },
+        "ResponseMetadata": {"HTTPStatusCode": 412},
+    }
+    taken = translate_boto_error(boto.ClientError(response, "PutObject"))
+    assert isinstance(taken, FileExistsError)
+    fake = FakeTime()
+    stats = OpStats()
+    with pytest.raises(FileExistsError) as info:
+        policy(fake).call(failing([taken]), op="pipe_file", target=S3_TARGET, stats=stats)
+    assert S3_TARGET in str(info.value) and info.value.__cause__ is taken
+    assert stats.attempts == 1 and fake.sleeps == []
+
+
+def _response_error(cls: type, status: int, url: str, message: str = "") -> BaseException:
+    request = RequestInfo(yarl.URL(url), "POST", CIMultiDictProxy(CIMultiDict()), yarl.URL(url))
+    return cls(request, (), status=status, message=message)
+
+
+class HttpError(Exception):
+    """Shaped like gcsfs's HttpError (gcsfs is not installed): a ``code`` and a message that
+    ends in it."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code, self.message = code, f"{message}, {code}"
+        super().__init__(self.message)
+
+
+HTTP_STATUS = {
+    # a 502 from a proxy, on a bucket whose name says "forbidden"
+    "aiohttp proxy 502": (
+        _response_error(
+            aiohttp.ClientHttpProxyError, 502, "https://storage.googleapis.com/b/forbidden-x/o"
+        ),
+        True,
+    ),
+    "aiohttp 429": (_response_error(aiohttp.ClientResponseError, 429, "https://gcs/b/o"), True),
+    "aiohttp 404 at a path saying 503": (
+        _response_error(aiohttp.ClientResponseError, 404, "https://gcs/b/run-503/o"),
+        False,
+    ),
+    "aiohttp 403": (_response_error(aiohttp.ClientResponseError, 403, "https://gcs/b/o"), False),
+    "aiohttp 401": (_response_error(aiohttp.ClientResponseError, 401, "https://gcs/b/o"), False),
+    "gcsfs 503": (HttpError(503, "Backend Error"), True),
+    "gcsfs 429": (HttpError(429, "The rate of change requests is too high"), True),
+    "gcsfs 401": (HttpError(401, "Invalid Credentials"), False),
+    "gcsfs 502 (requests' ProxyError)": (requests.exceptions.ProxyError(), True),
+}
+
+
+@pytest.mark.parametrize(("exc", "transient"), HTTP_STATUS.values(), ids=HTTP_STATUS.keys())
+def test_an_http_status_decides_by_its_number(exc: BaseException, transient: bool) -> None:
+    assert ErrorClassifier().is_transient(exc) is transient
+    assert is_storage_error(exc)
+
+
+def test_credentials_refresh_errors_are_storage_errors_classified_by_cause() -> None:
+    classify = ErrorClassifier().is_transient
+    unreachable = google_auth.TransportError("Failed to connect to the token endpoint")
+    assert classify(unreachable)
+    revoked = google_auth.RefreshError(
+        "invalid_grant: Token has been expired or revoked.", {"error": "invalid_grant"}
+    )
+    assert not classify(revoked)
+    server = google_auth.RefreshError(
+        "Failed to retrieve http://metadata.google.internal/computeMetadata/v1/instance/"
+        "service-accounts/default/token from the metadata service. Status: 503 Response: b''"
+    )
+    assert classify(server)
+    assert classify(google_auth.RefreshError("token endpoint failed", retryable=True))
+    assert not classify(
+        google_auth.RefreshError("invalid_grant at http://sts/timeout-tests/token: bad key")
+    )
+    try:
+        try:
+            raise google_auth.TransportError("connection aborted")
+        except google_auth.TransportError as cause:
+            raise google_auth.RefreshError("Unable to refresh the access token") from cause
+    except google_auth.RefreshError as wrapped:
+        assert classify(wrapped)
+    for exc in (unreachable, revoked, google_auth.DefaultCredentialsError("no credentials")):
+        assert is_storage_error(exc)  # callers that tolerate storage failures catch these
+    assert not is_storage_error(ValueError("a bug"))
+    # Through the policy: retried, then raised as itself, naming the target.
+    fake = FakeTime()
+    with pytest.raises(google_auth.TransportError, match="gave up after 3 attempts"):
+        policy(fake, max_attempts=3).call(
+            failing([unreachable] * 3), op="pipe_file", target="gs://b/run/x"
+        )
+    with pytest.raises(google_auth.RefreshError, match="not retried"):
+        policy(fake).call(failing([revoked]), op="pipe_file", target="gs://b/run/x")
 
 
 def test_a_transient_cause_makes_a_wrapping_error_transient() -> None:
@@ -361,7 +523,7 @@ def test_stats_count_attempts_retries_failures_and_success_rate(memfs: MemoryFil
     assert snapshot.kind("upload").calls == 2
 
 
-def test_every_forwarded_operation_reaches_the_inner_filesystem(
+def test_every_operation_reaches_the_inner_filesystem_as_it_implements_it(
     memfs: MemoryFileSystem, tmp_path: Any
 ) -> None:
     scripted = ScriptedFileSystem(memfs, {})
@@ -385,10 +547,269 @@ def test_every_forwarded_operation_reaches_the_inner_filesystem(
     fs.rm("/ops/dir/e")
     fs.rmdir("/ops/dir2")
     assert fs.exists("/ops/dir/a") and not fs.exists("/ops/dir/c")
+    assert memfs.cat_file("/ops/dir/a") == b"A" and not memfs.exists("/ops/dir/e")
     seen = {op for op, _ in scripted.calls}
-    assert seen >= {"pipe_file", "put_file", "cat_file", "get_file", "ls", "find", "info", "mkdir"}
-    assert seen >= {"makedirs", "cp_file", "copy", "mv", "rm_file", "rm", "rmdir"}
+    assert seen >= {"pipe_file", "put_file", "cat_file", "get_file", "ls", "info", "mkdir"}
+    assert seen >= {"makedirs", "cp_file", "rm_file", "rmdir"}
+    # What the memory filesystem implements itself arrives as itself; copy and mv, which it
+    # inherits from fsspec, arrive as the requests fsspec makes them of.
+    assert seen >= {"find", "rm"} and not seen & {"copy", "mv"}
+    assert ("cp_file", "/ops/dir/c") in scripted.calls  # the copy
     assert ("put_file", "/ops/dir/b") in scripted.calls  # the storage path, not the local one
+
+
+def test_operations_take_their_paths_by_keyword(memfs: MemoryFileSystem, tmp_path: Any) -> None:
+    scripted = ScriptedFileSystem(memfs, {})
+    fs = retrying(scripted, FakeTime())
+    local = tmp_path / "local.bin"
+    local.write_bytes(b"local")
+    fs.pipe_file(path="/kw/a", value=b"A")
+    fs.put_file(lpath=str(local), rpath="/kw/b")
+    assert fs.cat_file(path="/kw/a") == b"A"
+    fs.get_file(rpath="/kw/b", lpath=str(tmp_path / "back.bin"))
+    assert (tmp_path / "back.bin").read_bytes() == b"local"
+    assert fs.info(path="/kw/a")["size"] == 1
+    fs.copy(path1="/kw/a", path2="/kw/c")
+    fs.copy(path1=["/kw/a", "/kw/b"], path2=["/kw/d", "/kw/e"])
+    assert fs.cat(path="/kw/e") == b"local"
+    fs.rm_file(path="/kw/c")
+    assert sorted(memfs.find("/kw")) == ["/kw/a", "/kw/b", "/kw/d", "/kw/e"]
+    # Each request names its storage path, however it was passed.
+    assert ("put_file", "/kw/b") in scripted.calls and ("get_file", "/kw/b") in scripted.calls
+    assert ("cp_file", "/kw/a") in scripted.calls and ("rm_file", "/kw/c") in scripted.calls
+
+
+def test_what_the_inner_filesystem_implements_is_what_answers(tmp_path: Any) -> None:
+    local = LocalFileSystem()
+    fs = retrying(local, FakeTime())
+    path = str(tmp_path / "run" / "lease.json")
+    fs.makedirs(str(tmp_path / "run"), exist_ok=True)
+    fs.pipe_file(path, b"0123456789")
+    assert fs.modified(path) == local.modified(path)  # the run lease reads the store's clock
+    assert fs.created(path) == local.created(path)
+    assert fs.size(path) == 10 and fs.sizes([path]) == [10]
+    assert fs.tail(path, 3) == b"789" and fs.head(path, 2) == b"01"
+    assert fs.read_block(path, 2, 3) == b"234"
+    assert fs.cat_ranges([path, path], [0, 5], [2, 7]) == [b"01", b"56"]
+    assert fs.isfile(path) and fs.isdir(str(tmp_path / "run")) and fs.lexists(path)
+    assert fs.du(str(tmp_path / "run")) == local.du(str(tmp_path / "run"))
+    assert fs.glob(str(tmp_path / "run" / "*.json")) == [path]
+    # touch(truncate=False) keeps an existing file (fsspec's generic touch refuses to)
+    fs.touch(path, truncate=False)
+    assert local.cat_file(path) == b"0123456789"
+    assert fs.ukey(path) == local.ukey(path) and fs.checksum(path) == local.checksum(path)
+
+
+class FlakyMemoryFileSystem(MemoryFileSystem):
+    """Its third cp_file fails once with a reset connection; counts every cp_file."""
+
+    cachable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def cp_file(self, path1: str, path2: str, **kwargs: Any) -> None:
+        self.copies += 1
+        if self.copies == 3:
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        super().cp_file(path1, path2, **kwargs)
+
+
+def test_a_bulk_copy_retries_the_one_request_that_failed(memfs: MemoryFileSystem) -> None:
+    for i in range(6):
+        memfs.pipe_file(f"/bulk/src/f{i}", b"x")
+    flaky = FlakyMemoryFileSystem()
+    fs = retrying(flaky, FakeTime())
+    fs.copy("/bulk/src", "/bulk/dst", recursive=True)
+    assert sorted(memfs.find("/bulk/dst")) == [f"/bulk/dst/f{i}" for i in range(6)]
+    # Seven requests (the directory and its six files), one of them twice: not all again.
+    assert flaky.copies == 8
+    assert fs.snapshot_stats().kind("other").retries == 1
+
+
+def test_an_existing_file_is_not_retried_and_keeps_its_type(memfs: MemoryFileSystem) -> None:
+    exists = FileExistsError(errno.EEXIST, "File exists")
+    scripted = ScriptedFileSystem(memfs, {"pipe_file": [exists]})
+    fake = FakeTime()
+    with pytest.raises(FileExistsError) as info:
+        retrying(scripted, fake).pipe_file("/x/lease/1.json", b"{}", mode="create")
+    assert info.value.errno == errno.EEXIST and "/x/lease/1.json" in str(info.value)
+    assert fake.sleeps == [] and len(scripted.calls) == 1
+
+
+# -- exclusive create -----------------------------------------------------------------------
+
+
+class RacingLocalFileSystem(LocalFileSystem):
+    """Another driver creates each missing path (exclusively, and so wins it) just after it
+    was checked for: a create made of a check, then a write, overwrites the winner's file."""
+
+    cachable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.their_wins: list[str] = []
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        found = super().exists(path)
+        if not found:
+            with open(self._strip_protocol(path), "xb") as f:
+                f.write(b"theirs")
+            self.their_wins.append(path)
+        return found
+
+
+def test_exclusive_create_on_local_disk_has_one_winner_without_a_check(tmp_path: Any) -> None:
+    racing = RacingLocalFileSystem()
+    fs = retrying(racing, FakeTime())
+    (tmp_path / "lease").mkdir()
+    path = str(tmp_path / "lease" / "000000001.json")
+    try:
+        fs.pipe_file(path, b"ours", mode="create")
+        our_wins = [path]
+    except FileExistsError:
+        our_wins = []
+    assert len(our_wins + racing.their_wins) == 1
+    winner = b"ours" if our_wins else b"theirs"
+    assert (tmp_path / "lease" / "000000001.json").read_bytes() == winner
+    assert sorted(p.name for p in (tmp_path / "lease").iterdir()) == ["000000001.json"]
+
+
+def test_exclusive_create_without_hard_links_is_still_exclusive(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(src: str, dst: str) -> None:  # a FUSE mount of a bucket, say
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    fs = retrying(LocalFileSystem(), FakeTime())
+    path = str(tmp_path / "000000001.json")
+    fs.pipe_file(path, b"first", mode="create")
+    with pytest.raises(FileExistsError):
+        fs.pipe_file(path, b"second", mode="create")
+    assert (tmp_path / "000000001.json").read_bytes() == b"first"
+    assert [p.name for p in tmp_path.iterdir()] == ["000000001.json"]
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_one_of_many_racing_creates_wins(
+    backend: str, tmp_path: Any, memfs: MemoryFileSystem
+) -> None:
+    inner: AbstractFileSystem = LocalFileSystem() if backend == "local" else memfs
+    root = str(tmp_path) if backend == "local" else "/race"
+    inner.makedirs(root, exist_ok=True)
+    fs = retrying(inner, FakeTime())
+    path = f"{root}/000000001.json"
+    payloads = [bytes([i]) * 1_000_000 for i in range(8)]
+    start = threading.Barrier(len(payloads))
+    won: list[bytes] = []
+
+    def create(data: bytes) -> None:
+        start.wait()
+        try:
+            fs.pipe_file(path, data, mode="create")
+            won.append(data)
+        except FileExistsError:
+            pass
+
+    threads = [threading.Thread(target=create, args=(p,)) for p in payloads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert inner.cat_file(path) == won[0]  # whole, and the winner's
+    assert inner.ls(root, detail=False) == [inner._strip_protocol(path)]  # no temporary left
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_open_for_exclusive_create(backend: str, tmp_path: Any, memfs: MemoryFileSystem) -> None:
+    inner: AbstractFileSystem = LocalFileSystem() if backend == "local" else memfs
+    root = str(tmp_path) if backend == "local" else "/x"
+    inner.makedirs(root, exist_ok=True)
+    fs = retrying(inner, FakeTime())
+    with fs.open(f"{root}/new.json", "xb") as f:
+        f.write(b"first")
+    assert inner.cat_file(f"{root}/new.json") == b"first"
+    with pytest.raises(FileExistsError):
+        fs.open(f"{root}/new.json", "xb")  # refused at once, as open(path, "x") is
+    with pytest.raises(FileExistsError):
+        fs.open(f"{root}/new.json", "x")
+    # A writer that creates the file while ours is open keeps it.
+    f = fs.open(f"{root}/late.json", "xb")
+    f.write(b"ours")
+    inner.pipe_file(f"{root}/late.json", b"theirs")
+    with pytest.raises(FileExistsError):
+        f.close()
+    assert inner.cat_file(f"{root}/late.json") == b"theirs"
+
+
+class LostAnswerFileSystem(_DelegatingFileSystem):
+    """Its first pipe_file reaches the store, then the connection drops before the answer."""
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
+        super().__init__(fs)
+        self.lost = False
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        result = fn()
+        if op == "pipe_file" and not self.lost:
+            self.lost = True
+            raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return result
+
+
+def test_a_create_whose_answer_was_lost_is_ours(memfs: MemoryFileSystem) -> None:
+    fs = retrying(LostAnswerFileSystem(memfs), FakeTime())
+    fs.pipe_file("/lost/1.json", b'{"token": "ours"}', mode="create")  # the retry finds it
+    assert memfs.cat_file("/lost/1.json") == b'{"token": "ours"}'
+    # Another writer's file is not ours, retry or not.
+    memfs.pipe_file("/lost/2.json", b'{"token": "theirs"}')
+    with pytest.raises(FileExistsError):
+        fs.pipe_file("/lost/2.json", b'{"token": "ours"}', mode="create")
+
+
+class KeyValueFileSystem(AbstractFileSystem):
+    """A backend without atomic create whose pipe_file ignores ``mode`` altogether."""
+
+    protocol = "kv"
+    cachable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        self.data[self._strip_protocol(path)] = value
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        path = self._strip_protocol(path)
+        if path not in self.data:
+            raise FileNotFoundError(path)
+        return {"name": path, "size": len(self.data[path]), "type": "file"}
+
+
+def test_exclusive_create_guarantee_says_what_each_backend_does(
+    tmp_path: Any, memfs: MemoryFileSystem
+) -> None:
+    assert exclusive_create_guarantee(retrying(LocalFileSystem(), FakeTime())) == (
+        "atomic exclusive create (local filesystem: link)"
+    )
+    assert "atomic within one process" in exclusive_create_guarantee(retrying(memfs, FakeTime()))
+    s3, _ = build_filesystem("s3://b/run", {"endpoint_url": "http://127.0.0.1:9"}, RetryConfig())
+    assert exclusive_create_guarantee(s3) == "conditional write If-None-Match: * (s3)"
+    assert "if-generation-match=0" in exclusive_create_guarantee(FakeGCSFileSystem())
+    kv = KeyValueFileSystem()
+    assert exclusive_create_guarantee(kv) == (
+        "best effort: exists check then write (no atomic create on kv)"
+    )
+    # ... and the wrapper does that check, even where the backend ignores mode="create".
+    fs = retrying(kv, FakeTime())
+    fs.pipe_file("/a", b"first", mode="create")
+    with pytest.raises(FileExistsError):
+        fs.pipe_file("/a", b"second", mode="create")
+    assert kv.data["/a"] == b"first"
 
 
 def test_write_handles_upload_on_close_with_retries(memfs: MemoryFileSystem) -> None:
@@ -492,6 +913,58 @@ def test_s3_options_switch_off_the_retries_below_ours() -> None:
     assert inner == 4
     assert options["config_kwargs"] == {"retries": {"mode": "adaptive"}, "read_timeout": 5}
     assert split_options("file", {}) == ({}, None)
+
+
+def _fake_retry_request(tries: int) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Like gcsfs's ``retry_request(retries=...)``: the tries are fixed when the class is
+    defined, and the undecorated function is ``__wrapped__``."""
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        def retried(*args: Any, **kwargs: Any) -> Any:
+            for attempt in range(tries):
+                try:
+                    return func(*args, **kwargs)
+                except ConnectionResetError:
+                    if attempt == tries - 1:
+                        raise
+            return None
+
+        retried.__wrapped__ = func  # type: ignore[attr-defined]
+        return retried
+
+    return decorate
+
+
+class FakeGCSFileSystem(AbstractFileSystem):
+    """Stands in for gcsfs: requests retried 6 times by a decorator, whatever ``retries`` is."""
+
+    protocol = ("gs", "gcs")
+    cachable = False
+    retries = 6
+    sent = 0
+
+    def _send(self) -> None:
+        type(self).sent += 1
+        raise ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+
+    _request = _fake_retry_request(6)(_send)
+    _get_file_request = _fake_retry_request(6)(_send)
+    _get_file_concurrent = _fake_retry_request(6)(_send)
+
+
+def test_gcs_request_retries_are_switched_off_below_ours() -> None:
+    assert split_options("gs", {}) == ({}, 1)
+    assert split_options("gcs", {"retries": 3, "project": "p"}) == ({"project": "p"}, 3)
+    fs = RetryingFileSystem(FakeGCSFileSystem(), RetryPolicy(), inner_retries=1)
+    for copy in (fs, pickle.loads(pickle.dumps(fs))):  # and on the Ray workers
+        FakeGCSFileSystem.sent = 0
+        with pytest.raises(ConnectionResetError):
+            innermost(copy)._request()
+        assert FakeGCSFileSystem.sent == 1
+    FakeGCSFileSystem.sent = 0
+    with pytest.raises(ConnectionResetError):
+        FakeGCSFileSystem()._request()  # what gcsfs does left alone
+    assert FakeGCSFileSystem.sent == 6
 
 
 def test_build_filesystem_hands_options_to_s3fs() -> None:
