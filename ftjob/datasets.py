@@ -28,6 +28,45 @@ TRAIN, VAL = "train", "val"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 
 
+class DataError(RuntimeError):
+    """A dataset file that cannot be read or decoded. Deterministic: the same file fails again
+    on every attempt, so the job ends at once (the run's one-line error), instead of spending
+    ``failure.max_failures`` on restarts that would meet it again."""
+
+
+def data_error_of(exc: BaseException | None) -> DataError | None:
+    """The :class:`DataError` behind ``exc``, if any: raised as it is (the first window decodes
+    in the training process), or on its way from a Ray Data decode task. There it becomes the
+    ``__cause__`` of Ray Data's ``UserCodeException``, the ``cause`` of a ``RayTaskError`` --
+    and only a line of the task's traceback once through the object store (a pickled
+    exception keeps no ``__cause__``): then it is rebuilt from that line."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        cause = getattr(e, "cause", None)  # RayTaskError; as_instanceof_cause() is both
+        if isinstance(e, DataError) and not isinstance(cause, BaseException):
+            return e
+        if _is_ray_task_error(e):
+            for line in str(e).splitlines():
+                if line.startswith(_DATA_ERROR_LINE):
+                    return DataError(line[len(_DATA_ERROR_LINE) :])
+        todo.extend(c for c in (e.__context__, e.__cause__, cause) if isinstance(c, BaseException))
+    return None
+
+
+_DATA_ERROR_LINE = f"{DataError.__module__}.{DataError.__qualname__}: "
+
+
+def _is_ray_task_error(exc: BaseException) -> bool:
+    from ray.exceptions import RayTaskError
+
+    return isinstance(exc, RayTaskError)
+
+
 def _dataset_rule(ok: bool, key: str, args: dict[str, Any], rule: str) -> None:
     if not ok:
         value = args[key]
@@ -66,6 +105,11 @@ class ImageDataset(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def catalog_notes(self) -> list[str]:
+        """One-line notes about the catalogs for the driver to print (files that are not
+        samples, and why); empty when there is nothing to say."""
+        return []
+
     @classmethod
     def check_args(cls, **kwargs: Any) -> None:
         """Refuse constructor arguments that could only fail later, inside decode tasks on the
@@ -84,6 +128,58 @@ def _draft(img: Any, shrink: float) -> tuple[Any, float]:
     img.draft("RGB", (math.ceil(img.size[0] / shrink), math.ceil(img.size[1] / shrink)))
     # The reduced size is rounded up (1001 px at 1/2: 501), so the scale is the power of two.
     return img, 1.0 / round(width / img.size[0])
+
+
+ORIENTATION = 0x0112  # EXIF: how the stored pixels turn to show the picture upright
+TURNED = (5, 6, 7, 8)  # orientations that swap width and height
+
+
+def _orientation(img: Any) -> int:
+    """The EXIF orientation of an opened image (1: stored upright). Reading it does not decode
+    a JPEG's pixels, so draft mode can still be set afterwards."""
+    try:
+        return int(img.getexif().get(ORIENTATION, 1))
+    except (TypeError, ValueError):  # an unreadable tag: the pixels as stored
+        return 1
+
+
+def _upright(img: Any, orientation: int) -> Any:
+    """``img`` turned as its EXIF orientation says (this decodes it: after any draft)."""
+    if orientation not in range(2, 9):
+        return img
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(img)
+
+
+def _rgb(img: Any) -> Any:
+    """``img`` as 8-bit RGB. PIL's own conversion clips 16-bit grey (modes ``I;16*``, and ``I``
+    holding values above 255) to 255 -- a white image -- so those are scaled to 8 bit first
+    (the high byte). Palette, grey, alpha, CMYK and 1-bit images convert as PIL does (alpha
+    dropped); PIL already reads 16-bit RGB(A) PNGs as 8 bit."""
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode.startswith("I;16") or mode == "I":
+        from PIL import Image
+
+        values = np.asarray(img)
+        if mode == "I" and values.max(initial=0) <= 255:
+            values = np.clip(values, 0, 255)  # 8-bit data in a 32-bit container
+        else:
+            values = np.clip(values, 0, 65535) >> 8
+        img = Image.fromarray(values.astype(np.uint8))  # mode L
+    return img.convert("RGB")
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a file did not decode, on one line (PIL's own message names a BytesIO object)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "UnidentifiedImageError: no image format PIL reads recognises its bytes"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class DigitsDataset(ImageDataset):
@@ -222,12 +318,18 @@ class SyntheticDataset(ImageDataset):
 
 
 class ImageFolderDataset(ImageDataset):
-    """A class-per-folder image tree at ``path`` (``{path}/{train_dir}/{class}/*.jpg`` and the
-    same under ``val_dir``) on any fsspec URL: a local path, ``s3://bucket/prefix``, ``gs://...``.
+    """A class-per-folder image tree at ``path`` (``{path}/{train_dir}/{class}/.../*.jpg`` and
+    the same under ``val_dir``) on any fsspec URL: a local path, ``s3://bucket/prefix``,
+    ``gs://...``. As in torchvision's ImageFolder, every image file at any depth under a class
+    folder is a sample of that class. Hidden files and folders (a name starting with ``.``:
+    macOS's ``._x.jpg`` AppleDouble files, ``.DS_Store``...) are not samples, nor are files
+    directly in the split folder; :meth:`catalog_notes` says what was left out.
 
-    Files are listed once on the driver; reading and decoding happen in Ray Data tasks. Train
-    images get a random resized crop and horizontal flip drawn from ``(seed, epoch, id)``;
-    validation images are resized and centre-cropped.
+    Files are listed once on the driver; reading and decoding happen in Ray Data tasks, each
+    file read by its exact name (never glob-expanded). Images are turned upright by their EXIF
+    orientation; train images get a random resized crop and horizontal flip drawn from
+    ``(seed, epoch, id)``; validation images are resized and centre-cropped. A file that
+    cannot be read or decoded raises :class:`DataError` naming it.
     """
 
     def __init__(
@@ -259,6 +361,7 @@ class ImageFolderDataset(ImageDataset):
         self.storage_options = dict(storage_options or {})
         self._classes: list[str] | None = None
         self._listings: dict[str, dict[str, list[str]]] = {}
+        self._notes: dict[str, list[str]] = {}  # per split, from its listing
         self._fs: Any = None
 
     @classmethod
@@ -287,7 +390,7 @@ class ImageFolderDataset(ImageDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         # Filesystem clients are per process; listings stay on the driver (they can be large).
-        return {**self.__dict__, "_fs": None, "_listings": {}}
+        return {**self.__dict__, "_fs": None, "_listings": {}, "_notes": {}}
 
     @property
     def fs(self) -> Any:
@@ -306,22 +409,49 @@ class ImageFolderDataset(ImageDataset):
 
     def _scan(self, split: str) -> dict[str, list[str]]:
         root = self._root(split)
+        folder = self.train_dir if split == TRAIN else self.val_dir
         try:
             files = self.fs.find(root)
         except FileNotFoundError:
             files = []
         by_class: dict[str, list[str]] = {}
+        hidden: list[str] = []
+        loose: list[str] = []
         for f in sorted(files):
-            rel = posixpath.relpath(f, root)
-            parts = rel.split("/")
-            if len(parts) == 2 and parts[1].lower().endswith(IMAGE_EXTENSIONS):
+            parts = posixpath.relpath(f, root).split("/")
+            if not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            if any(part.startswith(".") for part in parts):
+                hidden.append(posixpath.join(folder, *parts))
+            elif len(parts) == 1:
+                loose.append(posixpath.join(folder, *parts))
+            else:  # at any depth under the class folder, as torchvision's ImageFolder
                 by_class.setdefault(parts[0], []).append(f)
+        notes = []
+        if hidden:
+            notes.append(
+                f"dataset.path={self.path}: skipped {len(hidden)} hidden/AppleDouble file(s) "
+                f"under {folder}/ (e.g. {hidden[0]}): a name starting with '.' is not a sample"
+            )
+        if loose:
+            notes.append(
+                f"dataset.path={self.path}: {len(loose)} image file(s) directly in {folder}/ "
+                f"(e.g. {loose[0]}) are not samples: a sample is under {folder}/<class>/"
+            )
+        self._notes[split] = notes
         if not by_class:
             raise FileNotFoundError(
                 f"dataset.path={self.path!r}: no images under {split} folder {root!r}; expected "
                 f"{self.path}/{self.train_dir if split == TRAIN else self.val_dir}/<class>/<image>.jpg"
             )
         return by_class
+
+    def catalog_notes(self) -> list[str]:
+        notes: list[str] = []
+        for split in (TRAIN, VAL):
+            self._list(split)  # listed once: its notes come with the listing
+            notes.extend(self._notes.get(split, []))
+        return notes
 
     @property
     def classes(self) -> list[str]:
@@ -374,23 +504,28 @@ class ImageFolderDataset(ImageDataset):
 
         size = self.image_size
         with Image.open(io.BytesIO(data)) as img:
+            orientation = _orientation(img)
             width, height = img.size
+            if orientation in TURNED:  # the crop is drawn on the upright picture
+                width, height = height, width
             if train and self.augment:
                 box = self._crop_box(width, height, rng)
                 # A large JPEG decodes at 1/2, 1/4 or 1/8 scale when the crop still has
-                # `size` pixels a side at that scale: the box is scaled to match.
+                # `size` pixels a side at that scale: the box is scaled to match. Draft
+                # first (it only scales), then turn upright: the box fits the turned size.
                 shrink = min(box[2] - box[0], box[3] - box[1]) / size
                 img, factor = _draft(img, shrink)
+                img = _upright(img, orientation)
                 w, h = img.size
                 box = tuple(
                     min(v * factor, edge) for v, edge in zip(box, (w, h, w, h), strict=True)
                 )
-                out = img.convert("RGB").resize((size, size), Image.BILINEAR, box=box)
+                out = _rgb(img).resize((size, size), Image.BILINEAR, box=box)
                 if rng.random() < 0.5:
                     out = out.transpose(Image.FLIP_LEFT_RIGHT)
             else:
                 img, _ = _draft(img, min(width, height) / self.resize_size)
-                img = img.convert("RGB")
+                img = _rgb(_upright(img, orientation))
                 w, h = img.size
                 scale = self.resize_size / min(w, h)
                 img = img.resize(
@@ -401,16 +536,44 @@ class ImageFolderDataset(ImageDataset):
                 out = img.crop((left, top, left + size, top + size))
         return np.asarray(out, dtype=np.uint8)
 
+    def _url(self, path: str) -> str:
+        """A listed path as the user would write it (``s3://bucket/key``; local: the path)."""
+        protocol = self.fs.protocol
+        local = protocol in ("file", "local") or (
+            isinstance(protocol, tuple) and protocol[0] in ("file", "local")
+        )
+        return path if local else self.fs.unstrip_protocol(path)
+
+    def _image(self, path: str, data: Any, train: bool, rng: np.random.Generator) -> np.ndarray:
+        if isinstance(data, BaseException):
+            if isinstance(data, (FileNotFoundError, PermissionError)):  # so on every attempt
+                raise DataError(
+                    f"dataset file {self._url(path)} cannot be read ({_reason(data)}): it was "
+                    "listed when the catalog was built; restore it, or remove it and start a "
+                    "new run"
+                ) from data
+            raise OSError(f"dataset file {self._url(path)}: {_reason(data)}") from data
+        try:
+            return self._transform(data, train, rng)
+        except MemoryError:
+            raise
+        except Exception as exc:  # decoding bytes in memory: the same every time
+            raise DataError(
+                f"dataset file {self._url(path)} cannot be decoded as an image "
+                f"({_reason(exc)}): remove or fix it"
+            ) from exc
+
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
         train = split == TRAIN
         paths = [str(p) for p in rows["path"]]
-        contents = self.fs.cat(paths)  # concurrent on object stores; keyed by path
-        images = np.stack(
-            [
-                self._transform(contents[p], train, sample_rng(seed, epoch, int(i)))
-                for p, i in zip(paths, rows["id"], strict=True)
-            ]
-        )
+        # Exactly these files: fs.cat would glob-expand each path ("photo[1].jpg" reads
+        # photo1.jpg). cat_ranges reads them concurrently on object stores (async
+        # filesystems), one by one on local disk; a file's error comes back in its place.
+        contents = self.fs.cat_ranges(paths, None, None, on_error="return")
+        size = self.image_size
+        images = np.empty((len(paths), size, size, 3), dtype=np.uint8)
+        for k, (path, data, i) in enumerate(zip(paths, contents, rows["id"], strict=True)):
+            images[k] = self._image(path, data, train, sample_rng(seed, epoch, int(i)))
         return np.ascontiguousarray(images.transpose(0, 3, 1, 2))  # uint8 NCHW
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
