@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ftjob.config import ConfigError, load_job
+from ftjob.redact import redact_hydra_files, redactor_for
 from ftjob.summary import write_failed_summary
 
 _failed_jobs: list[str] = []
@@ -28,12 +29,16 @@ def _job(cfg: DictConfig) -> str:
     run_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
     logging.getLogger("ray").setLevel(logging.ERROR)
+    redactor = redactor_for(cfg)
+    redact_hydra_files(run_dir, hc.output_subdir, redactor)
     try:
         job = load_job(cfg)
-        result = runner.run(job, run_dir, overrides=list(hc.overrides.task))
+        result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
     except KeyboardInterrupt:
-        # Ctrl-C before training started (training itself handles its own): nothing to keep.
-        print("ftjob: interrupted before training started", file=sys.stderr)
+        # Ctrl-C before the runner started (it keeps its own record of later ones).
+        error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
+        write_failed_summary(run_dir, error, cfg, redactor, status="interrupted")
+        print(f"ftjob: {error}", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:
         bad_input = isinstance(
@@ -41,24 +46,22 @@ def _job(cfg: DictConfig) -> str:
         )
         if not multirun:
             if bad_input:
-                print(f"ftjob: error: {exc}", file=sys.stderr)
+                print(f"ftjob: error: {redactor.text(str(exc))}", file=sys.stderr)
                 sys.exit(2)
             # A bug: the record (summary.json with the error) and the traceback stay in the
             # run dir; the console gets one line.
             trace = os.path.join(run_dir, "traceback.txt")
             with open(trace, "w") as f:
-                traceback.print_exc(file=f)
-            write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
-            print(
-                f"ftjob: error: {type(exc).__name__}: {exc} (unexpected: traceback in {trace})",
-                file=sys.stderr,
-            )
+                f.write(redactor.text(traceback.format_exc()))
+            error = redactor.text(f"{type(exc).__name__}: {exc}")
+            write_failed_summary(run_dir, error, cfg, redactor)
+            print(f"ftjob: error: {error} (unexpected: traceback in {trace})", file=sys.stderr)
             sys.exit(1)
         # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
         # recorded as failed and reported with the others.
         if not bad_input:
             logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
-        write_failed_summary(run_dir, f"{type(exc).__name__}: {exc}", cfg)
+        write_failed_summary(run_dir, redactor.text(f"{type(exc).__name__}: {exc}"), cfg, redactor)
         _failed_jobs.append(run_dir)
         return "failed"
     if not result.ok:

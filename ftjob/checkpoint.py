@@ -7,10 +7,18 @@ manifest; an incomplete or corrupt one (missing manifest, missing or truncated f
 mismatch) is skipped, logged, and the next older one is tried. What does not verify is moved
 to ``{run}/quarantine/`` with a note, never deleted; only committed checkpoints past the
 retention count are deleted (:meth:`CheckpointStore.prune`).
+
+Nothing here hands fsspec a pattern: its recursive ``rm``/``mv`` glob-expand their path on
+object stores and the memory filesystem (``run[1]`` would match ``run1``), so directories are
+deleted and moved as the files a listing returned, one by one. A commit is fenced: ``fence``
+(the run lease's check) runs before the first file and again before the manifest, so a driver
+that lost its run writes no manifest and prunes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -19,6 +27,7 @@ import posixpath
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +61,75 @@ def build_manifest(local_dir: str, step: int) -> dict[str, Any]:
             continue
         files[name] = {"size": os.path.getsize(full), "sha256": file_digest(full)}
     return {"format": 1, "step": step, "created": time.time(), "files": files}
+
+
+def _is_local(fs: AbstractFileSystem) -> bool:
+    from ftjob.storage import innermost
+
+    return "file" in _protocols(innermost(fs))
+
+
+def _protocols(fs: AbstractFileSystem) -> set[str]:
+    protocol = fs.protocol
+    return {protocol} if isinstance(protocol, str) else set(protocol)
+
+
+def _sync(path: str) -> None:
+    """Flush a local file (or directory entry) to the disk: on local and shared filesystems a
+    manifest must never be durable before the files it vouches for."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _listing(fs: AbstractFileSystem, root: str) -> tuple[list[str], list[str]]:
+    """(files, directories) under directory ``root`` (stripped of its protocol), from a
+    listing; entries outside it are refused, not touched."""
+    try:
+        found = fs.find(root, withdirs=True, detail=True)
+    except FileNotFoundError:
+        return [], []
+    files, dirs = [], []
+    for name, info in found.items():
+        if not str(name).startswith(root + "/"):
+            continue
+        (dirs if info.get("type") == "directory" else files).append(str(name))
+    return sorted(files), sorted(dirs)
+
+
+def remove_tree(fs: AbstractFileSystem, path: str) -> None:
+    """Delete directory ``path``: the files a listing returned, one by one, then (on
+    filesystems with directories) the emptied directories, deepest first."""
+    root = fs._strip_protocol(path).rstrip("/")
+    files, dirs = _listing(fs, root)
+    for name in files:
+        try:
+            fs.rm_file(name)
+        except FileNotFoundError:
+            pass
+    if not is_object_store(fs.protocol):
+        for d in sorted([*dirs, root], key=len, reverse=True):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rmdir(d)
+
+
+def move_tree(fs: AbstractFileSystem, source: str, destination: str) -> None:
+    """Move directory ``source`` to ``destination`` (which must not exist): each listed file
+    copied, then the sources deleted -- never a pattern, and nothing deleted before its copy
+    exists."""
+    root = fs._strip_protocol(source).rstrip("/")
+    target = fs._strip_protocol(destination).rstrip("/")
+    files, _ = _listing(fs, root)
+    if not is_object_store(fs.protocol):
+        fs.makedirs(target, exist_ok=True)
+    for name in files:
+        relative = name[len(root) + 1 :]
+        if not is_object_store(fs.protocol) and "/" in relative:
+            fs.makedirs(posixpath.dirname(posixpath.join(target, relative)), exist_ok=True)
+        fs.cp_file(name, posixpath.join(target, relative))
+    remove_tree(fs, root)
 
 
 class CorruptCheckpoint(Exception):
@@ -89,9 +167,16 @@ class RestoreResult:
 class CheckpointStore:
     """Writes, lists, verifies and prunes the checkpoints of one run on ``fs``."""
 
-    def __init__(self, fs: AbstractFileSystem, run_path: str) -> None:
+    def __init__(
+        self,
+        fs: AbstractFileSystem,
+        run_path: str,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         self.fs = fs
         self.root = posixpath.join(run_path.rstrip("/"), CHECKPOINTS_DIR)
+        # Raises (ftjob.lease.LeaseLost) when this driver no longer holds the run.
+        self.fence = fence or (lambda: None)
 
     def dir_name(self, step: int) -> str:
         return f"step_{step:09d}"
@@ -102,18 +187,32 @@ class CheckpointStore:
     # -- write ----------------------------------------------------------------------------
 
     def commit(self, local_dir: str, step: int) -> str:
-        """Upload ``local_dir`` as the checkpoint of ``step``: every file, then the manifest.
-        Raises when an upload fails after the retry policy gave up; the checkpoint then has
-        no manifest and never counts."""
+        """Upload ``local_dir`` as the checkpoint of ``step``: every file, then the manifest,
+        which is read back before the checkpoint counts. Raises when an upload fails after the
+        retry policy gave up (the checkpoint then has no manifest and never counts), and
+        :class:`~ftjob.lease.LeaseLost` when the run is no longer this driver's (checked
+        before the first file and before the manifest)."""
         manifest = build_manifest(local_dir, step)
         remote = self.path_for(step)
+        local = _is_local(self.fs)
+        self.fence()
         if not is_object_store(self.fs.protocol):
             # Not on object stores: there s3fs's makedirs costs requests and would even
             # re-create a bucket deleted under a running job.
             self.fs.makedirs(remote, exist_ok=True)
         for name in manifest["files"]:
-            self.fs.put_file(os.path.join(local_dir, name), posixpath.join(remote, name))
-        self.fs.pipe_file(posixpath.join(remote, MANIFEST), json.dumps(manifest, indent=1).encode())
+            target = posixpath.join(remote, name)
+            self.fs.put_file(os.path.join(local_dir, name), target)
+            if local:
+                _sync(self.fs._strip_protocol(target))
+        body = json.dumps(manifest, indent=1).encode()
+        self.fence()
+        self.fs.pipe_file(self.manifest_path(step), body)
+        if local:
+            for path in (self.manifest_path(step), remote, self.root):
+                _sync(self.fs._strip_protocol(path))
+        if self.fs.cat_file(self.manifest_path(step)) != body:  # a storage fault: a failed upload
+            raise OSError(errno.EIO, f"the manifest of {remote} read back different bytes")
         return remote
 
     # -- read -----------------------------------------------------------------------------
@@ -216,22 +315,23 @@ class CheckpointStore:
         """Move the directory of ``step`` aside, with a note of why: a checkpoint that does not
         verify is evidence, never deleted. Returns where it went."""
         destination = posixpath.join(
-            self.quarantine_root, f"{self.dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}"
+            self.quarantine_root,
+            f"{self.dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}",
         )
-        self.fs.mv(self.path_for(step), destination, recursive=True)
+        move_tree(self.fs, self.path_for(step), destination)
         note = {"step": step, "reason": reason, "time": time.time(), "from": self.path_for(step)}
         self.fs.pipe_file(posixpath.join(destination, QUARANTINE_NOTE), json.dumps(note).encode())
         return destination
 
     def prune(self, keep: int) -> list[int]:
         """Delete committed checkpoints older than the newest ``keep`` committed ones (Ray
-        Train's own retention is off: one owner). Directories without a manifest are left."""
+        Train's own retention is off: one owner). Directories without a manifest are left.
+        Fenced: a driver that lost the run deletes nothing."""
         removed = self.committed_steps()[keep:]
+        if removed:
+            self.fence()
         for step in removed:
-            try:
-                self.fs.rm(self.path_for(step), recursive=True)
-            except FileNotFoundError:
-                pass
+            remove_tree(self.fs, self.path_for(step))
         return removed
 
     def manifest_path(self, step: int) -> str:

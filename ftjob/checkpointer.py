@@ -18,12 +18,14 @@ download, load).
 
 from __future__ import annotations
 
-import glob
+import errno
 import json
 import logging
 import math
 import os
+import secrets
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from ftjob.checkpoint import CheckpointStore
 from ftjob.collective import broadcast
 from ftjob.config import CheckpointConfig
 from ftjob.goodput import CheckpointSchedule
+from ftjob.lease import LeaseLost
 from ftjob.retry import is_storage_error
 
 logger = logging.getLogger("ftjob.checkpointer")
@@ -46,23 +49,45 @@ STATE_FILE = "state.json"
 CONFIG_FILE = "config.json"
 
 
-def run_scratch_dir(run_name: str) -> str:
-    """This node's local scratch for a run's checkpoints (written there, then uploaded). One
-    directory per run, so a killed attempt's leftovers are found and removed, and the driver
-    removes the whole of it when the run ends."""
-    return os.path.join(tempfile.gettempdir(), "ftjob-scratch", run_name)
+def scratch_name(run_name: str) -> str:
+    """The name of one driver's run scratch: unpredictable, so no other run of the same name
+    (two sweep jobs with one ``name``), and no other user, shares or pre-creates it."""
+    return f"ftjob-scratch-{run_name}-{secrets.token_hex(8)}"
 
 
-def attempt_scratch_dir(run_name: str, attempt: int, rank: int) -> str:
-    """Scratch of one worker of one attempt; leftovers of earlier attempts on this node (a
-    SIGKILLed worker cleans nothing) are removed first."""
-    root = run_scratch_dir(run_name)
-    for old in glob.glob(os.path.join(root, "attempt*-rank*")):
-        number = os.path.basename(old)[len("attempt") :].split("-", 1)[0]
+def run_scratch_dir(name: str) -> str:
+    """This node's scratch for one driver's run (``name`` from :func:`scratch_name`):
+    checkpoints are written there, then uploaded. The driver removes it when the run ends;
+    leftovers of killed attempts are removed by the next attempt on the node."""
+    return os.path.join(tempfile.gettempdir(), name)
+
+
+def _private_dir(path: str) -> str:
+    """``path`` as a directory only this user can enter (0700): created so, or, when another
+    process of the run created it first, checked to be ours and not a link to elsewhere."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(
+                errno.EPERM,
+                f"checkpoint scratch {path} exists but is not a private directory of this "
+                "user: refusing to write checkpoints there",
+            ) from None
+    return path
+
+
+def attempt_scratch_dir(name: str, attempt: int, rank: int) -> str:
+    """Scratch of one worker of one attempt; leftovers of earlier attempts of this run on
+    this node (a SIGKILLed worker cleans nothing) are removed first."""
+    root = _private_dir(run_scratch_dir(name))
+    for entry in os.listdir(root):
+        number = entry[len("attempt") :].split("-", 1)[0] if entry.startswith("attempt") else ""
         if number.isdigit() and int(number) < attempt:
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     path = os.path.join(root, f"attempt{attempt:04d}-rank{rank}")
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
 
@@ -82,21 +107,57 @@ class UploadOutcome:
     path: str | None  # the committed checkpoint, None if the upload failed
     error: str | None
     seconds: float
+    fatal: bool = False  # the run is another driver's now: no budget, the job stops
 
 
 def upload_checkpoint(store: CheckpointStore, local_dir: str, step: int) -> UploadOutcome:
     """Commit ``local_dir`` as the checkpoint of ``step`` and remove it. A storage error that
-    outlasted the retry policy becomes a failed outcome; any other error is a bug and raises."""
+    outlasted the retry policy becomes a failed outcome, a lost run lease a fatal one; any
+    other error is a bug and raises."""
     start = time.perf_counter()
+    fatal = False
     try:
         path, error = store.commit(local_dir, step), None
+    except LeaseLost as exc:
+        path, error, fatal = None, str(exc), True
     except Exception as exc:
         if not is_storage_error(exc):
             raise
         path, error = None, f"{type(exc).__name__}: {exc}"
     finally:
         shutil.rmtree(local_dir, ignore_errors=True)
-    return UploadOutcome(step, path, error, time.perf_counter() - start)
+    return UploadOutcome(step, path, error, time.perf_counter() - start, fatal)
+
+
+def write_local_checkpoint(local_dir: str, tensors: dict[str, Any], records: dict[str, Any]) -> str:
+    """Write one checkpoint's files into ``local_dir``: ``tensors`` with torch.save,
+    ``records`` as JSON. A full or unwritable scratch disk raises an OSError that says where
+    and how much room there was (the partial directory is removed)."""
+    import torch
+
+    try:
+        os.makedirs(local_dir, exist_ok=True)
+        # Through file objects: a full disk is then an OSError (ENOSPC), not torch's
+        # unclassified RuntimeError from its own writer.
+        for name, obj in tensors.items():
+            with open(os.path.join(local_dir, name), "wb") as f:
+                torch.save(obj, f)
+        for name, record in records.items():
+            with open(os.path.join(local_dir, name), "w") as f:
+                json.dump(record, f, indent=1 if name == CONFIG_FILE else None)
+    except OSError as exc:
+        shutil.rmtree(local_dir, ignore_errors=True)
+        parent = os.path.dirname(local_dir)
+        try:
+            free = f"{shutil.disk_usage(parent).free / 2**20:.0f} MB free there"
+        except OSError:
+            free = "its disk could not be asked"
+        raise OSError(
+            exc.errno,
+            f"writing checkpoint scratch {local_dir} failed: {exc.strerror or exc} ({free}; "
+            "point TMPDIR at a larger disk)",
+        ) from exc
+    return local_dir
 
 
 class AsyncUploader:
@@ -229,11 +290,12 @@ class Checkpointer:
         local_root: str,
         data: dict[str, Any] | None = None,
         schedule: CheckpointSchedule | None = None,
+        fence: Callable[[], None] | None = None,
     ) -> None:
         self.fs = fs
         self.schedule = schedule or CheckpointSchedule(0, None)
         self.data = data or {}
-        self.store = CheckpointStore(fs, run_path)
+        self.store = CheckpointStore(fs, run_path, fence)
         self.config, self.job_config = config, job_config
         self.rank, self.world = rank, world
         self.ledger, self.attempt, self.metrics = ledger, attempt, metrics
@@ -292,25 +354,26 @@ class Checkpointer:
         with self.metrics.timer(M.CHECKPOINT_LOAD):
             load_start = time.perf_counter()
             local = restored.local_dir
-            module.load_state_dict(torch.load(os.path.join(local, MODEL_FILE), map_location=device))
+            # weights_only: tensors and plain containers, never pickled code -- a file planted
+            # in shared storage must not run at resume (torch < 2.6 unpickles anything).
+            module.load_state_dict(
+                torch.load(os.path.join(local, MODEL_FILE), map_location=device, weights_only=True)
+            )
             optimizer.load_state_dict(
-                torch.load(os.path.join(local, OPTIMIZER_FILE), map_location=device)
+                torch.load(
+                    os.path.join(local, OPTIMIZER_FILE), map_location=device, weights_only=True
+                )
             )
             restored.load_s = time.perf_counter() - load_start
         shutil.rmtree(local, ignore_errors=True)
 
     # -- save -----------------------------------------------------------------------------
 
-    def _write_local(
+    def _write_or_fail(
         self, state: TrainState, module: Any, optimizer: Any, global_batch: int
-    ) -> str:
-        import torch
-
-        start = time.perf_counter()
-        local_dir = os.path.join(self.local_root, f"out_{state.step:09d}")
-        os.makedirs(local_dir, exist_ok=True)
-        torch.save(module.state_dict(), os.path.join(local_dir, MODEL_FILE))
-        torch.save(optimizer.state_dict(), os.path.join(local_dir, OPTIMIZER_FILE))
+    ) -> str | UploadOutcome:
+        """The local copy of this step's checkpoint, or (scratch full or unwritable) the
+        failed outcome, recorded: a failed checkpoint like a failed upload, not a crash."""
         record = {
             "step": state.step,
             "epoch": state.epoch,
@@ -322,10 +385,16 @@ class Checkpointer:
             "data": self.data,  # what resume=true checks the train data against
             "time": time.time(),
         }
-        with open(os.path.join(local_dir, STATE_FILE), "w") as f:
-            json.dump(record, f)
-        with open(os.path.join(local_dir, CONFIG_FILE), "w") as f:
-            json.dump(self.job_config, f, indent=1)
+        start = time.perf_counter()
+        try:
+            with self.metrics.timer(M.CHECKPOINT_SAVE):
+                local_dir = write_local_checkpoint(
+                    os.path.join(self.local_root, f"out_{state.step:09d}"),
+                    {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()},
+                    {STATE_FILE: record, CONFIG_FILE: self.job_config},
+                )
+        except OSError as exc:
+            return self._record(UploadOutcome(state.step, None, f"OSError: {exc}", 0.0))
         self.write_seconds = time.perf_counter() - start
         return local_dir
 
@@ -334,7 +403,13 @@ class Checkpointer:
         cannot lose the record."""
         outcome = upload_checkpoint(self.store, local_dir, step)
         if outcome.path is not None:
-            prune_quietly(self.store, self.config.num_to_keep)
+            try:
+                prune_quietly(self.store, self.config.num_to_keep)
+            except LeaseLost as exc:  # committed just before another driver took the run
+                outcome.error, outcome.fatal = str(exc), True
+        return self._record(outcome)
+
+    def _record(self, outcome: UploadOutcome) -> UploadOutcome:
         record = {
             "step": outcome.step,
             "path": outcome.path,
@@ -350,6 +425,9 @@ class Checkpointer:
         """Soft-failure accounting on the training thread: the fatal error, if any."""
         fatal = None
         for outcome in outcomes:
+            if outcome.fatal:
+                fatal = fatal or outcome.error
+                continue
             if outcome.path is not None:
                 self.failed_uploads = 0
                 self.last_committed = outcome.path
@@ -371,9 +449,10 @@ class Checkpointer:
         False: the job must stop (every rank returns False together)."""
         fatal, start = None, time.perf_counter()
         if self.rank == 0:
-            with self.metrics.timer(M.CHECKPOINT_SAVE):
-                local_dir = self._write_local(state, module, optimizer, global_batch)
-            if self.uploader is None:
+            local_dir = self._write_or_fail(state, module, optimizer, global_batch)
+            if isinstance(local_dir, UploadOutcome):
+                fatal = self._account([local_dir])
+            elif self.uploader is None:
                 outcome = self._upload(local_dir, state.step)
                 self.metrics.add(M.CHECKPOINT_UPLOAD, outcome.seconds)
                 fatal = self._account([outcome])
@@ -421,9 +500,12 @@ class Checkpointer:
                     f"falling back to the last committed one ({self.last_committed or 'none'})"
                 )
             else:
-                with self.metrics.timer(M.CHECKPOINT_SAVE):
-                    local_dir = self._write_local(state, module, optimizer, global_batch)
-                outcome = self._upload(local_dir, state.step)
+                written = self._write_or_fail(state, module, optimizer, global_batch)
+                outcome = (
+                    written
+                    if isinstance(written, UploadOutcome)
+                    else self._upload(written, state.step)
+                )
                 self._account([outcome])
                 record.update(path=outcome.path, reason=outcome.error)
             record["seconds"] = time.perf_counter() - start

@@ -29,7 +29,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
+from ftjob.redact import Redactor, redact_yaml, redactor_for
 from ftjob.summary import SUMMARY_FILE
+from ftjob.sweep import MULTIRUN_FILE
 
 
 def previous_run(job_dir: str) -> tuple[str, str | None]:
@@ -47,7 +49,9 @@ def previous_run(job_dir: str) -> tuple[str, str | None]:
         return "resume", summary["name"]
     # Killed before it wrote a summary: its checkpoints under <job dir>/checkpoints/<name>/.
     steps = glob.glob(
-        os.path.join(job_dir, "checkpoints", "*", "checkpoints", "step_*", "manifest.json")
+        os.path.join(
+            glob.escape(job_dir), "checkpoints", "*", "checkpoints", "step_*", "manifest.json"
+        )
     )
     names = {os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(p)))) for p in steps}
     if len(names) == 1:
@@ -63,6 +67,7 @@ class SweepLauncher(Launcher):
         self.max_concurrent, self.resume = max_concurrent, resume
         self.config: DictConfig | None = None
         self.hydra_context: HydraContext | None = None
+        self.redactor = Redactor()
 
     def setup(
         self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
@@ -94,6 +99,13 @@ class SweepLauncher(Launcher):
     ) -> Sequence[JobReturn]:
         assert self.config is not None
         os.makedirs(str(self.config.hydra.sweep.dir), exist_ok=True)
+        job = self.config.copy()
+        with open_dict(job):
+            del job["hydra"]
+        self.redactor = redactor_for(job)
+        record = os.path.join(str(self.config.hydra.sweep.dir), MULTIRUN_FILE)
+        if os.path.isfile(record):  # Hydra's record of the sweep command: no secrets in it
+            redact_yaml(record, self.redactor)
         queue = list(enumerate(job_overrides, start=initial_job_idx))
         running: dict[int, tuple[subprocess.Popen[bytes], str, float, Any]] = {}
         returns: dict[int, JobReturn] = {}
@@ -124,7 +136,7 @@ class SweepLauncher(Launcher):
             while queue and len(running) < self.max_concurrent:
                 idx, overrides = queue.pop(0)
                 job_dir = self._job_dir(overrides, idx)
-                shown = " ".join(filter_overrides(overrides))
+                shown = " ".join(self.redactor.overrides(filter_overrides(overrides)))
                 if self.resume and previous_run(job_dir)[0] == "succeeded":
                     print(f"[sweep] job {idx}: succeeded before, kept ({shown})", flush=True)
                     returns[idx] = _job_return(overrides, job_dir, 0)

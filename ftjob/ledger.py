@@ -225,11 +225,14 @@ class RunLedger(ChaosRecords, ElasticRecords):
         return index
 
     def start_attempt(self, now: float, world: int | None = None) -> dict[str, Any]:
-        """Rank 0, first thing: the attempt's index, and why it must not train (a restart
-        loop: the last attempts all failed without progress), if it must not."""
+        """Rank 0, first thing: the attempt's index, and why it must not train (the job was
+        already stopped by a fatal error -- a data error raised on one rank restarts the group
+        once -- or a restart loop: the last attempts all failed without progress)."""
         index = self.begin_attempt(now, world)
         c = self.watch.config
-        stop = restart_loop(self.attempts, c.restart_loop_attempts, c.restart_loop_min_steps)
+        stop = self.fatal or restart_loop(
+            self.attempts, c.restart_loop_attempts, c.restart_loop_min_steps
+        )
         if stop:
             self.set_fatal(stop)
         return {"attempt": index, "stop": stop}
@@ -495,3 +498,8 @@ def start_ledger(plan: dict[str, Any], fail_at_steps: list[int], watch: WatchCon
         node_id=ray.get_runtime_context().get_node_id(), soft=False
     )
     return actor.options(scheduling_strategy=strategy).remote(plan, fail_at_steps, watch)
+
+
+def empty_snapshot() -> dict[str, Any]:
+    """The record of a run that never reached the cluster (or whose ledger was lost)."""
+    return RunLedger({}).snapshot()

@@ -142,7 +142,24 @@ def build_loggers(config: LoggerConfig, run_dir: str, name: str) -> list[Any]:
         "tensorboard": lambda: TensorBoardLogger(root, name),
         "mlflow": lambda: MlflowLogger(config, run_dir, name),
     }
-    return [made[backend]() for backend in dict.fromkeys(config.backends)]
+    loggers = []
+    for backend in dict.fromkeys(config.backends):
+        try:
+            loggers.append(made[backend]())
+        # A job boundary: a backend's client (an MLflow server that does not answer, a log
+        # directory that cannot be written) raises its own error types; the run stops before
+        # training with one line naming the backend.
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise LoggerError(
+                f"logger.backends: {backend} could not start ({type(exc).__name__}: {first}); "
+                "fix its settings (logger.*) or drop it from logger.backends"
+            ) from exc
+    return loggers
+
+
+class LoggerError(RuntimeError):
+    """An experiment logger could not start; the message names the backend."""
 
 
 class LogFeed:

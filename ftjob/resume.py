@@ -130,15 +130,20 @@ def check_run_name(job: JobConfig, store: CheckpointStore, url: str) -> None:
 
 
 def check_resume(
-    job: JobConfig, store: CheckpointStore, url: str, data: dict[str, Any]
+    job: JobConfig,
+    store: CheckpointStore,
+    url: str,
+    data: dict[str, Any],
+    current: dict[str, Any] | None = None,
 ) -> list[str]:
     """For ``resume=true``: refuse a config or train data the newest checkpoint cannot follow;
-    return the allowed changes (to be stated). ``data`` is :func:`catalog_fingerprint` now."""
+    return the allowed changes (to be stated). ``data`` is :func:`catalog_fingerprint` now;
+    ``current`` the config as checkpoints keep it (secrets redacted, as in the saved one)."""
     latest = _latest(store) if job.resume else None
     if latest is None:
         return []
     saved, state = latest
-    current = to_plain(job)
+    current = to_plain(job) if current is None else current
     changes = breaking_changes(saved, current)
     trained_on = state.get("data")
     if trained_on is not None:

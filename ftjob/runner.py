@@ -25,19 +25,22 @@ from typing import Any
 
 from ftjob.chaos import NODE_KINDS, node_chaos_targets
 from ftjob.checkpoint import CheckpointStore
-from ftjob.checkpointer import run_scratch_dir
+from ftjob.checkpointer import run_scratch_dir, scratch_name
 from ftjob.cluster import check_resources, cluster, probe_cluster
 from ftjob.compose import override_key
 from ftjob.config import ConfigError, JobConfig, JobError, to_plain
 from ftjob.data import EpochPlan
 from ftjob.datasets import TRAIN, VAL, ImageDataset, build_dataset
-from ftjob.lease import LeaseHeld, RunLease
-from ftjob.loggers import LogFeed, build_loggers
+from ftjob.lease import LeaseHeld, LeaseKeeper, RunLease
+from ftjob.ledger import empty_snapshot
+from ftjob.loggers import LogFeed, LoggerError, build_loggers
+from ftjob.redact import Redactor
 from ftjob.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
 from ftjob.storage import (
     RetryingFileSystem,
     StorageError,
     build_filesystem,
+    exclusive_create_guarantee,
     preflight,
     to_pyarrow,
 )
@@ -83,11 +86,16 @@ class Prepared:
     data: dict[str, Any]  # the train catalog's fingerprint, kept in every checkpoint
     lease: RunLease  # this driver's hold on the run
     notes: list[str]  # said before training: a lease taken over, allowed resume changes
+    scratch: str  # this driver's checkpoint scratch on each node (checkpointer.scratch_name)
+    public_config: dict[str, Any]  # the resolved config with its secrets redacted
+    redactor: Redactor  # what keeps secrets out of what the run writes and prints
 
 
-def prepare(job: JobConfig, run_dir: str) -> Prepared:
+def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> Prepared:
     """All checks that need no training: the cluster answers, storage, resume target,
-    dataset, batch sizes."""
+    dataset, batch sizes; then the run's lease."""
+    redactor = redactor or Redactor(resolved=to_plain(job))
+    public = redactor.config(to_plain(job))
     if job.ray.address is not None:
         probe_cluster(job.ray.address)
     name = job.name or unique_run_name()
@@ -107,21 +115,38 @@ def prepare(job: JobConfig, run_dir: str) -> Prepared:
     dataset = build_dataset(job.dataset)
     catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
     data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
-    stated = check_resume(job, store, url, data)
+    stated = check_resume(job, store, url, data, public)
     plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
     if job.trainer.num_workers > catalogs[VAL].num_rows:
         raise JobError(
             f"trainer.num_workers={job.trainer.num_workers}: more workers than validation samples"
         )
-    lease = RunLease(probe_fs, run_path, job.checkpoint.lease_timeout)  # last: nothing fails after
+    # Last: nothing fails after it.
+    lease = RunLease(probe_fs, run_path, job.checkpoint.lease_timeout, run_name=name)
     try:
-        lease_note = lease.acquire(name)
+        lease_note = lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
-    notes = ([lease_note] if lease_note else []) + [
+    notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(probe_fs)}"]
+    notes += ([lease_note] if lease_note else []) + [
         f"resume: {change} (changed since the checkpoint; allowed)" for change in stated
     ]
-    return Prepared(name, fs, root, run_path, dataset, catalogs, plan, data, lease, notes)
+    notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
+    return Prepared(
+        name,
+        fs,
+        root,
+        run_path,
+        dataset,
+        catalogs,
+        plan,
+        data,
+        lease,
+        notes,
+        scratch_name(name),
+        public,
+        redactor,
+    )
 
 
 def _fit_outcome(
@@ -150,58 +175,129 @@ def run(
     run_dir: str,
     echo: Callable[[str], None] | None = None,
     overrides: list[str] | None = None,
+    redactor: Redactor | None = None,
 ) -> RunResult:
-    """Run ``job``; write summary.json in ``run_dir``. Never raises for a failed training run
-    (status "failed" or "interrupted" in the result); raises JobError/StorageError/ConfigError
-    for bad input. ``overrides`` (the command line's) make the printed command that resumes a
-    run that did not succeed."""
-    echo = echo or (lambda line: print(f"[ftjob] {line}", flush=True))
+    """Run ``job``; write summary.json in ``run_dir`` -- also for a run stopped (Ctrl-C,
+    SIGTERM) during start-up. Never raises for a run that did not succeed (status "failed",
+    "interrupted" or "preempted" in the result); raises JobError/StorageError/ConfigError for
+    bad input. ``overrides`` (the command line's) make the printed command that resumes a run
+    that did not succeed; ``redactor`` keeps secrets out of everything written or printed."""
+    redactor = redactor or Redactor(resolved=to_plain(job))
+    say = echo or (lambda line: print(f"[ftjob] {line}", flush=True))
+
+    def echo(line: str) -> None:
+        say(redactor.text(line))
+
     started = time.time()
     os.makedirs(run_dir, exist_ok=True)
+    stop = _StopSignal(job.failure.preemption)
+    prep: Prepared | None = None
+    trained = Trained(empty_snapshot(), FitOutcome())
     try:
-        prep = prepare(job, run_dir)
-    except (StorageError, ConfigError, JobError, ResumeError):
-        raise
-    except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
-        raise JobError(str(exc)) from None
-    echo(
-        f"run {prep.name}: {prep.dataset.describe()} ({prep.catalogs[TRAIN].num_rows} train / "
-        f"{prep.catalogs[VAL].num_rows} val), {job.trainer.num_workers} workers x batch {job.trainer.batch_size}, "
-        f"{prep.plan.steps_per_epoch} steps/epoch x {job.trainer.epochs} epochs"
-    )
-    echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
-    for note in prep.notes:
-        echo(note)
-    feed = LogFeed(build_loggers(job.logger, run_dir, prep.name))
-    feed.params(to_plain(job))
+        try:
+            prep = prepare(job, run_dir, redactor)
+        except (StorageError, ConfigError, JobError, ResumeError):
+            raise
+        except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
+            raise JobError(redactor.text(str(exc))) from None
+        trained = _train(job, prep, run_dir, echo, stop, trained)
+    except (KeyboardInterrupt, StoppedDuringStartUp) as exc:
+        sigterm = isinstance(exc, StoppedDuringStartUp)
+        trained.fit = FitOutcome(
+            interrupted=not sigterm,
+            preempted=sigterm,
+            stopped_at=f"during start-up ({stop.stage}), before the first step",
+        )
+    finally:
+        stop.restore()
+    return _finish(job, run_dir, prep, trained, started, overrides or [], echo, redactor)
+
+
+@dataclass
+class Trained:
+    """How the run went, as the driver saw it."""
+
+    snapshot: dict[str, Any]  # the run ledger's
+    fit: FitOutcome
+    feed: LogFeed | None = None
+    lease_lost: str | None = None  # another driver holds the run now: why this one stopped
+
+
+def _train(
+    job: JobConfig,
+    prep: Prepared,
+    run_dir: str,
+    echo: Callable[[str], None],
+    stop: _StopSignal,
+    out: Trained,
+) -> Trained:
+    """Loggers, lease keeper, cluster, fit; whatever it starts it stops (the scratch of every
+    attempt on this node, killed ones' included, and the lease, when it is still ours)."""
+    keeper = LeaseKeeper(prep.lease).start()
     try:
-        snapshot, fit = _train_on_cluster(job, prep, echo, feed)
-    finally:  # checkpoint scratch of every attempt on this node, killed ones' included
-        shutil.rmtree(run_scratch_dir(prep.name), ignore_errors=True)
-        prep.lease.release()
+        echo(
+            f"run {prep.name}: {prep.dataset.describe()} ({prep.catalogs[TRAIN].num_rows} train / "
+            f"{prep.catalogs[VAL].num_rows} val), {job.trainer.num_workers} workers x batch "
+            f"{job.trainer.batch_size}, {prep.plan.steps_per_epoch} steps/epoch x "
+            f"{job.trainer.epochs} epochs"
+        )
+        echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
+        for note in prep.notes:
+            echo(note)
+        try:
+            out.feed = LogFeed(build_loggers(job.logger, run_dir, prep.name))
+        except LoggerError as exc:
+            raise JobError(prep.redactor.text(str(exc))) from None
+        out.feed.params(prep.public_config)
+        out.snapshot, out.fit = _train_on_cluster(job, prep, echo, out.feed, keeper, stop)
+    finally:
+        keeper.stop()
+        out.lease_lost = keeper.lost
+        shutil.rmtree(run_scratch_dir(prep.scratch), ignore_errors=True)
+        if keeper.lost is None:
+            prep.lease.release()
+    return out
+
+
+def _finish(
+    job: JobConfig,
+    run_dir: str,
+    prep: Prepared | None,
+    trained: Trained,
+    started: float,
+    overrides: list[str],
+    echo: Callable[[str], None],
+    redactor: Redactor,
+) -> RunResult:
+    """The verdict, summary.json, the loggers' end, the printed summary and resume command."""
+    snapshot = trained.snapshot
     status, error = decide_status(
-        snapshot, fit, job.failure.max_failures, job.failure.max_preemptions
+        snapshot, trained.fit, job.failure.max_failures, job.failure.max_preemptions
     )
+    if trained.lease_lost:
+        status, error = "failed", trained.lease_lost
+    name = prep.name if prep else (job.name or "")
     summary = build_summary(
         snapshot,
-        name=prep.name,
+        name=name,
         status=status,
-        error=error,
+        error=redactor.text(error) if error else error,
         wall_time_s=time.time() - started,
-        config=to_plain(job),
-        driver_storage=prep.fs.snapshot_stats(),
+        config=prep.public_config if prep else redactor.config(to_plain(job)),
+        driver_storage=prep.fs.snapshot_stats() if prep else None,
         run_started=started,
     )
-    if status != "succeeded":
-        _how_to_resume(summary, snapshot, prep, overrides or [], echo)
+    if status != "succeeded" and prep is not None and not trained.lease_lost:
+        _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
     path = write_summary(summary, run_dir)
-    feed.finish(summary)
+    if trained.feed is not None:
+        trained.feed.finish(summary)
     for line in format_summary(summary).splitlines():
         echo(line)
     if "resume_command" in summary:
         echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
     echo(f"summary: {path}")
-    return RunResult(prep.name, status, error, summary, path)
+    return RunResult(name, status, error, summary, path)
 
 
 def _how_to_resume(
@@ -210,13 +306,16 @@ def _how_to_resume(
     prep: Prepared,
     overrides: list[str],
     echo: Callable[[str], None],
+    redactor: Redactor,
 ) -> None:
     """A run that did not succeed: the checkpoint it continues from, and the command."""
     restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
     store = CheckpointStore(prep.fs, prep.run_path)
     settle_latest(summary, store, echo, max(restored, default=-1))
     if summary["checkpoints"]["latest"]:
-        summary["resume_command"] = resume_command(overrides, prep)
+        summary["resume_command"], notes = resume_command(overrides, prep, redactor)
+        for note in notes:
+            echo(f"resume: {note}")
 
 
 def settle_latest(
@@ -246,23 +345,41 @@ def settle_latest(
         record["committed_while_stopping"] = newest
 
 
-def resume_command(overrides: list[str], prep: Prepared) -> str:
-    """The command that continues this run from its latest committed checkpoint."""
+def resume_command(
+    overrides: list[str], prep: Prepared, redactor: Redactor | None = None
+) -> tuple[str, list[str]]:
+    """The command that continues this run from its latest committed checkpoint, and notes on
+    the secrets it leaves out (each is read from an environment variable the note names)."""
+    redactor = redactor or Redactor()
     replaced = {"name", "resume", "checkpoint.storage_path"}
-    kept = [o for o in overrides if override_key(o) not in replaced]
-    storage = prep.fs.unstrip_protocol(prep.storage_root)
+    kept, notes = [], []
+    for override in overrides:
+        if override_key(override) in replaced:
+            continue
+        text, note = redactor.override(override)
+        kept.append(text)
+        notes += [note] if note else []
+    storage = redactor.text(prep.fs.unstrip_protocol(prep.storage_root))
     args = [*kept, f"name={prep.name}", "resume=true", f"checkpoint.storage_path={storage}"]
-    return "python -m ftjob " + " ".join(shlex.quote(a) for a in args)
+    return "python -m ftjob " + " ".join(shlex.quote(a) for a in args), notes
+
+
+class StoppedDuringStartUp(BaseException):
+    """SIGTERM before training started: nothing to checkpoint yet; the run stops with its
+    summary (a BaseException, like KeyboardInterrupt, so no handler of errors swallows it)."""
 
 
 class _StopSignal:
-    """SIGTERM to the driver (Kubernetes, SLURM, ``ray job stop``) is a preemption notice:
+    """SIGTERM to the driver (Kubernetes, SLURM, ``ray job stop``). During start-up it stops
+    the run (``stage`` says where it was); once training started it is a preemption notice:
     forwarded to the workers through the ledger; the run stops once their just-in-time
     checkpoint is recorded, or after ``wait_s``."""
 
     def __init__(self, enabled: bool, wait_s: float = 60.0) -> None:
         self.received: float | None = None
         self.enabled, self.wait_s = enabled, wait_s
+        self.stage = "checking the storage, the resume target and the dataset"
+        self.training = False
         # Only the main thread may handle signals (runner.run called from another thread:
         # SIGTERM keeps its default).
         self._installed = threading.current_thread() is threading.main_thread()
@@ -272,12 +389,15 @@ class _StopSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.enabled:  # failure.preemption=false: stop as on Ctrl-C, with a summary
             raise KeyboardInterrupt
+        if not self.training:
+            raise StoppedDuringStartUp
         if self.received is None:
             self.received = time.time()
 
     def restore(self) -> None:
         if self._installed:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            self._installed = False
 
     def done(self, ledger: Any, echo: Callable[[str], None]) -> bool:
         """Called every poll: True when the run should stop now."""
@@ -285,20 +405,26 @@ class _StopSignal:
 
         if self.received is None:
             return False
-        if not ray.get(ledger.stop_requested.remote()):
+        if not ray.get(ledger.stop_requested.remote(), timeout=10):
             echo("SIGTERM: a preemption notice; committing a checkpoint of the current step")
             ledger.request_stop.remote("SIGTERM", self.received)
-        latest = ray.get(ledger.latest_preemption.remote()) or {}
+        latest = ray.get(ledger.latest_preemption.remote(), timeout=10) or {}
         return "jit" in latest or time.time() - self.received > self.wait_s
 
 
 def _train_on_cluster(
-    job: JobConfig, prep: Prepared, echo: Callable[[str], None], feed: LogFeed
+    job: JobConfig,
+    prep: Prepared,
+    echo: Callable[[str], None],
+    feed: LogFeed,
+    keeper: LeaseKeeper,
+    stop: _StopSignal,
 ) -> tuple[dict[str, Any], FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
     Returns the ledger's final snapshot and how fit() ended."""
     interrupted = preempted = False
+    stop.stage = "starting the cluster"
     with cluster(job) as local:
         import ray
 
@@ -308,33 +434,31 @@ def _train_on_cluster(
                 f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
                 "the driver's node, which chaos never takes away; each window will be skipped"
             )
+        stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
-        monitor = _Monitor(ledger, echo, local, prep.lease, feed)
+        monitor = _Monitor(ledger, echo, local, keeper, feed, prep.redactor.text)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
         )
-        stop = _StopSignal(job.failure.preemption)
+        stop.training = True  # from now on SIGTERM is a preemption notice
         fit_thread.start()
         try:
             while fit_thread.is_alive():
                 fit_thread.join(timeout=1.0)
-                monitor.tick()
-                if stop.done(ledger, echo):
+                if not monitor.tick():
+                    break  # another driver holds the run: stop writing to it now
+                if monitor.ask("preemption", lambda: stop.done(ledger, echo)):
                     preempted = True
                     break
         except KeyboardInterrupt:
             interrupted = True
             echo("interrupted: stopping the run")
         finally:
-            stop.restore()
             if killer is not None:
-                try:
-                    ray.get(killer.stop.remote(), timeout=15)
-                except Exception as exc:
-                    logger.debug("stopping the chaos killer: %s", exc)
+                monitor.ask("stopping chaos", lambda: ray.get(killer.stop.remote(), timeout=15))
             monitor.tick()
-            snapshot = ray.get(ledger.snapshot.remote())
+            snapshot = monitor.final_snapshot()
     return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
 
 
@@ -398,6 +522,9 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
         run_path=prep.run_path,
         run_name=prep.name,
         data=prep.data,
+        scratch=prep.scratch,
+        fence=prep.lease.fence(),
+        public_config=prep.public_config,
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.
@@ -438,36 +565,96 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
 
 class _Monitor:
     """Prints the ledger's progress lines, ends a hung (or, if so configured, straggling)
-    worker the ledger found, and replaces killed nodes of a local cluster."""
+    worker the ledger found, replaces killed nodes of a local cluster, and watches the lease.
+    Each duty asks the ledger on its own: one that fails is said, and the others go on."""
 
     def __init__(
-        self, ledger: Any, echo: Callable[[str], None], local: Any, lease: RunLease, feed: LogFeed
+        self,
+        ledger: Any,
+        echo: Callable[[str], None],
+        local: Any,
+        keeper: LeaseKeeper,
+        feed: LogFeed,
+        clean: Callable[[str], str] = lambda text: text,
     ) -> None:
-        self.ledger, self.echo, self.local, self.lease = ledger, echo, local, lease
-        self.feed = feed
+        self.ledger, self.echo, self.local, self.keeper = ledger, echo, local, keeper
+        self.feed, self.clean = feed, clean
         self.cursor = 0
         self.started = time.time()
+        self.failing: dict[str, int] = {}  # duty -> failed asks in a row
 
-    def tick(self) -> None:
+    def ask(self, duty: str, call: Callable[[], Any]) -> Any:
+        """``call()`` (which asks the ledger); None when the ledger did not answer, said at
+        the first failure of a streak and every minute of it."""
         import ray
 
-        self.lease.renew()
         try:
-            lines, self.cursor = ray.get(self.ledger.poll.remote(self.cursor), timeout=10)
-        except Exception as exc:
-            logger.debug("ledger poll failed: %s", exc)
-            return
+            value = call()
+        except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
+            count = self.failing[duty] = self.failing.get(duty, 0) + 1
+            if count == 1 or count % 60 == 0:
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                self.echo(
+                    f"warning: the run ledger did not answer ({duty}; {count} time(s) in a row): "
+                    f"{type(exc).__name__}: {first}"
+                )
+            return None
+        if self.failing.pop(duty, 0):
+            self.echo(f"the run ledger answers again ({duty})")
+        return value
+
+    def tick(self) -> bool:
+        """One round of duties. False when this driver lost its run to another driver."""
+        import ray
+
+        if self.keeper.lost is not None:
+            self.echo(f"stopping: {self.keeper.lost}")
+            self.ask("lease lost", lambda: self.ledger.set_fatal.remote(self.keeper.lost))
+            return False
+        polled = self.ask(
+            "progress", lambda: ray.get(self.ledger.poll.remote(self.cursor), timeout=10)
+        )
+        lines: list[str] = []
+        if polled is not None:
+            lines, self.cursor = [self.clean(line) for line in polled[0]], polled[1]
         for line in lines:
             elapsed = int(time.time() - self.started)
             self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
         if self.feed.loggers:
-            self.feed.records(ray.get(self.ledger.log_feed.remote(self.feed.cursor), timeout=10))
+            records = self.ask(
+                "loggers",
+                lambda: ray.get(self.ledger.log_feed.remote(self.feed.cursor), timeout=10),
+            )
+            if records is not None:
+                self.feed.records(records)
             self.feed.events(lines, time.time())
-        for action in ray.get(self.ledger.check_watch.remote(time.time()), timeout=10):
+        actions = self.ask(
+            "hang detection",
+            lambda: ray.get(self.ledger.check_watch.remote(time.time()), timeout=10),
+        )
+        for action in actions or []:
             self._end_stalled(action)
         if self.local is not None:
-            kills = ray.get(self.ledger.snapshot_kills.remote())
-            self.local.service(kills, time.time())
+            kills = self.ask(
+                "node replacement", lambda: ray.get(self.ledger.snapshot_kills.remote(), timeout=10)
+            )
+            if kills is not None:
+                self.local.service(kills, time.time())
+        return True
+
+    def final_snapshot(self) -> dict[str, Any]:
+        """The ledger's record of the run; if the ledger is gone, an empty one that says so
+        (the run is then failed, and its checkpoints are still in storage)."""
+        import ray
+
+        snap = self.ask("final record", lambda: ray.get(self.ledger.snapshot.remote(), timeout=30))
+        if snap is None:
+            snap = empty_snapshot()
+            snap["fatal"] = (
+                "the run ledger was lost before the run ended: its records (failures, steps, "
+                "checkpoints) are gone; the committed checkpoints are still in storage"
+            )
+        return snap
 
     def _end_stalled(self, action: dict[str, Any]) -> None:
         """Capture a hung worker's stack and kill it (Ray Train restarts the group)."""

@@ -38,6 +38,7 @@ class FitOutcome:
     interrupted: bool = False  # the user stopped the run (Ctrl-C)
     preempted: bool = False  # the driver got a preemption notice (SIGTERM) and stopped the run
     preemption_budget_exhausted: bool = False  # more preemptions than failure.max_preemptions
+    stopped_at: str | None = None  # where an interrupted or preempted run stood, if not training
 
 
 def decide_status(
@@ -47,7 +48,9 @@ def decide_status(
     fit() returned, no rank declared the job fatally failed, the last step was trained and,
     when audited, every sample was trained exactly once."""
     if fit.interrupted:
-        return "interrupted", "interrupted (Ctrl-C) before the last step"
+        return "interrupted", f"interrupted (Ctrl-C) {fit.stopped_at or 'before the last step'}"
+    if fit.preempted and fit.stopped_at:
+        return "preempted", f"stopped by a preemption notice (SIGTERM) {fit.stopped_at}"
     if fit.preempted:
         jit = ((snap["attempts"][-1].get("preemption") or {}) if snap["attempts"] else {}).get(
             "jit"
@@ -65,6 +68,8 @@ def decide_status(
             f"training stopped after {count} preemption(s), over the budget "
             f"failure.max_preemptions={max_preemptions}: {fit.error}"
         )
+    if snap["fatal"]:  # ftjob stopped the job (a failure after it is its consequence)
+        return "failed", snap["fatal"]
     if fit.error is not None:
         if fit.budget_exhausted:
             return "failed", (
@@ -72,8 +77,6 @@ def decide_status(
                 f"failure.max_failures={max_failures}: {fit.error}"
             )
         return "failed", fit.error
-    if snap["fatal"]:
-        return "failed", snap["fatal"]
     if snap["finished"] is None:
         return "failed", "training ended before the last epoch"
     broken = [a for a in (audit_report(snap) if snap["audit"] else []) if not exactly_once(a)]
@@ -423,8 +426,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_failed_summary(run_dir: str, error: str, config: Any) -> str:
-    """summary.json for a job that could not start (so a sweep still reports it)."""
+def write_failed_summary(
+    run_dir: str, error: str, config: Any, redactor: Any = None, status: str = "failed"
+) -> str:
+    """summary.json for a job that could not start (so a sweep still reports it); its config
+    with the secrets ``redactor`` (:class:`ftjob.redact.Redactor`) knows redacted."""
     from omegaconf import OmegaConf
 
     from ftjob.ledger import RunLedger
@@ -432,10 +438,12 @@ def write_failed_summary(run_dir: str, error: str, config: Any) -> str:
     plain = (
         OmegaConf.to_container(config, resolve=False) if not isinstance(config, dict) else config
     )
+    if redactor is not None:
+        plain = redactor.config(plain)
     summary = build_summary(
         RunLedger({}).snapshot(),
         name="",
-        status="failed",
+        status=status,
         error=error,
         wall_time_s=0.0,
         config=plain,

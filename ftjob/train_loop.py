@@ -32,7 +32,7 @@ from ftjob.checkpointer import (
     attempt_scratch_dir,
 )
 from ftjob.collective import broadcast
-from ftjob.config import JobConfig, to_plain
+from ftjob.config import JobConfig
 from ftjob.data import (
     EPOCH_END,
     BatchFeeder,
@@ -42,10 +42,11 @@ from ftjob.data import (
     ValidationSet,
     validation_ids,
 )
-from ftjob.datasets import TRAIN, VAL, ImageDataset
+from ftjob.datasets import TRAIN, VAL, ImageDataset, data_error_of
 from ftjob.elastic import micro_batches
 from ftjob.goodput import CheckpointSchedule
 from ftjob.heartbeat import Heartbeat
+from ftjob.lease import LeaseFence
 from ftjob.models import build_model
 from ftjob.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.preemption import PreemptionNotices
@@ -104,17 +105,18 @@ def make_checkpointer(
         fs=spec.fs,
         run_path=spec.run_path,
         config=spec.job.checkpoint,
-        job_config=to_plain(spec.job),
+        job_config=spec.public_config,
         data=spec.data,
         rank=rank,
         world=world,
         ledger=spec.ledger,
         attempt=attempt,
         metrics=metrics,
-        local_root=attempt_scratch_dir(spec.run_name, attempt, rank),
+        local_root=attempt_scratch_dir(spec.scratch, attempt, rank),
         schedule=CheckpointSchedule(
             spec.job.trainer.checkpoint_every_n_steps, spec.job.failure.expected_mtbf_s
         ),
+        fence=spec.fence,
     )
 
 
@@ -228,6 +230,22 @@ def divergence(loss: float, step: int, last_finite_step: int) -> str:
     )
 
 
+def end_on_data_error(exc: BaseException, ledger: Any, world: int) -> None:
+    """Called with the exception that ended training on this rank; returns if the rank is to
+    return, raises otherwise. A file that cannot be decoded (a DataError) fails again on every
+    attempt: it becomes the run's fatal error, not a failure for failure.max_failures to
+    absorb, and one worker returns. With several, the ranks whose slices do not hold the file
+    are blocked in a collective with this one -- gloo waits for as long as this process lives
+    -- so the attempt fails instead (the DataError is raised): Ray Train ends the group at
+    once, and its restart ends at its start, as the ledger holds a fatal error."""
+    error = data_error_of(exc)
+    if error is None:
+        raise exc
+    ray.get(ledger.set_fatal.remote(str(error)), timeout=60)
+    if world > 1:
+        raise error from exc
+
+
 class InjectedFailure(RuntimeError):
     """Raised at a step listed in chaos.fail_at_steps (once per run)."""
 
@@ -250,6 +268,9 @@ class WorkerSpec:
     run_path: str  # the run's directory on ``fs``
     run_name: str
     data: dict[str, Any]  # the train catalog's fingerprint (ftjob.resume.catalog_fingerprint)
+    scratch: str  # this driver's checkpoint scratch (ftjob.checkpointer.scratch_name)
+    fence: LeaseFence  # raises once another driver holds the run: before every commit, prune
+    public_config: dict[str, Any]  # the resolved config, secrets redacted: kept in checkpoints
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -488,7 +509,7 @@ class Worker:
 
     def run(self) -> None:
         self._register()
-        if self.stop_reason is not None:  # a restart loop: the ledger says why
+        if self.stop_reason is not None:  # a fatal error or a restart loop: the ledger says why
             return
         self.started["registered"] = time.perf_counter()
         self.notices = make_notices(self.job, self.world, self.device, self.ledger, self.rank)
@@ -520,6 +541,9 @@ class Worker:
             self.beat.enter("warmup")  # until the first step
             if not self._train(feeder):
                 return
+        except Exception as exc:  # a data error ends the job; anything else is raised again
+            end_on_data_error(exc, self.ledger, self.world)
+            return
         finally:
             feeder.close()
             self.val_set.close()

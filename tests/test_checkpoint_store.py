@@ -24,6 +24,7 @@ from ftjob.checkpointer import (
     UploadOutcome,
     attempt_scratch_dir,
     run_scratch_dir,
+    scratch_name,
     upload_checkpoint,
 )
 from ftjob.config import RetryConfig
@@ -321,6 +322,50 @@ def test_prune_keeps_the_newest_committed_and_leaves_uncommitted_directories(
     assert store.prune(keep=2) == []
 
 
+@pytest.mark.parametrize(
+    ("name", "neighbour"), [("exp[1]", "exp1"), ("exp?", "expX"), ("exp*", "exp-other")]
+)
+def test_prune_and_quarantine_touch_only_their_own_run_whatever_its_name(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path, name: str, neighbour: str
+) -> None:
+    # fsspec's recursive rm and mv expand glob patterns (on the memory filesystem and object
+    # stores): pruning run "exp[1]" once deleted the checkpoints of run "exp1" beside it.
+    base, run_path = storage
+    parent = posixpath.dirname(run_path)
+    other = committed_store((base, posixpath.join(parent, neighbour)), tmp_path / "o", [10])
+    store = committed_store((base, posixpath.join(parent, name)), tmp_path / "s", [10, 20, 30])
+    assert store.prune(keep=1) == [20, 10]
+    assert store.steps() == [30]
+    _truncate(store, 30)
+    moved = store.quarantine(30, "damaged")
+    assert store.steps() == [] and store.fs.exists(posixpath.join(moved, "model.pt"))
+    assert other.steps() == [10]
+    assert other.restore_latest(str(tmp_path / "restore")).step == 10  # intact
+
+
+def test_a_fenced_out_commit_writes_no_manifest_and_prunes_nothing(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20])
+    holds = {"value": True}
+
+    class Lost(RuntimeError):
+        pass
+
+    def fence() -> None:
+        if not holds["value"]:
+            raise Lost("run held by another driver")
+
+    fenced = CheckpointStore(store.fs, posixpath.dirname(store.root), fence)
+    fenced.commit(write_checkpoint(tmp_path / "a", 30), 30)
+    holds["value"] = False
+    with pytest.raises(Lost):
+        fenced.commit(write_checkpoint(tmp_path / "b", 40), 40)
+    with pytest.raises(Lost):
+        fenced.prune(keep=1)
+    assert fenced.committed_steps() == [30, 20, 10]  # nothing written, nothing deleted
+
+
 # -- AsyncUploader and upload outcomes -------------------------------------------------------
 
 
@@ -420,14 +465,46 @@ def test_scratch_of_killed_attempts_is_removed_when_a_later_attempt_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    old = [attempt_scratch_dir("run-a", 0, 0), attempt_scratch_dir("run-a", 0, 1)]
+    run_a = scratch_name("run-a")
+    old = [attempt_scratch_dir(run_a, 0, 0), attempt_scratch_dir(run_a, 0, 1)]
     for path in old:
         Path(path, "model.pt").write_bytes(b"x" * 1024)  # left behind by a SIGKILL
-    other_run = attempt_scratch_dir("run-b", 0, 0)
-    current = attempt_scratch_dir("run-a", 1, 1)
+    other_run = attempt_scratch_dir(scratch_name("run-b"), 0, 0)
+    current = attempt_scratch_dir(run_a, 1, 1)
     assert not any(os.path.exists(p) for p in old)
     assert os.path.isdir(current) and os.path.isdir(other_run)
-    assert os.path.dirname(current) == run_scratch_dir("run-a")
+    assert os.path.dirname(current) == run_scratch_dir(run_a)
+
+
+def test_two_drivers_of_one_run_name_get_private_scratch_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two sweep jobs with one `name` used to share <tmp>/ftjob-scratch/<name>: each one's
+    # cleanup deleted the other's in-flight checkpoints.
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    first, second = scratch_name("same"), scratch_name("same")
+    assert first != second
+    mine = attempt_scratch_dir(first, 0, 0)
+    Path(mine, "model.pt").write_bytes(b"in flight")
+    attempt_scratch_dir(second, 5, 0)  # a later attempt number, but another driver's run
+    assert Path(mine, "model.pt").read_bytes() == b"in flight"
+    for path in (run_scratch_dir(first), mine):
+        assert os.stat(path).st_mode & 0o777 == 0o700  # no other user can read or plant files
+
+
+def test_scratch_that_is_not_this_users_private_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    name = scratch_name("run")
+    os.mkdir(run_scratch_dir(name), 0o777)
+    os.chmod(run_scratch_dir(name), 0o777)  # planted open to everyone
+    with pytest.raises(PermissionError, match="not a private directory"):
+        attempt_scratch_dir(name, 0, 0)
+    linked = scratch_name("run")
+    os.symlink(tmp_path, run_scratch_dir(linked))
+    with pytest.raises(PermissionError, match="not a private directory"):
+        attempt_scratch_dir(linked, 0, 0)
 
 
 def test_a_stopped_runs_summary_names_the_checkpoint_committed_while_it_stopped(

@@ -190,3 +190,47 @@ def test_no_just_in_time_checkpoint_when_the_deadline_is_too_close(tmp_path: Pat
         record.get("path") is None and "falling back to the last committed one" in record["reason"]
     )
     assert checkpointer.store.steps() == [10]
+
+
+def test_a_full_scratch_disk_is_a_failed_checkpoint_with_its_cause_not_a_crash(
+    tmp_path: Path,
+) -> None:
+    checkpointer, ledger = make(tmp_path, max_consecutive_upload_failures=1)
+    model, optimizer = model_and_optimizer(0)
+    for step in (10, 20):  # the next writes of model.pt land on a full device
+        out = tmp_path / "scratch" / f"out_{step:09d}"
+        out.mkdir(parents=True)
+        (out / "model.pt").symlink_to("/dev/full")
+    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)  # within the budget
+    [(_, (_, record))] = [c for c in ledger.calls if c[0] == "checkpoint"]
+    assert record["path"] is None and "No space left on device" in record["error"]
+    assert "scratch" in record["error"] and "MB free there" in record["error"]
+    assert "\n" not in record["error"]
+    assert not checkpointer.save(TrainState(step=20), model, optimizer, 32)  # over it
+    assert "2 checkpoint upload(s) in a row failed" in (ledger.fatal() or "")
+
+
+class PlantedCode:
+    """What a file planted in shared storage could carry: code that runs when unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+def test_a_checkpoint_file_planted_in_storage_cannot_run_code_at_restore(tmp_path: Path) -> None:
+    import pickle
+
+    checkpointer, _ = make(tmp_path)
+    model, optimizer = model_and_optimizer(0)
+    assert checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    marker = tmp_path / "code-ran"
+    restored = checkpointer.locate(32)
+    assert restored is not None
+    with open(os.path.join(restored.local_dir, "model.pt"), "wb") as f:
+        torch.save({"weight": PlantedCode(str(marker))}, f, pickle_module=pickle)
+    with pytest.raises(pickle.UnpicklingError):
+        checkpointer.load(restored, model, optimizer, torch.device("cpu"))
+    assert not marker.exists()

@@ -413,3 +413,57 @@ def test_a_first_window_decoded_in_the_process_gives_ray_datas_batches(tmp_path,
                 torch.testing.assert_close(a.images, b.images, rtol=0, atol=0)
     finally:
         ray.shutdown()
+
+
+class _Ledger:
+    """The run ledger's calls a worker makes about a fatal error (no Ray)."""
+
+    def __init__(self, fatal: str | None = None) -> None:
+        self.fatal, self.calls = fatal, []
+        ledger = self
+
+        class Call:
+            def __init__(self, name):
+                self.name = name
+
+            def remote(self, *args):
+                ledger.calls.append(self.name)
+                if self.name == "set_fatal":
+                    ledger.fatal = ledger.fatal or args[0]
+                    return None
+                return {"fatal": ledger.fatal}
+
+        self.set_fatal = Call("set_fatal")
+
+
+def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank(monkeypatch):
+    from ftjob import train_loop
+    from ftjob.datasets import DataError
+
+    monkeypatch.setattr(train_loop.ray, "get", lambda value, timeout=None: value)
+    line = "dataset file /d/train/cat/x.jpg cannot be decoded as an image (...): remove or fix it"
+    try:
+        raise RuntimeError("UDF failed to process a data block.") from DataError(line)
+    except RuntimeError as exc:
+        wrapped = exc
+    alone = _Ledger()  # one worker: it records the error and returns, the job ends
+    train_loop.end_on_data_error(wrapped, alone, world=1)
+    assert alone.fatal == line
+    # Several: the other ranks wait in a collective with this one; the attempt fails so that
+    # Ray Train ends the group, and the restart ends at its start.
+    group = _Ledger()
+    with pytest.raises(DataError) as err:
+        train_loop.end_on_data_error(wrapped, group, world=2)
+    assert str(err.value) == group.fatal == line
+    from ftjob.ledger import RunLedger
+
+    ledger = RunLedger({})
+    assert ledger.start_attempt(0.0, 2)["stop"] is None
+    ledger.set_fatal(line)
+    assert ledger.start_attempt(1.0, 2)["stop"] == line  # the restart ends at its start
+    # Any other error is raised again: a failure, Ray Train's to retry.
+    other, reset = _Ledger(), ConnectionResetError("connection reset by peer")
+    with pytest.raises(ConnectionResetError) as err:
+        train_loop.end_on_data_error(reset, other, world=2)
+    assert err.value is reset and other.calls == []
+    assert group.calls == ["set_fatal"]

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -102,16 +103,22 @@ def test_resume_by_name_with_fewer_workers_continues_exactly(tmp_path):
         and "resnet18" in changed.stderr
     )
     # Same global batch (1 x 64 instead of 2 x 32): resumes right after sample 10 x 64.
-    resumed, s2 = run_ftjob(
-        [
-            *common,
-            "resume=true",
-            "trainer.num_workers=1",
-            "trainer.batch_size=64",
-            "trainer.audit_samples=true",
-        ],
-        tmp_path / "d",
-    )
+    # Three drivers are started for it at once (a user, a restarted scheduler...): exactly
+    # one trains, the others are refused before Ray starts.
+    resume = [
+        *common,
+        "resume=true",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "trainer.audit_samples=true",
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        runs = list(pool.map(lambda d: run_ftjob(resume, tmp_path / d), ("d1", "d2", "d3")))
+    [(resumed, s2)] = [r for r in runs if r[0].returncode != 2]
+    refused = [proc for proc, _ in runs if proc.returncode == 2]
+    assert len(refused) == 2
+    for proc in refused:
+        assert "run 'shared'" in proc.stderr and "another driver" in proc.stderr, proc.stderr
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert s2["status"] == "succeeded"
     epoch0, epoch1 = s2["audit"]

@@ -1,71 +1,324 @@
-"""One writer per run: the lease a driver holds in the run's storage (fake clock, no Ray)."""
+"""One writer per run: the fenced lease in the run's storage. Real local storage and the
+loopback S3; several drivers as real processes (no Ray)."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.lease import LeaseHeld, RunLease
+from ftjob.checkpoint import CheckpointStore
+from ftjob.config import RetryConfig
+from ftjob.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
+from ftjob.retry import RetryPolicy
+from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem, build_filesystem
+
+REPO = Path(__file__).resolve().parent.parent
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+def local_fs() -> RetryingFileSystem:
+    return RetryingFileSystem(LocalFileSystem(), RetryPolicy(RetryConfig()))
 
 
-def test_a_second_driver_is_refused_while_the_first_is_alive(tmp_path: Path):
-    clock, fs, run = Clock(), LocalFileSystem(), str(tmp_path / "run")
-    first = RunLease(fs, run, timeout=60, owner="host-a:100", clock=clock)
-    assert first.acquire("r") is None
-    clock.now += 30
-    second = RunLease(fs, run, timeout=60, owner="host-b:200", clock=clock)
+def age_by(run: str, generation: int, seconds: float) -> None:
+    """Make the holder's last renewal ``seconds`` older, as the store sees it."""
+    path = os.path.join(run, LEASE_DIR, f"{generation:09d}.json")
+    stamp = os.stat(path).st_mtime - seconds
+    os.utime(path, (stamp, stamp))
+
+
+def test_a_second_driver_is_refused_while_the_first_is_alive(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    first = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    assert first.acquire() is None
+    age_by(run, 1, 30)
+    second = RunLease(local_fs(), run, timeout=60, owner="host-b:200")
     with pytest.raises(LeaseHeld) as err:
-        second.acquire("r")
-    assert "host-a:100" in str(err.value) and "last heartbeat 30 s ago" in str(err.value)
-    clock.now += 20
+        second.acquire()
+    assert "host-a:100" in str(err.value) and "last renewed 30 s ago" in str(err.value)
     first.renew()  # the live driver keeps its hold
-    clock.now += 50
-    with pytest.raises(LeaseHeld, match="last heartbeat 50 s ago"):
-        second.acquire("r")
+    age_by(run, 1, 50)
+    with pytest.raises(LeaseHeld, match="last renewed 50 s ago"):
+        second.acquire()
 
 
-def test_an_expired_lease_is_taken_over_and_said(tmp_path: Path):
-    clock, fs, run = Clock(), LocalFileSystem(), str(tmp_path / "run")
-    RunLease(fs, run, timeout=60, owner="host-a:100", clock=clock).acquire("r")
-    clock.now += 61  # the holder died without releasing
-    note = RunLease(fs, run, timeout=60, owner="host-b:200", clock=clock).acquire("r")
-    assert note is not None and "took over run 'r' from host-a:100" in note
+def test_age_is_read_on_the_stores_clock_not_the_readers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A host whose clock runs 61 s ahead used to see every live lease as expired.
+    run = str(tmp_path / "run")
+    RunLease(local_fs(), run, timeout=60, owner="host-a:100").acquire()
+    ahead = time.time() + 61
+    monkeypatch.setattr(time, "time", lambda: ahead)
+    with pytest.raises(LeaseHeld, match="host-a:100"):
+        RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
 
 
-def test_a_released_lease_frees_the_run_at_once(tmp_path: Path):
-    clock, fs, run = Clock(), LocalFileSystem(), str(tmp_path / "run")
-    first = RunLease(fs, run, timeout=60, owner="host-a:100", clock=clock)
-    first.acquire("r")
-    first.release()
-    assert RunLease(fs, run, timeout=60, owner="host-b:200", clock=clock).acquire("r") is None
-    first.release()  # no longer ours: the new holder's lease stays
+def test_an_expired_lease_is_taken_over_and_said(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    RunLease(local_fs(), run, timeout=60, owner="host-a:100").acquire()
+    age_by(run, 1, 61)  # the holder died without releasing
+    note = RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
+    assert note is not None and "took over run 'run' from host-a:100, silent for 6" in note
+    assert generations(local_fs(), os.path.join(run, LEASE_DIR)) == [2]
+
+
+def test_a_torn_lease_counts_as_held_not_free(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    RunLease(local_fs(), run, timeout=60).acquire()
+    Path(run, LEASE_DIR, "000000001.json").write_bytes(b'{"owner": "host-a')  # half a write
     with pytest.raises(LeaseHeld):
-        RunLease(fs, run, timeout=60, owner="host-c:300", clock=clock).acquire("r")
+        RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
 
 
-def test_a_lease_of_a_process_of_this_host_that_is_gone_is_taken_over_at_once(tmp_path: Path):
+def test_a_released_lease_frees_the_run_at_once(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    first = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    first.acquire()
+    first.release()
+    second = RunLease(local_fs(), run, timeout=60, owner="host-b:200")
+    assert second.acquire() is None
+    first.release()  # no longer ours: the new holder's lease stays
+    with pytest.raises(LeaseHeld, match="host-b:200"):
+        RunLease(local_fs(), run, timeout=60, owner="host-c:300").acquire()
+
+
+def test_a_lease_of_a_process_of_this_host_that_is_gone_is_taken_over_at_once(
+    tmp_path: Path,
+) -> None:
     import socket
-    import subprocess
-    import sys
 
-    fs, run = LocalFileSystem(), str(tmp_path / "run")
+    run = str(tmp_path / "run")
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     dead = f"{socket.gethostname()}:{int(gone.stdout)}"
-    RunLease(fs, run, timeout=60, owner=dead).acquire("r")  # a killed sweep's job
-    note = RunLease(fs, run, timeout=60).acquire("r")  # seconds later
+    RunLease(local_fs(), run, timeout=60, owner=dead).acquire()  # a killed sweep's job
+    note = RunLease(local_fs(), run, timeout=60).acquire()  # seconds later
     assert note is not None and "that process is gone" in note
-    alive = RunLease(fs, run, timeout=60)  # this very process holds it now: refused
-    with pytest.raises(LeaseHeld):
-        alive.acquire("r")
+    with pytest.raises(LeaseHeld):  # this very process holds it now: refused
+        RunLease(local_fs(), run, timeout=60).acquire()
+
+
+def test_a_deposed_driver_is_fenced_out_of_commits_prunes_and_renewals(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    old = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    old.acquire()
+    fence = pickle.loads(pickle.dumps(old.fence()))  # as the workers get it
+    fence()  # still ours
+    age_by(run, 1, 61)  # paused past the timeout
+    new = RunLease(local_fs(), run, timeout=60, owner="host-b:200")
+    new.acquire()
+    for call in (fence, old.check, old.renew):
+        with pytest.raises(LeaseLost, match=r"held by another driver \(host-b:200"):
+            call()
+    store = CheckpointStore(local_fs(), run, fence)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "model.pt").write_bytes(b"weights")
+    with pytest.raises(LeaseLost):
+        store.commit(str(scratch), 10)
+    assert store.committed_steps() == []
+    old.release()  # not its run any more: nothing changes
+    new.check()
+
+
+# -- real processes --------------------------------------------------------------------------
+
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    from ftjob.config import RetryConfig
+    from ftjob.lease import LeaseHeld, RunLease
+    from ftjob.storage import build_filesystem
+
+    url, options, at = sys.argv[1], eval(sys.argv[2]), float(sys.argv[3])
+    fs, run = build_filesystem(url, options, RetryConfig())
+    lease = RunLease(fs, run, timeout=60)
+    while time.time() < at:
+        pass
+    started = time.monotonic()
+    try:
+        lease.acquire()
+    except LeaseHeld as exc:
+        print(f"refused {time.monotonic() - started:.2f} {exc}", flush=True)
+        sys.exit(0)
+    print(f"took {time.monotonic() - started:.2f}", flush=True)
+    """
+)
+
+
+def _simultaneous_drivers(url: str, options: dict[str, Any], count: int) -> list[str]:
+    at = time.time() + 6  # after every interpreter has imported ftjob
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DRIVER, url, repr(options), str(at)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for _ in range(count)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        outputs.append(out.strip())
+    return outputs
+
+
+def _exactly_one_takes_it(outputs: list[str]) -> None:
+    took = [o for o in outputs if o.startswith("took")]
+    refused = [o for o in outputs if o.startswith("refused")]
+    assert len(took) == 1 and len(refused) == len(outputs) - 1, outputs
+    for line in refused:  # in seconds, naming why
+        assert float(line.split()[1]) < 10
+        assert "another driver" in line
+
+
+def test_drivers_started_at_the_same_instant_exactly_one_takes_the_run(tmp_path: Path) -> None:
+    _exactly_one_takes_it(_simultaneous_drivers(str(tmp_path / "storage" / "run"), {}, 4))
+
+
+@pytest.mark.s3
+def test_drivers_started_at_the_same_instant_on_s3_exactly_one_takes_the_run(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/runs/run"
+    _exactly_one_takes_it(_simultaneous_drivers(url, {"endpoint_url": s3_endpoint}, 4))
+
+
+HOLDER = textwrap.dedent(
+    """
+    import os, sys, time
+    from ftjob.checkpoint import CheckpointStore
+    from ftjob.config import RetryConfig
+    from ftjob.lease import LeaseKeeper, LeaseLost, RunLease
+    from ftjob.storage import build_filesystem
+
+    url, options, scratch = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
+    fs, run = build_filesystem(url, options, RetryConfig())
+    lease = RunLease(fs, run, timeout=4, owner="paused-driver")
+    lease.acquire()
+    keeper = LeaseKeeper(lease).start()
+    store = CheckpointStore(fs, run, lease.fence())
+    step = 0
+    while True:
+        step += 1
+        os.makedirs(scratch, exist_ok=True)
+        with open(os.path.join(scratch, "model.pt"), "wb") as f:
+            f.write(os.urandom(256))
+        try:
+            store.commit(scratch, step)
+            store.prune(2)
+        except LeaseLost as exc:
+            print(f"lost at step {step}: {exc}", flush=True)
+            sys.exit(3)
+        print(f"committed {step}", flush=True)
+        time.sleep(0.2)
+    """
+)
+
+
+def _paused_driver_is_fenced(url: str, options: dict[str, Any], tmp_path: Path) -> None:
+    fs, run = build_filesystem(url, options, RetryConfig())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, repr(options), str(tmp_path / "a")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout is not None
+        while "committed 3" not in holder.stdout.readline():
+            assert holder.poll() is None, holder.stderr.read() if holder.stderr else ""
+        os.kill(holder.pid, signal.SIGSTOP)  # a frozen VM, a stopped process
+        paused_at = max(CheckpointStore(fs, run).committed_steps())
+        time.sleep(5.5)  # past its 4 s lease, on any store clock
+        successor = RunLease(fs, run, timeout=4, owner="successor")
+        note = successor.acquire()
+        assert note is not None and "from paused-driver, silent for" in note
+        scratch = tmp_path / "b"
+        scratch.mkdir()
+        (scratch / "model.pt").write_bytes(b"the successor's weights")
+        mine = CheckpointStore(fs, run, successor.fence())
+        mine.commit(str(scratch), 1000)
+        os.kill(holder.pid, signal.SIGCONT)
+        out, _ = holder.communicate(timeout=30)
+        assert holder.returncode == 3, out
+        assert "held by another driver (successor" in out
+        # After it woke: not one commit, not one prune.
+        assert CheckpointStore(fs, run).committed_steps() == [1000, paused_at, paused_at - 1]
+        assert mine.read_file(1000, "model.pt") == b"the successor's weights"
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGCONT)
+            holder.kill()
+            holder.wait()
+
+
+def test_a_paused_driver_cannot_commit_or_prune_after_another_took_over(tmp_path: Path) -> None:
+    _paused_driver_is_fenced(str(tmp_path / "storage" / "run"), {}, tmp_path)
+
+
+@pytest.mark.s3
+def test_a_paused_driver_on_s3_cannot_commit_or_prune_after_another_took_over(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path
+) -> None:
+    _paused_driver_is_fenced(f"s3://{s3_bucket}/run", {"endpoint_url": s3_endpoint}, tmp_path)
+
+
+# -- renewal ----------------------------------------------------------------------------------
+
+
+class Outage(_DelegatingFileSystem):
+    """A store that refuses every request once ``down`` (a transient error, retried)."""
+
+    def __init__(self, fs: Any) -> None:
+        super().__init__(fs)
+        self.down = False
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        if self.down:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return fn()
+
+
+def test_a_renewal_under_a_storage_outage_gives_up_well_inside_the_lease() -> None:
+    inner = Outage(MemoryFileSystem())
+    config = RetryConfig(max_attempts=100, initial_backoff=0.05, max_backoff=1.0, deadline=300)
+    lease = RunLease(RetryingFileSystem(inner, RetryPolicy(config)), "/bucket/run", timeout=8)
+    lease.acquire()
+    keeper = LeaseKeeper(lease)  # renews every 2 s, each renewal bounded to those 2 s
+    inner.down = True
+    started = time.monotonic()
+    keeper.renew_once()
+    assert time.monotonic() - started < 4  # not the policy's 300 s deadline
+    assert keeper.lost is None and keeper.failing_since is not None
+    inner.down = False
+    keeper.renew_once()
+    assert keeper.failing_since is None
+
+
+def test_the_keeper_says_when_the_run_was_taken_over(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    lease = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    lease.acquire()
+    keeper = LeaseKeeper(lease)
+    age_by(run, 1, 61)
+    RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
+    keeper.renew_once()
+    assert keeper.lost is not None and "host-b:200" in keeper.lost

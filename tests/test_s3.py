@@ -232,9 +232,11 @@ def test_missing_bucket_stops_the_cli_before_ray_starts(s3_endpoint: str, tmp_pa
 def test_training_on_s3_through_faults_restores_after_a_failure(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path
 ) -> None:
-    """One run for two requirements: checkpoints on S3 with a restore from S3 after a forced
-    failure, and every checkpoint committed although the network throttles and drops."""
+    """One run for three requirements: checkpoints on S3 with a restore from S3 after a forced
+    failure, every checkpoint committed although the network throttles and drops, and no
+    secret (in storage_options, or from the environment) in anything the run wrote."""
     faults = {"throttle_rate": 0.12, "drop_rate": 0.06, "truncate_rate": 0.06}
+    secret, from_env = "s3-secret-6f1c9d2a", "env-token-0b7e44c1"
     with FaultProxy(s3_endpoint, seed=3, **faults) as proxy:
         proc, summary = run_ftjob(
             [
@@ -247,9 +249,14 @@ def test_training_on_s3_through_faults_restores_after_a_failure(
                 "checkpoint.retry.initial_backoff=0.05",
                 "checkpoint.retry.max_backoff=0.5",
                 "name=s3-e2e",
+                "+checkpoint.storage_options.key=ftjob-test",
+                f"+checkpoint.storage_options.secret={secret}",
+                "+ray.runtime_env.env_vars.FTJOB_TEST_TOKEN=${oc.env:FTJOB_SECRET_FROM_ENV}",
+                "logger=many",
             ],
             tmp_path,
             timeout=600,
+            env={"FTJOB_SECRET_FROM_ENV": from_env},
         )
         served = proxy.snapshot()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -271,3 +278,16 @@ def test_training_on_s3_through_faults_restores_after_a_failure(
     direct = s3_store(f"s3://{s3_bucket}/runs/s3-e2e", s3_endpoint)
     for step in (40, 44):
         assert direct.download(step, str(tmp_path / "verify" / str(step)))["step"] == step
+    # Secrets: in nothing under the run dir (summary, .hydra/, loggers), the checkpoint dir,
+    # or the console.
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    stored = [
+        client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
+        for key in s3_keys(s3_endpoint, s3_bucket, "runs/")
+    ]
+    written = [p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert len(stored) > 5 and len(written) > 5
+    for value in (secret, from_env):
+        assert not any(value.encode() in blob for blob in stored + written), value
+        assert value not in proc.stdout + proc.stderr
+    assert summary["config"]["checkpoint"]["storage_options"]["secret"] == "<redacted>"
