@@ -187,6 +187,26 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_previous_one(
     assert json.loads(Path(result.local_dir, "state.json").read_text()) == {"step": 10}
 
 
+@pytest.mark.parametrize(
+    ("name", "neighbour"),
+    [("exp[1]", "exp1"), ("exp?", "expX"), ("exp*", "exp-2"), ("exp", "exp10")],
+)
+def test_prune_and_quarantine_on_s3_touch_only_their_own_run(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, name: str, neighbour: str
+) -> None:
+    # Tried end to end: "name='exp[1]'" checkpoint.num_to_keep=1 deleted the only committed
+    # checkpoint of run exp1 beside it (s3fs's recursive rm expands glob patterns).
+    other = s3_store(f"s3://{s3_bucket}/runs/{neighbour}", s3_endpoint)
+    other.commit(write_checkpoint(tmp_path / "o", 10, size=1024), 10)
+    store = s3_store(f"s3://{s3_bucket}/runs/{name}", s3_endpoint)
+    for step in (10, 20, 30):
+        store.commit(write_checkpoint(tmp_path / "s", step, size=1024), step)
+    assert store.prune(keep=1) == [20, 10]
+    moved = store.quarantine(30, "damaged")
+    assert store.steps() == [] and store.fs.exists(f"{moved}/model.pt")
+    assert other.restore_latest(str(tmp_path / "restore")).step == 10  # intact
+
+
 def test_checkpoints_commit_and_restore_through_a_faulty_network(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path
 ) -> None:
