@@ -201,8 +201,11 @@ def run(
         except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
             raise JobError(redactor.text(str(exc))) from None
         trained = _train(job, prep, run_dir, echo, stop, trained)
-    except (KeyboardInterrupt, StoppedDuringStartUp) as exc:
-        sigterm = isinstance(exc, StoppedDuringStartUp)
+    except (KeyboardInterrupt, StoppedDuringStartUp, SystemExit) as exc:
+        # SystemExit(SIGTERM): Ray's own handler, while ray.init starts the cluster.
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        sigterm = not isinstance(exc, KeyboardInterrupt)
         trained.fit = FitOutcome(
             interrupted=not sigterm,
             preempted=sigterm,
@@ -380,11 +383,19 @@ class _StopSignal:
         self.enabled, self.wait_s = enabled, wait_s
         self.stage = "checking the storage, the resume target and the dataset"
         self.training = False
-        # Only the main thread may handle signals (runner.run called from another thread:
-        # SIGTERM keeps its default).
-        self._installed = threading.current_thread() is threading.main_thread()
-        if self._installed:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._installed = False
+        self._previous: Any = None
+        self.install()
+
+    def install(self) -> None:
+        """Handle SIGTERM here -- again after ``ray.init``, which installs a handler of its own
+        in the driver. Only the main thread may handle signals (runner.run called from another
+        thread: SIGTERM keeps its default)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        if not self._installed:
+            self._previous, self._installed = previous, True
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.enabled:  # failure.preemption=false: stop as on Ctrl-C, with a summary
@@ -428,6 +439,7 @@ def _train_on_cluster(
     with cluster(job) as local:
         import ray
 
+        stop.install()  # ray.init put its own SIGTERM handler in
         check_resources(job)
         if job.chaos.enabled and job.chaos.kind in NODE_KINDS and not node_chaos_targets():
             echo(
