@@ -26,7 +26,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-SECTIONS = ("setup", "restore", "warmup", "step", "validation", "checkpoint")
+# "data": a rank waiting for its next batch (its own learned timeout: decode start-up is slow);
+# "step": its compute, until its gradients are ready.
+SECTIONS = ("setup", "restore", "warmup", "data", "step", "validation", "checkpoint")
 IO_SECTIONS = ("restore", "checkpoint")  # storage requests in flight: each completion is progress
 UNTIMED = ("preempted", "done")  # waiting to be torn down after a notice, or finished
 
@@ -37,6 +39,10 @@ class HangPolicy:
     timeout: float | None = None  # every section, when set; None = learned
     safety_factor: float = 5.0
     min_timeout: float = 20.0
+    # A rank waiting for its batch: the first window of a stream starts decode processes,
+    # seconds to minutes on a loaded node. A stopped process is found at min_timeout anyway
+    # (its heartbeats stop); a stuck input pipeline after this floor, or its learned wait.
+    data_min_timeout: float = 120.0
     max_timeout: float = 600.0
     warmup: int = 3  # observations of a section before its timeout is learned
     io_timeout: float = 0.0  # what one storage request may take under the retry policy
@@ -87,7 +93,8 @@ class SectionTimes:
             value = p.timeout
         elif self.learned(section):
             high = _percentile(list(self.observed[section]), p.percentile)
-            value = min(max(p.safety_factor * high, p.min_timeout), p.max_timeout)
+            floor = max(p.min_timeout, p.data_min_timeout) if section == "data" else p.min_timeout
+            value = min(max(p.safety_factor * high, floor), p.max_timeout)
         else:
             value = p.max_timeout
         return max(value, p.io_timeout) if io and section in IO_SECTIONS else value
@@ -150,6 +157,7 @@ class HangDetector:
             return None
         overdue = {}
         timeouts = []
+        silent = 3 * self.policy.heartbeat_interval + 2.0
         for rank, s in self.ranks.items():
             # Every rank restores from storage; rank 0 alone writes checkpoints, the others
             # wait for it (and are not blamed while it moves: the group rule below).
@@ -157,17 +165,24 @@ class HangDetector:
             timeout = self.times.timeout(s.section, io)
             if timeout is None:
                 continue
+            if now - s.beat > silent and not io:
+                # Its heartbeat thread went quiet too: the process is stopped or gone, not
+                # waiting for data or slow peers -- the floor, not a learned wait, applies.
+                timeout = min(timeout, self.policy.min_timeout)
             timeouts.append(timeout)
             if now - s.progress > timeout:
                 overdue[rank] = timeout
         newest = max(s.progress for s in self.ranks.values())
         if not overdue or now - newest <= min(timeouts, default=0.0):
             return None  # some rank still moves: the others are waiting for it
-        silent = 3 * self.policy.heartbeat_interval + 2.0
+        if any(s.section == "data" and r not in overdue for r, s in self.ranks.items()):
+            return None  # a rank waits for its data within the time waits take: not a hang
 
         def suspicion(rank: int) -> tuple[bool, float]:
             s = self.ranks[rank]
-            return (now - s.beat <= silent, s.progress)  # stopped heartbeats first, then oldest
+            # Stopped heartbeats first, then a rank stuck waiting for its data (the others
+            # wait for it in the all-reduce), then the one that stopped progressing first.
+            return (now - s.beat <= silent, s.section != "data", s.progress)
 
         rank = min(overdue, key=suspicion)
         s = self.ranks[rank]

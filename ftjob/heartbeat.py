@@ -50,6 +50,7 @@ class Heartbeat:
         self._pace: deque[float] = deque(maxlen=21)  # recent local step times, less the sleep
         self._step_start = self._ready = self._slept = 0.0
         self._waited = 0.0
+        self._computing = False  # between a batch's arrival and the step's end
         self._stop, self._wake = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         if enabled:
@@ -77,8 +78,16 @@ class Heartbeat:
             self.enter(previous)
 
     def step_started(self, waited: float) -> None:
-        self._step_start, self._waited, self._ready = time.perf_counter(), waited, 0.0
+        """The step's batch arrived (after ``waited`` seconds): progress, and the end of the
+        rank's wait for data -- a section of its own, with its own learned timeout."""
+        now = time.perf_counter()
+        self._step_start, self._waited, self._ready = now, waited, 0.0
         self._slept = 0.0
+        with self._lock:
+            if self.current == "step":
+                self.durations["data"].append(waited)
+                self.progress = now
+            self._computing = True
 
     def straggle(self) -> None:
         """chaos=slow: sleep ``slow`` times this rank's current local step time (the median of
@@ -94,12 +103,15 @@ class Heartbeat:
         local = self._waited + ready - self._step_start
         with self._lock:
             if self.current == "step":
-                self.durations["step"].append(now - self.progress)
+                # Its own compute, until its gradients were ready: not the wait for a slower
+                # rank in the all-reduce (that rank is timed in its own section).
+                self.durations["step"].append(ready - self._step_start)
                 self.local.append(local)
                 self._pace.append(local - self._slept)  # the rank's own pace: chaos=slow scales it
             else:  # the first step of an attempt ends its warm-up (its wait is no pace)
                 self.durations[self.current].append(now - self.entered)
                 self.current = "step"
+            self._computing = False
             self.step, self.progress = step, now
 
     def attach(self, model: Any) -> None:
@@ -127,8 +139,9 @@ class Heartbeat:
 
     def _beat(self) -> dict[str, Any]:
         with self._lock:
+            waiting = self.current == "step" and not self._computing
             beat = {
-                "section": self.current,
+                "section": "data" if waiting else self.current,
                 "age": time.perf_counter() - self.progress,
                 "step": self.step,
                 "durations": dict(self.durations),

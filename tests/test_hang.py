@@ -177,9 +177,11 @@ def test_heartbeat_sections_and_steps_without_a_thread():
     with hb.section("validation"):
         pass
     sent = hb._beat()
-    assert sent["section"] == "step" and sent["step"] == 2
-    assert set(sent["durations"]) == {"setup", "restore", "warmup", "step", "validation"}
+    assert sent["section"] == "data" and sent["step"] == 2  # waiting for its next batch
+    assert set(sent["durations"]) == {"setup", "restore", "warmup", "data", "step", "validation"}
     assert len(sent["durations"]["step"]) == 1 and len(sent["local"]) == 1  # not the warm-up
+    hb.step_started(0.0)
+    assert hb._beat()["section"] == "step"  # the batch came: computing
     assert sent["durations"]["restore"][0] >= 0.01
 
 
@@ -256,6 +258,26 @@ def test_no_hang_is_declared_while_ray_train_restarts_a_failed_group():
     assert hang["pid"] == 6 and hang["section"] == "setup"
 
 
+def test_a_rank_waiting_long_for_its_data_is_no_hang_and_neither_is_the_rank_waiting_for_it():
+    # A decode window that takes 40 s to start (new processes on a loaded node): rank 1 waits
+    # for its batch, rank 0 waits for rank 1 in the all-reduce. Neither is hung.
+    d = detector(HangPolicy(min_timeout=10.0, data_min_timeout=10.0, max_timeout=300.0))
+    d.times.observe("step", [0.2] * 5)
+    d.times.observe("data", [1.0] * 5)  # learned: waits time out after 10 s...
+    d.times.observe("data", [9.0])  # ...a slow one seen: 45 s
+    d.beat(0, 0, beat("step", 0.0), now=1.0)
+    d.beat(0, 1, beat("data", 0.0), now=1.0)
+    for t in range(2, 41):
+        d.beat(0, 0, beat("step", t - 1.0), now=float(t))
+        d.beat(0, 1, beat("data", t - 1.0), now=float(t))
+    assert d.check(40.0) is None
+    for t in range(41, 50):  # rank 1's wait outlasts what waits take: that is a hang
+        d.beat(0, 0, beat("step", t - 1.0), now=float(t))
+        d.beat(0, 1, beat("data", t - 1.0), now=float(t))
+    hang = d.check(50.0)
+    assert hang is not None and hang["rank"] == 1 and hang["section"] == "data"
+
+
 def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_timeout():
     policy = HangPolicy(min_timeout=10.0, max_timeout=300.0, io_timeout=300.0)
     d = detector(policy)
@@ -286,3 +308,18 @@ def test_a_persistent_straggler_is_restarted_when_so_configured():
     assert restart["slowdown"] == pytest.approx(2.0) and restart["restarted"]
     assert ledger.check_watch(10.0) == []  # once, and no hang declared on top of it
     assert any("restarting the worker group" in line for line in ledger.lines)
+
+
+def test_a_rank_stopped_while_it_waited_for_data_is_found_at_the_floor_not_the_learned_wait():
+    d = detector(HangPolicy(min_timeout=10.0, max_timeout=300.0))
+    assert d.times.timeout("data") == 300.0  # not learned: the ceiling
+    d.times.observe("data", [0.1] * 5)  # a quick pipeline, but waits get the data floor...
+    assert d.times.timeout("data") == 120.0
+    for t in range(1, 4):  # rank 0 stops while waiting for its batch: its heartbeats end too
+        d.beat(0, 0, beat("data", 0.5), now=float(t))
+        d.beat(0, 1, beat("step", 0.1), now=float(t))
+    for t in range(4, 16):  # rank 1 waits for it in the all-reduce
+        d.beat(0, 1, beat("step", t - 2.9), now=float(t))
+    hang = d.check(15.0)
+    assert hang is not None and hang["rank"] == 0 and hang["heartbeats_stopped"]
+    assert hang["timeout_s"] == 10.0
