@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ftjob.models import build_model
+from ftjob.worker.models import build_model
 
 MODEL = {"_target_": "torchvision.models.resnet50", "weights": None}
 CLASSES = 1000
@@ -63,8 +63,8 @@ def plain_torch(args: argparse.Namespace) -> float:
 
 
 def ftjob(args: argparse.Namespace) -> float:
-    from ftjob import runner
     from ftjob.config import JobConfig, TrainerConfig
+    from ftjob.driver import runner
 
     gpu = args.device == "cuda"
     cpus = max(1, (os.cpu_count() or 2) - 2)

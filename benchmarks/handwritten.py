@@ -33,8 +33,8 @@ def digits_train() -> tuple[int, Any]:
     """The training split's row count, and a Ray Data dataset of its decoded images."""
     import ray.data
 
-    from ftjob.data import _Decode
-    from ftjob.datasets import TRAIN, DigitsDataset
+    from ftjob.data.datasets import TRAIN, DigitsDataset
+    from ftjob.data.streams import _Decode
 
     dataset = DigitsDataset()
     catalog = dataset.catalog(TRAIN)

@@ -42,7 +42,7 @@ def _loop(config: dict[str, Any]) -> None:
     import torch
     import torch.nn.functional as F
 
-    from ftjob.models import SmallCNN
+    from ftjob.worker.models import SmallCNN
 
     entered = time.time()
     rank = ray.train.get_context().get_world_rank()
@@ -99,7 +99,7 @@ def _steps_after(path: str, t: float) -> bool:
 def _killer(stamps: str, interval: float, max_kills: int, seed: int, kills: list) -> None:
     """As ftjob's worker killer: kill k is due k intervals plus a random part of one after the
     first step, once training runs again after the previous kill; SIGKILL a random rank."""
-    from ftjob.chaos import KillSchedule
+    from ftjob.chaos.schedule import KillSchedule
 
     rng = random.Random(seed)
     steps = os.path.join(stamps, "steps")

@@ -34,9 +34,9 @@ from typing import Any
 
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob import runner
-from ftjob.compose import Composer, Target
 from ftjob.config import load_job, register_schema
+from ftjob.config.compose import Composer, Target
+from ftjob.driver import runner
 
 # One training worker per node (3 CPUs a node, 2 a worker), kills at steps 20 and 100: the
 # same job on a fixed-size group (Ray Train waits for the replacement node) and on an elastic

@@ -27,8 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from ftjob.data import Batch, EpochPlan, RayDataStream, ResumableIterator
-from ftjob.datasets import TRAIN, DigitsDataset, ImageDataset, ImageFolderDataset, SyntheticDataset
+from ftjob.data.datasets import (
+    TRAIN,
+    DigitsDataset,
+    ImageDataset,
+    ImageFolderDataset,
+    SyntheticDataset,
+)
+from ftjob.data.order import EpochPlan
+from ftjob.data.streams import Batch, RayDataStream, ResumableIterator
 
 POSITIONS = (0.0, 0.5, 0.9)
 BATCH = 64

@@ -30,7 +30,7 @@ def _raytrain_child(stamp_file: str) -> None:
     import torch.nn.functional as F
     from ray.train.torch import TorchTrainer
 
-    from ftjob.models import SmallCNN
+    from ftjob.worker.models import SmallCNN
 
     def loop(config: dict) -> None:
         model = ray.train.torch.prepare_model(SmallCNN(num_classes=10))

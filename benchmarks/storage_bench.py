@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 
 from fsspec import AbstractFileSystem
 
-from ftjob.checkpoint import CheckpointStore
 from ftjob.config import RetryConfig, StorageChaosConfig
-from ftjob.storage import FaultInjectingFileSystem, build_filesystem, innermost
+from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.faults import FaultInjectingFileSystem
+from ftjob.storage.fs import build_filesystem
+from ftjob.storage.wrapper import innermost
 
 
 @dataclass
@@ -245,7 +247,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     # Each injected fault is logged as a retry warning; the summary lines count them instead.
-    logging.getLogger("ftjob.storage").setLevel(logging.ERROR)
+    logging.getLogger("ftjob.storage.fs").setLevel(logging.ERROR)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "ftjob-bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "ftjob-bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")

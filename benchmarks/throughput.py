@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ftjob.datasets import TRAIN, build_dataset
+from ftjob.data.datasets import TRAIN, build_dataset
 
 WORKERS = 2
 
@@ -87,7 +87,7 @@ LR = 1e-3
 def _model(num_classes: int) -> Any:
     import torch
 
-    from ftjob.models import build_model
+    from ftjob.worker.models import build_model
 
     torch.manual_seed(0)
     return build_model(MODEL, num_classes)
@@ -141,7 +141,7 @@ def _rows(table: pa.Table) -> dict[str, np.ndarray]:
 def plain_torch(w: Workload) -> float:
     import torch
 
-    from ftjob.data import epoch_order
+    from ftjob.data.order import epoch_order
 
     torch.set_num_threads(os.cpu_count() or 1)
     dataset = build_dataset(w.dataset)
@@ -201,7 +201,7 @@ def raytrain(w: Workload) -> float:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from ftjob.data import _Decode
+    from ftjob.data.streams import _Decode
 
     dataset = build_dataset(w.dataset)
     catalog = dataset.catalog(TRAIN)
@@ -241,8 +241,8 @@ def raytrain(w: Workload) -> float:
 
 
 def ftjob(w: Workload) -> float:
-    from ftjob import runner
     from ftjob.config import JobConfig, TrainerConfig
+    from ftjob.driver import runner
 
     job = JobConfig(
         model=dict(MODEL),

@@ -2,7 +2,7 @@
 
 import sys
 
-from ftjob.cli import main
+from ftjob.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

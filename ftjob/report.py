@@ -1,66 +1,9 @@
-"""``python -m ftjob.report DIR``: rebuild a sweep's report, or print one run's summary.
+"""``python -m ftjob.report DIR``: a sweep's tables and plots rebuilt, or a run's summary
+printed (see :mod:`ftjob.cli.report`)."""
 
-A sweep dir (finished, partial or failed) gets its sweep_summary.csv/.md/.png rebuilt from the
-job dirs' own files (:func:`ftjob.sweep.build_sweep_report`); a run dir (one holding
-summary.json) is printed as the run printed it at its end (:func:`ftjob.summary.format_summary`).
-"""
-
-from __future__ import annotations
-
-import argparse
-import json
-import os
 import sys
 
-from ftjob.summary import SUMMARY_FILE, format_summary
-from ftjob.sweep import (
-    OVERRIDES_FILE,
-    build_sweep_report,
-    find_job_dirs,
-    read_yaml_list,
-    report_text,
-)
-
-
-def summarise_run(run_dir: str) -> int:
-    try:
-        with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
-            summary = json.load(f)
-    except (OSError, ValueError) as exc:
-        print(f"ftjob.report: {run_dir}: unreadable {SUMMARY_FILE} ({exc})", file=sys.stderr)
-        return 2
-    overrides_path = os.path.join(run_dir, OVERRIDES_FILE)
-    overrides = read_yaml_list(overrides_path) if os.path.isfile(overrides_path) else []
-    if overrides:
-        print("overrides: " + " ".join(overrides))
-    print(format_summary(summary))
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m ftjob.report",
-        description="Rebuild sweep_summary.csv/.md/.png of a sweep dir (finished, partial or "
-        "failed), or print the summary of a single run dir (one holding summary.json).",
-    )
-    parser.add_argument("dir", help="a sweep dir (hydra.sweep.dir) or a run dir")
-    args = parser.parse_args(argv)
-    target: str = args.dir
-    if not os.path.isdir(target):
-        print(f"ftjob.report: {target}: no such directory", file=sys.stderr)
-        return 2
-    if os.path.isfile(os.path.join(target, SUMMARY_FILE)):
-        return summarise_run(target)
-    if not find_job_dirs(target):
-        print(
-            f"ftjob.report: {target}: neither a run dir (no {SUMMARY_FILE}) nor a sweep dir "
-            f"(no job dirs with {OVERRIDES_FILE} or {SUMMARY_FILE})",
-            file=sys.stderr,
-        )
-        return 2
-    print(report_text(build_sweep_report(target)))
-    return 0
-
+from ftjob.cli.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

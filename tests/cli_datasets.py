@@ -7,7 +7,7 @@ import time
 
 import pyarrow as pa
 
-from ftjob.datasets import DigitsDataset
+from ftjob.data.datasets import DigitsDataset
 
 
 class SlowListingDataset(DigitsDataset):

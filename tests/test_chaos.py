@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ftjob.chaos import ChaosKiller, KillSchedule, choose_target, eligible_targets
+from ftjob.chaos.schedule import ChaosKiller, KillSchedule, choose_target, eligible_targets
 from ftjob.config import ChaosConfig
 
 
@@ -241,6 +241,7 @@ def test_a_broken_killer_reports_instead_of_dying_silently():
         "node",
         ledger,
         set(),
+        execute=lambda kind, target: target["node_id"],  # a bug: the worker has no node
         clock=lambda: 5.0,
         wait=lambda s: False,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ftjob.check import ERROR, NEEDS, OK, Verdict, check_all, exit_status, main
+from ftjob.cli.check import ERROR, NEEDS, OK, Verdict, check_all, exit_status, main
 
 CONF = Path(str(files("ftjob.conf")))
 

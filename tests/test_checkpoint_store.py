@@ -18,8 +18,12 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore, CorruptCheckpoint
-from ftjob.checkpointer import (
+from ftjob.config import RetryConfig
+from ftjob.storage.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore, CorruptCheckpoint
+from ftjob.storage.fs import RetryingFileSystem
+from ftjob.storage.retry import RetryPolicy
+from ftjob.storage.wrapper import _DelegatingFileSystem
+from ftjob.worker.checkpointer import (
     AsyncUploader,
     UploadOutcome,
     attempt_scratch_dir,
@@ -27,9 +31,6 @@ from ftjob.checkpointer import (
     scratch_name,
     upload_checkpoint,
 )
-from ftjob.config import RetryConfig
-from ftjob.retry import RetryPolicy
-from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem
 
 
 class RecordingFileSystem(_DelegatingFileSystem):
@@ -512,7 +513,7 @@ def test_a_stopped_runs_summary_names_the_checkpoint_committed_while_it_stopped(
 ) -> None:
     """Workers outlive the driver's last look at the ledger: the summary (and the resume
     command printed from it) must name what a resume will restore."""
-    from ftjob.runner import settle_latest
+    from ftjob.driver.runner import settle_latest
 
     store = committed_store(storage, tmp_path, [10, 20, 30, 40])
     _drop_manifest(store, 40)  # cut off by the shutdown: never restored, never named

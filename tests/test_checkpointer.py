@@ -14,10 +14,10 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from ftjob import metrics as M
-from ftjob.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
 from ftjob.config import CheckpointConfig
-from ftjob.retry import RetryPolicy
-from ftjob.storage import RetryingFileSystem
+from ftjob.storage.fs import RetryingFileSystem
+from ftjob.storage.retry import RetryPolicy
+from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
 from tests.test_checkpoint_store import RecordingFileSystem, _flip_bytes, no_sleep_policy
 
 

@@ -10,10 +10,10 @@ import socket
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob import cluster
-from ftjob.cluster import _RayNoiseFilter, probe_cluster
-from ftjob.compose import Composer, Target
 from ftjob.config import JobError, load_job, register_schema
+from ftjob.config.compose import Composer, Target
+from ftjob.driver import cluster
+from ftjob.driver.cluster import _RayNoiseFilter, probe_cluster
 
 
 def test_an_address_where_nothing_answers_is_refused_naming_it():
@@ -91,7 +91,7 @@ def test_the_trainer_leaves_out_ray_trains_dataset_integration_and_keeps_the_res
     # actor with every attempt. Everything else Ray Train sets up stays.
     import ray.train
 
-    from ftjob.runner import _torch_trainer
+    from ftjob.driver.runner import _torch_trainer
 
     trainer = _torch_trainer()(lambda config: None, scaling_config=ray.train.ScalingConfig())
     names = {type(c).__name__ for c in trainer._create_default_callbacks()}

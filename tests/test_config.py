@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob.cli import precheck
-from ftjob.compose import Composer, Target
+from ftjob.cli.main import precheck
 from ftjob.config import (
     ChaosConfig,
     ConfigError,
@@ -24,6 +23,7 @@ from ftjob.config import (
     load_job,
     register_schema,
 )
+from ftjob.config.compose import Composer, Target
 from tests.conftest import ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,23 +11,21 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ftjob.data import (
-    EPOCH_END,
-    Batch,
-    BatchFeeder,
-    EpochPlan,
-    ValidationSet,
-    WindowSizer,
-    epoch_order,
-    validation_ids,
-)
-from ftjob.datasets import (
+from ftjob.data.datasets import (
     TRAIN,
     VAL,
     DigitsDataset,
     ImageFolderDataset,
     SyntheticDataset,
     sample_rng,
+)
+from ftjob.data.order import EpochPlan, epoch_order, validation_ids
+from ftjob.data.streams import (
+    EPOCH_END,
+    Batch,
+    BatchFeeder,
+    ValidationSet,
+    WindowSizer,
 )
 
 
@@ -295,7 +293,7 @@ def test_imagefolder_lists_decodes_and_augments_per_sample(tmp_path):
 
 
 def test_uint8_images_are_normalised_on_the_device_float_images_pass_as_they_are(tmp_path):
-    from ftjob.data import RayDataStream
+    from ftjob.data.streams import RayDataStream
 
     ds = ImageFolderDataset(path=str(tmp_path), mean=(0.4, 0.5, 0.6), std=(0.2, 0.25, 0.5))
     stream = RayDataStream(ds, pa.table({"id": [0]}), VAL, seed=0)
@@ -325,7 +323,7 @@ def test_a_large_jpeg_decodes_at_a_reduced_scale_with_the_same_crop(tmp_path):
     assert [str(p).rsplit(".", 1)[1] for p in rows["path"]] == ["jpg", "png"]
     jpeg, png = ds.decode(rows, VAL, epoch=0, seed=0)  # the PNG is decoded at full size
     assert np.abs(jpeg.astype(int) - png.astype(int)).mean() < 2
-    from ftjob.datasets import _draft
+    from ftjob.data.datasets import _draft
 
     with Image.open(tmp_path / "val" / "a" / "big.jpg") as img:
         drafted, factor = _draft(img, 1024 / 36)
@@ -357,8 +355,8 @@ def test_sample_rng_does_not_depend_on_batching():
 def test_validation_cut_short_by_a_notice_does_not_count():
     import torch
 
-    from ftjob.data import Batch
-    from ftjob.train_loop import evaluate
+    from ftjob.data.streams import Batch
+    from ftjob.worker.loop import evaluate
 
     model = torch.nn.Linear(4, 2)
     batches = [Batch(torch.ones(3, 4), torch.zeros(3, dtype=torch.int64), None) for _ in range(4)]
@@ -376,7 +374,7 @@ def test_a_first_window_decoded_in_the_process_gives_ray_datas_batches(tmp_path,
     # normalised on the device as well as float32 ones.
     import ray
 
-    from ftjob.data import LocalWindow, RayDataStream
+    from ftjob.data.streams import LocalWindow, RayDataStream
     from tests.conftest import make_image_tree
 
     local_rows = []
@@ -437,8 +435,8 @@ class _Ledger:
 
 
 def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank(monkeypatch):
-    from ftjob import train_loop
-    from ftjob.datasets import DataError
+    from ftjob.data.datasets import DataError
+    from ftjob.worker import loop as train_loop
 
     monkeypatch.setattr(train_loop.ray, "get", lambda value, timeout=None: value)
     line = "dataset file /d/train/cat/x.jpg cannot be decoded as an image (...): remove or fix it"
@@ -455,7 +453,7 @@ def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank(monkeypatch):
     with pytest.raises(DataError) as err:
         train_loop.end_on_data_error(wrapped, group, world=2)
     assert str(err.value) == group.fatal == line
-    from ftjob.ledger import RunLedger
+    from ftjob.driver.ledger import RunLedger
 
     ledger = RunLedger({})
     assert ledger.start_attempt(0.0, 2)["stop"] is None

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from ftjob import metrics as M
 from ftjob.config import ConfigError, TrainerConfig
-from ftjob.elastic import micro_batches
-from ftjob.hang import restart_loop
-from ftjob.preemption import RESIZE
-from ftjob.summary import FitOutcome, build_summary, decide_status, format_summary
-from ftjob.train_loop import backward_in_micro_batches
+from ftjob.policy.elastic import micro_batches
+from ftjob.policy.hang import restart_loop
+from ftjob.reporting.summary import FitOutcome, build_summary, decide_status, format_summary
+from ftjob.worker.loop import backward_in_micro_batches
+from ftjob.worker.preemption import RESIZE
 from tests.test_summary import make_ledger, restored, train
 
 GLOBAL, BATCH = 64, 16  # trainer.batch_size 16 x trainer.num_workers 4

@@ -21,8 +21,9 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.tests import abstract
 
 from ftjob.config import RetryConfig
-from ftjob.retry import RetryPolicy
-from ftjob.storage import RetryingFileSystem, build_filesystem, exclusive_create_guarantee
+from ftjob.storage.fs import RetryingFileSystem, build_filesystem
+from ftjob.storage.retry import RetryPolicy
+from ftjob.storage.wrapper import exclusive_create_guarantee
 
 SUITES = (
     abstract.AbstractCopyTests,

@@ -9,8 +9,9 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.config import ConfigError, FailureConfig, JobConfig, TrainerConfig
-from ftjob.goodput import BUCKETS, CheckpointSchedule, goodput, predict_ettr
-from ftjob.summary import build_summary, declared_failures
+from ftjob.policy.cadence import CheckpointSchedule
+from ftjob.reporting.goodput import BUCKETS, goodput, predict_ettr
+from ftjob.reporting.summary import build_summary, declared_failures
 from tests.test_summary import make_ledger, restored, train
 
 

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from ftjob.config import ChaosConfig, ConfigError, FailureConfig, JobConfig, RetryConfig
-from ftjob.hang import (
+from ftjob.driver.ledger import RunLedger
+from ftjob.driver.stacks import capture_and_kill, trim_stack
+from ftjob.policy.hang import (
     HangDetector,
     HangPolicy,
     SectionTimes,
@@ -19,9 +21,7 @@ from ftjob.hang import (
     WatchConfig,
     restart_loop,
 )
-from ftjob.heartbeat import Heartbeat
-from ftjob.ledger import RunLedger
-from ftjob.stacks import capture_and_kill, trim_stack
+from ftjob.worker.heartbeat import Heartbeat
 
 POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
 
@@ -194,7 +194,7 @@ def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
     fake = type("FakeTime", (), {})()
     fake.perf_counter = lambda: clock["now"]
     fake.sleep = lambda s: clock.__setitem__("now", clock["now"] + s)
-    monkeypatch.setattr("ftjob.heartbeat.time", fake)
+    monkeypatch.setattr("ftjob.worker.heartbeat.time", fake)
     hb = Heartbeat(ledger=None, attempt=0, rank=0, enabled=False)
     hb.enter("warmup")
     slept = []

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from ftjob.datasets import TRAIN, VAL, DataError, ImageFolderDataset, data_error_of
+from ftjob.data.datasets import TRAIN, VAL, DataError, ImageFolderDataset, data_error_of
 
 GLOB_NAMES = ("photo[1].png", "photo1.png", "a*.png", "ab.png", "b?.png", "bc.png")
 
@@ -440,7 +440,7 @@ def test_a_data_error_is_found_behind_ray_datas_and_ray_cores_wrappers():
 def test_a_data_error_of_the_first_window_and_the_feeder_reaches_the_training_thread(
     tmp_path: Path,
 ):
-    from ftjob.data import BatchFeeder, LocalWindow, _Decode
+    from ftjob.data.streams import BatchFeeder, LocalWindow, _Decode
 
     ds = tree_of(tmp_path, {**GOOD, "train/b/3.png": b"not a png"})
     table = ds.catalog(TRAIN)

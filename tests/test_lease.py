@@ -18,11 +18,12 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.checkpoint import CheckpointStore
 from ftjob.config import RetryConfig
-from ftjob.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
-from ftjob.retry import RetryPolicy
-from ftjob.storage import RetryingFileSystem, _DelegatingFileSystem, build_filesystem
+from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.fs import RetryingFileSystem, build_filesystem
+from ftjob.storage.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
+from ftjob.storage.retry import RetryPolicy
+from ftjob.storage.wrapper import _DelegatingFileSystem
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,8 +141,8 @@ DRIVER = textwrap.dedent(
     """
     import sys, time
     from ftjob.config import RetryConfig
-    from ftjob.lease import LeaseHeld, RunLease
-    from ftjob.storage import build_filesystem
+    from ftjob.storage.lease import LeaseHeld, RunLease
+    from ftjob.storage.fs import build_filesystem
 
     url, options, at = sys.argv[1], eval(sys.argv[2]), float(sys.argv[3])
     fs, run = build_filesystem(url, options, RetryConfig())
@@ -203,10 +204,10 @@ def test_drivers_started_at_the_same_instant_on_s3_exactly_one_takes_the_run(
 HOLDER = textwrap.dedent(
     """
     import os, sys, time
-    from ftjob.checkpoint import CheckpointStore
+    from ftjob.storage.checkpoint import CheckpointStore
     from ftjob.config import RetryConfig
-    from ftjob.lease import LeaseKeeper, LeaseLost, RunLease
-    from ftjob.storage import build_filesystem
+    from ftjob.storage.lease import LeaseKeeper, LeaseLost, RunLease
+    from ftjob.storage.fs import build_filesystem
 
     url, options, scratch = sys.argv[1], eval(sys.argv[2]), sys.argv[3]
     fs, run = build_filesystem(url, options, RetryConfig())

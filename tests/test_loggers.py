@@ -10,8 +10,8 @@ import math
 import pytest
 
 from ftjob.config import ConfigError, LoggerConfig
-from ftjob.ledger import RunLedger
-from ftjob.loggers import LogFeed, build_loggers, flatten
+from ftjob.driver.ledger import RunLedger
+from ftjob.reporting.loggers import LogFeed, build_loggers, flatten
 
 
 def train(ledger: RunLedger, attempt: int, step: int, loss: float) -> None:

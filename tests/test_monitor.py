@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import ray
 
-from ftjob.loggers import LogFeed
-from ftjob.runner import _Monitor
+from ftjob.driver.monitor import Monitor as _Monitor
+from ftjob.reporting.loggers import LogFeed
 
 
 class Ledger:

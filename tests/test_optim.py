@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftjob.compose import Composer, Target
 from ftjob.config import ConfigError, load_job
-from ftjob.optim import LRSchedule, build_optimizer
+from ftjob.config.compose import Composer, Target
+from ftjob.worker.optim import LRSchedule, build_optimizer
 
 
 def test_lr_schedule_is_a_function_of_the_step():
@@ -64,7 +64,7 @@ def test_the_linear_scaling_rule_and_warmup_epochs_set_the_schedule():
 
 
 def test_biases_and_norm_weights_can_be_kept_out_of_weight_decay():
-    from ftjob.optim import parameter_groups
+    from ftjob.worker.optim import parameter_groups
 
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
     job = load_job(

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from ftjob import metrics as M
-from ftjob import preemption
-from ftjob.chaos import ChaosKiller, KillSchedule
-from ftjob.drains import DrainRelay
-from ftjob.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
-from ftjob.summary import FitOutcome, build_summary, decide_status
+from ftjob.chaos.schedule import ChaosKiller, KillSchedule
+from ftjob.driver.drains import DrainRelay
+from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
+from ftjob.worker import preemption
+from ftjob.worker.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
 from tests.test_chaos import WORKERS
 from tests.test_chaos import FakeLedger as ChaosLedger
 from tests.test_summary import make_ledger, train

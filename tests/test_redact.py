@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from ftjob.redact import REDACTED, Redactor, env_sources, is_secret_key, redact_url
+from ftjob.reporting.redact import REDACTED, Redactor, env_sources, is_secret_key, redact_url
 
 
 def test_credential_keys_are_recognised_and_ordinary_keys_are_not() -> None:

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from ftjob.checkpoint import CheckpointStore
 from ftjob.config import JobConfig, TrainerConfig, to_plain
-from ftjob.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.storage.checkpoint import CheckpointStore
 
 DIGITS = {"_target_": "ftjob.datasets.DigitsDataset"}
 MODEL = {"_target_": "ftjob.models.SmallCNN"}

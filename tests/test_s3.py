@@ -17,9 +17,10 @@ import boto3
 import pytest
 import s3fs
 
-from ftjob.checkpoint import MANIFEST, CheckpointStore
 from ftjob.config import RetryConfig
-from ftjob.storage import RetryingFileSystem, StorageError, build_filesystem, innermost, preflight
+from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
+from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
+from ftjob.storage.wrapper import innermost
 from tests.conftest import run_ftjob
 from tests.fault_proxy import FaultProxy
 

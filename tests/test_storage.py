@@ -29,20 +29,23 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from s3fs.errors import translate_boto_error
 
 from ftjob.config import ConfigError, RetryConfig, StorageChaosConfig
-from ftjob.retry import ErrorClassifier, OpStats, RetryPolicy, StorageStats, is_storage_error
-from ftjob.storage import (
-    INJECTED_ERRORS,
-    FaultInjectingFileSystem,
+from ftjob.storage.faults import INJECTED_ERRORS, FaultInjectingFileSystem
+from ftjob.storage.fs import (
     RetryingFileSystem,
     StorageError,
-    _DelegatingFileSystem,
     build_filesystem,
-    exclusive_create_guarantee,
-    innermost,
     preflight,
     split_options,
     to_pyarrow,
 )
+from ftjob.storage.retry import (
+    ErrorClassifier,
+    OpStats,
+    RetryPolicy,
+    StorageStats,
+    is_storage_error,
+)
+from ftjob.storage.wrapper import _DelegatingFileSystem, exclusive_create_guarantee, innermost
 
 S3_TARGET = "s3://ckpt-bucket/runs/exp1/checkpoints/step_000000010/model.pt"
 
@@ -438,7 +441,7 @@ def test_every_retry_is_logged_once_with_op_path_attempt_error_and_wait(
 ) -> None:
     fake = FakeTime()
     errors = [ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")] * 2
-    with caplog.at_level(logging.WARNING, logger="ftjob.storage"):
+    with caplog.at_level(logging.WARNING, logger="ftjob.storage.fs"):
         policy(fake, max_attempts=5).call(failing(errors), op="put_file", target=S3_TARGET)
     retries = [r.getMessage() for r in caplog.records if "storage retry" in r.getMessage()]
     assert len(retries) == 2

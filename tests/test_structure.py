@@ -1,8 +1,10 @@
-"""The package's shape: modules a reader can take in, and no import cycles between them."""
+"""The package's shape: layers with their dependencies pointing one way, modules a reader can
+take in, and no import cycles."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,17 +13,84 @@ PACKAGE = Path(__file__).resolve().parent.parent / "ftjob"
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
 
+# Who may import whom: a module imports its own package and the layers below it, never a
+# layer above or beside it. (The command line drives the run; the driver runs workers, chaos
+# and reports; those stand on data, storage and policies; everything stands on the config.)
+LAYERS = {
+    "cli": 4,
+    "driver": 3,
+    "worker": 2,
+    "chaos": 2,
+    "reporting": 2,
+    "data": 1,
+    "storage": 1,
+    "policy": 1,
+    "config": 0,
+    "metrics": 0,
+}
+# Top-level modules: entry points (the command line's layer) and the public names of the
+# extension points users reference in their configs.
+TOP_LEVEL = {
+    "__main__": "cli",
+    "check": "cli",
+    "report": "cli",
+    "datasets": "data",
+    "models": "worker",
+}
 
+
+@functools.cache
 def modules() -> dict[str, ast.Module]:
-    return {
-        f"ftjob.{path.stem}": ast.parse(path.read_text(), str(path))
-        for path in sorted(PACKAGE.glob("*.py"))
-        if path.stem != "__init__"
-    }
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "ftjob"
+    return TOP_LEVEL.get(parts[1], parts[1]) if len(parts) == 2 else parts[1]
 
 
 def span(node: ast.AST) -> int:
     return node.end_lineno - node.lineno + 1  # type: ignore[attr-defined,operator]
+
+
+def imports(tree: ast.Module) -> set[str]:
+    """ftjob modules a module imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ftjob"):
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("ftjob.")}
+    return found
+
+
+def test_every_module_belongs_to_a_layer():
+    strays = [m for m in modules() if m != "ftjob" and layer_of(m) not in LAYERS]
+    assert not strays, f"modules outside the layers {sorted(LAYERS)}: {strays}"
+
+
+def test_dependencies_point_down_the_layers_never_back():
+    known = modules()
+    wrong = []
+    for name, tree in known.items():
+        if name == "ftjob":
+            continue
+        mine = layer_of(name)
+        for target in sorted(imports(tree) & set(known)):
+            theirs = layer_of(target)
+            if target == "ftjob" or theirs == mine:
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                wrong.append(f"{name} ({mine}) -> {target} ({theirs})")
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("name", sorted(modules()))
@@ -36,31 +105,22 @@ def test_no_class_or_function_outgrows_what_a_reader_holds_in_mind(name):
     assert not too_long, f"{name}: {too_long}"
 
 
-def imports(tree: ast.Module) -> set[str]:
-    """ftjob modules a module imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ftjob"):
-            if node.module == "ftjob":
-                found |= {f"ftjob.{alias.name}" for alias in node.names}
-            else:
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("ftjob.")}
-    return found
-
-
 def test_no_import_cycle_between_ftjob_modules():
-    graph = {name: imports(tree) & set(modules()) for name, tree in modules().items()}
-    cycles = []
+    known = modules()
+    graph = {name: (imports(tree) & set(known)) - {name, "ftjob"} for name, tree in known.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[str] = []
 
     def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
         for nxt in sorted(graph[node]):
-            if nxt in path:
+            if state.get(nxt) == 1:
                 cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
-            elif len(path) < len(graph):
+            elif nxt not in state:
                 visit(nxt, [*path, nxt])
+        state[node] = 2
 
-    for start in graph:
-        visit(start, [start])
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
     assert not cycles, cycles[:5]

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from ftjob import metrics as M
-from ftjob.data import EpochPlan
-from ftjob.failures import failure_records
-from ftjob.ledger import RunLedger
-from ftjob.summary import (
+from ftjob.data.order import EpochPlan
+from ftjob.driver.ledger import RunLedger
+from ftjob.reporting.failures import failure_records
+from ftjob.reporting.summary import (
     FitOutcome,
     audit_batches,
     audit_report,

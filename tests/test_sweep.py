@@ -16,8 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from ftjob import metrics as M
-from ftjob.report import main
-from ftjob.sweep import (
+from ftjob.cli.report import main
+from ftjob.reporting.sweep import (
     INCOMPLETE,
     SWEEP_CSV,
     SWEEP_MD,
@@ -391,7 +391,7 @@ def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) 
 
 
 def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path) -> None:
-    from ftjob.launcher import previous_run
+    from ftjob.cli.launcher import previous_run
 
     done = tmp_path / "0"
     done.mkdir()

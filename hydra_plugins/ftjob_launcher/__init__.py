@@ -1,1 +1,1 @@
-"""ftjob's Hydra launcher (``hydra/launcher=ftjob``): see :mod:`ftjob.launcher`."""
+"""ftjob's Hydra launcher (``hydra/launcher=ftjob``): see :mod:`ftjob.cli.launcher`."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hydra.core.config_store import ConfigStore
 
-from ftjob.launcher import SweepLauncher
+from ftjob.cli.launcher import SweepLauncher
 
 
 @dataclass

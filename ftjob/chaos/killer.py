@@ -1,0 +1,199 @@
+"""Chaos on a Ray cluster: kills as zero-CPU tasks pinned to their node, node drains through
+GCS, the killer actor on the driver's node that runs a :class:`~ftjob.chaos.schedule.ChaosKiller`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from ftjob.chaos.schedule import ChaosKiller, KillSchedule
+from ftjob.config import NODE_KINDS, WORKER_KINDS, ChaosConfig
+
+
+def run_on_node(node_id: str, fn: Any, *args: Any, timeout: float | None = 60.0) -> Any:
+    """``fn(*args)`` as a zero-CPU task pinned to ``node_id``: its answer, or (``timeout=None``)
+    the ObjectRef without waiting -- for a task that takes its own node down."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(scheduling_strategy=strategy)
+    ref = task.remote(*args)
+    return ref if timeout is None else ray.get(ref, timeout=timeout)
+
+
+def _kill_on_node(kind: str, pid: int | None) -> int:
+    """Runs on the target node. A Ray worker's parent process is its node's raylet; a hang is
+    a training worker stopped with SIGSTOP, which nothing here resumes."""
+    victim = int(pid or 0) if kind in WORKER_KINDS else os.getppid()
+    os.kill(victim, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
+    return victim
+
+
+def _ray_kill(kind: str, target: dict[str, Any], notice: float = 0.0) -> int:
+    """A kill as a zero-CPU task pinned to the target node; ``preempt`` as :func:`_preempt`."""
+    if kind == "slow":
+        return -1  # no signal: the ledger tells the rank through its heartbeat
+    if kind == "preempt":
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
+        return _preempt(target["node_id"], notice, strategy)
+    if kind in NODE_KINDS:  # the task dies with its raylet; its answer never comes
+        run_on_node(target["node_id"], _kill_on_node, kind, None, timeout=None)
+        return -1
+    return int(run_on_node(target["node_id"], _kill_on_node, kind, target.get("pid"), timeout=30))
+
+
+class NodeReaper:
+    """An actor on the node to preempt: armed, it kills its node (its raylet) at the deadline.
+    Armed before the drain, since a draining node takes no new work."""
+
+    def arm(self, delay: float) -> int:
+        raylet = os.getppid()
+
+        def fire() -> None:
+            time.sleep(delay)
+            os.kill(raylet, signal.SIGKILL)
+
+        threading.Thread(target=fire, name="ftjob-reaper", daemon=True).start()
+        return raylet
+
+
+_reapers: list[Any] = []  # armed reapers: an actor whose handle is dropped is killed
+
+
+def _preempt(node_id: str, notice: float, strategy: Any) -> int:
+    """Drain the node through Ray's drain API with ``notice`` seconds to its deadline (reason:
+    preemption), as a cloud provider's reclaim would, and kill it at the deadline."""
+    import ray
+
+    reaper = (
+        ray.remote(num_cpus=0, max_restarts=0)(NodeReaper)
+        .options(scheduling_strategy=strategy)
+        .remote()
+    )
+    raylet = int(ray.get(reaper.arm.remote(notice), timeout=60))
+    _reapers.append(reaper)
+    drain_node(node_id, notice)
+    return raylet
+
+
+def drain_node(node_id: str, notice: float) -> None:
+    """Tell Ray the node goes away in ``notice`` seconds (what ``ray drain-node --reason
+    DRAIN_NODE_REASON_PREEMPTION`` sends); ftjob's drain relay sees it."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    deadline_ms = int((time.time() + notice) * 1000)
+    accepted, why = client.drain_node(
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        f"ftjob chaos: preempted with {notice:g} s of notice",
+        deadline_ms,
+    )
+    if not accepted:
+        raise RuntimeError(f"Ray refused to drain node {node_id[:12]}: {why}")
+
+
+def _node_gone(target: dict[str, Any], timeout: float = 60.0) -> bool:
+    """Is the killed node gone? Its raylet no longer answers the GCS (Ray marks the node dead)
+    or, before that, its workers are gone (the kill task died with its raylet)."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if target["node_id"] not in alive:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+class _LedgerView:
+    """Synchronous view of the ledger actor for the killer."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def chaos_view(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.handle.chaos_view.remote())
+
+    def record_kill(self, record: dict[str, Any]) -> None:
+        self.handle.kill.remote(record)
+
+    def record_skip(self, record: dict[str, Any]) -> None:
+        self.handle.chaos_skipped.remote(record)
+
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
+        self.handle.confirm_kill.remote(time_of_kill, confirmed)
+
+    def report_error(self, message: str) -> None:
+        self.handle.log.remote(message)
+
+
+class KillerActor:
+    """Ray actor wrapper: runs a ChaosKiller on a thread until the schedule ends or stop()."""
+
+    def __init__(self, chaos: ChaosConfig, ledger: Any, protected_nodes: list[str]) -> None:
+        notice = chaos.notice
+        self.killer = ChaosKiller(
+            KillSchedule.from_config(chaos),
+            chaos.kind,
+            _LedgerView(ledger),
+            set(protected_nodes),
+            at_steps=list(chaos.at_steps),
+            notice=notice,
+            slowdown=chaos.slowdown,
+            execute=lambda kind, target: _ray_kill(kind, target, notice),
+            confirm=lambda target: _node_gone(target, 60.0 + notice),
+        )
+        self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> list[dict[str, Any]]:
+        self.killer.stop()
+        self.thread.join(timeout=10)
+        return self.killer.kills
+
+
+def protected_nodes() -> list[str]:
+    """The head node and the driver's node: never chaos targets."""
+    import ray
+
+    head = [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
+    ]
+    return sorted(set(head) | {ray.get_runtime_context().get_node_id()})
+
+
+def node_chaos_targets() -> list[str]:
+    """Alive nodes with CPUs that node chaos may kill (not the head, not the driver's)."""
+    import ray
+
+    protected = set(protected_nodes())
+    return [
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and n["NodeID"] not in protected and n["Resources"].get("CPU", 0) > 0
+    ]
+
+
+def start_killer(chaos: ChaosConfig, ledger: Any) -> Any:
+    """Start the killer actor on the driver's node (the head node of a local cluster)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(KillerActor)
+    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    return actor.options(scheduling_strategy=strategy).remote(chaos, ledger, protected_nodes())

@@ -1,0 +1,85 @@
+"""The Hydra application: compose -> validate -> runner.run, once per job (or per sweep job)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from ftjob.config import ConfigError, load_job
+from ftjob.driver.ledger import empty_snapshot
+from ftjob.reporting.redact import redact_hydra_files, redactor_for
+from ftjob.reporting.summary import write_failed_summary
+
+_failed_jobs: list[str] = []
+# A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
+EXIT_CODES = {"failed": 1, "interrupted": 130, "preempted": 143}
+
+
+@hydra.main(version_base="1.3", config_path="pkg://ftjob.conf", config_name="config")
+def _job(cfg: DictConfig) -> str:
+    from ftjob.driver import runner
+
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    multirun = hc.mode == RunMode.MULTIRUN
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    redactor = redactor_for(cfg)
+    redact_hydra_files(run_dir, hc.output_subdir, redactor)
+    try:
+        job = load_job(cfg)
+        result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
+    except KeyboardInterrupt:
+        # Ctrl-C before the runner started (it keeps its own record of later ones).
+        error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
+        write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")
+        print(f"ftjob: {error}", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:
+        bad_input = isinstance(
+            exc, (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError)
+        )
+        if not multirun:
+            if bad_input:
+                print(f"ftjob: error: {redactor.text(str(exc))}", file=sys.stderr)
+                sys.exit(2)
+            # A bug: the record (summary.json with the error) and the traceback stay in the
+            # run dir; the console gets one line.
+            trace = os.path.join(run_dir, "traceback.txt")
+            with open(trace, "w") as f:
+                f.write(redactor.text(traceback.format_exc()))
+            error = redactor.text(f"{type(exc).__name__}: {exc}")
+            write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
+            print(f"ftjob: error: {error} (unexpected: traceback in {trace})", file=sys.stderr)
+            sys.exit(1)
+        # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
+        # recorded as failed and reported with the others.
+        if not bad_input:
+            logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
+        write_failed_summary(
+            run_dir, redactor.text(f"{type(exc).__name__}: {exc}"), cfg, empty_snapshot(), redactor
+        )
+        _failed_jobs.append(run_dir)
+        return "failed"
+    if not result.ok:
+        _failed_jobs.append(run_dir)
+        if not multirun:
+            sys.exit(EXIT_CODES.get(result.status, 1))
+    return result.status
+
+
+def note_failed_job(run_dir: str) -> None:
+    """A sweep job that did not succeed (run by ftjob's launcher in its own process)."""
+    _failed_jobs.append(run_dir)
+
+
+def run_hydra(argv: list[str]) -> int:
+    sys.argv = [sys.argv[0] or "ftjob", *argv]
+    _job()
+    return 1 if _failed_jobs else 0

@@ -1,0 +1,169 @@
+"""Sweep jobs side by side, and resumable sweeps: a Hydra launcher (``hydra/launcher=ftjob``).
+
+Each sweep job is a full ``python -m ftjob`` run in its own process, with its own run dir
+(``hydra.sweep.dir``/N, as Hydra's own launcher names them), run name and checkpoints; up to
+``hydra.launcher.max_concurrent`` run at once. On an embedded or simulated cluster each job
+starts its own Ray; with ``ray.address`` every job joins that cluster, which schedules them
+all. A job's console goes to ``console.log`` in its dir; the sweep prints a line as each job
+starts and ends, and the usual report at the end.
+
+``hydra.launcher.resume=true`` (Hydra's own sweeps cannot resume) re-runs the same sweep
+command over the same ``hydra.sweep.dir``: a job that succeeded is kept as it is (never run or
+overwritten again), a job that left a checkpoint continues from it (``resume=true`` under its
+run name), and the rest run from the start. The report is then rebuilt over all of them.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
+
+from ftjob.reporting.redact import Redactor, redact_yaml, redactor_for
+from ftjob.reporting.summary import SUMMARY_FILE
+from ftjob.reporting.sweep import MULTIRUN_FILE
+
+
+def previous_run(job_dir: str) -> tuple[str, str | None]:
+    """What an earlier sweep left in ``job_dir``: ("succeeded", name), ("resume", name) when
+    it has a committed checkpoint under the default storage or a summary naming one, else
+    ("fresh", None)."""
+    summary: dict[str, Any] = {}
+    path = os.path.join(job_dir, SUMMARY_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
+    if summary.get("status") == "succeeded":
+        return "succeeded", summary.get("name")
+    if summary.get("name") and (summary.get("checkpoints") or {}).get("latest"):
+        return "resume", summary["name"]
+    # Killed before it wrote a summary: its checkpoints under <job dir>/checkpoints/<name>/.
+    steps = glob.glob(
+        os.path.join(
+            glob.escape(job_dir), "checkpoints", "*", "checkpoints", "step_*", "manifest.json"
+        )
+    )
+    names = {os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(p)))) for p in steps}
+    if len(names) == 1:
+        return "resume", names.pop()
+    return "fresh", None
+
+
+class SweepLauncher(Launcher):
+    def __init__(self, max_concurrent: int = 2, resume: bool = False) -> None:
+        super().__init__()
+        if max_concurrent < 1:
+            raise ValueError(f"hydra.launcher.max_concurrent={max_concurrent}: must be >= 1")
+        self.max_concurrent, self.resume = max_concurrent, resume
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.redactor = Redactor()
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config, self.hydra_context = config, hydra_context
+
+    def _job_dir(self, overrides: Sequence[str], idx: int) -> str:
+        assert self.hydra_context is not None and self.config is not None
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(
+            self.config, list(overrides)
+        )
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
+        return os.path.join(str(self.config.hydra.sweep.dir), str(sweep_config.hydra.sweep.subdir))
+
+    def _command(self, overrides: Sequence[str], job_dir: str) -> tuple[list[str], str]:
+        """The job's command line, and what it does (run, resume)."""
+        args = [sys.executable, "-m", "ftjob", *overrides, "hydra.mode=RUN"]
+        args.append(f"hydra.run.dir={job_dir}")
+        if not self.resume:
+            return args, "run"
+        state, name = previous_run(job_dir)
+        if state == "resume":
+            return [*args, "resume=true", f"name={name}"], f"resume {name}"
+        return args, "run"
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        assert self.config is not None
+        os.makedirs(str(self.config.hydra.sweep.dir), exist_ok=True)
+        job = self.config.copy()
+        with open_dict(job):
+            del job["hydra"]
+        self.redactor = redactor_for(job)
+        record = os.path.join(str(self.config.hydra.sweep.dir), MULTIRUN_FILE)
+        if os.path.isfile(record):  # Hydra's record of the sweep command: no secrets in it
+            redact_yaml(record, self.redactor)
+        queue = list(enumerate(job_overrides, start=initial_job_idx))
+        running: dict[int, tuple[subprocess.Popen[bytes], str, float, Any]] = {}
+        returns: dict[int, JobReturn] = {}
+        try:
+            self._run(queue, running, returns, job_overrides, initial_job_idx)
+        except KeyboardInterrupt:  # Ctrl-C reached the jobs too: let them write their record
+            print("[sweep] interrupted: waiting for the running jobs to stop", flush=True)
+            for proc, _, _, console in running.values():
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                console.close()
+            raise
+        return [returns[i] for i in sorted(returns)]
+
+    def _run(
+        self,
+        queue: list[tuple[int, Sequence[str]]],
+        running: dict[int, tuple[subprocess.Popen[bytes], str, float, Any]],
+        returns: dict[int, JobReturn],
+        job_overrides: Sequence[Sequence[str]],
+        initial_job_idx: int,
+    ) -> None:
+        from ftjob.cli.app import note_failed_job
+
+        while queue or running:
+            while queue and len(running) < self.max_concurrent:
+                idx, overrides = queue.pop(0)
+                job_dir = self._job_dir(overrides, idx)
+                shown = " ".join(self.redactor.overrides(filter_overrides(overrides)))
+                if self.resume and previous_run(job_dir)[0] == "succeeded":
+                    print(f"[sweep] job {idx}: succeeded before, kept ({shown})", flush=True)
+                    returns[idx] = _job_return(overrides, job_dir, 0)
+                    continue
+                args, what = self._command(overrides, job_dir)
+                os.makedirs(job_dir, exist_ok=True)
+                console = open(os.path.join(job_dir, "console.log"), "ab")
+                proc = subprocess.Popen(args, stdout=console, stderr=subprocess.STDOUT)
+                running[idx] = (proc, job_dir, time.monotonic(), console)
+                print(f"[sweep] job {idx} ({shown}): {what} in {job_dir}", flush=True)
+            time.sleep(0.5)
+            for idx, (proc, job_dir, started, console) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                console.close()
+                del running[idx]
+                code = proc.returncode
+                took = time.monotonic() - started
+                outcome = "succeeded" if code == 0 else f"did not succeed (exit {code})"
+                print(f"[sweep] job {idx}: {outcome} in {took:.0f} s", flush=True)
+                if code != 0:
+                    note_failed_job(job_dir)
+                returns[idx] = _job_return(job_overrides[idx - initial_job_idx], job_dir, code)
+
+
+def _job_return(overrides: Sequence[str], job_dir: str, code: int) -> JobReturn:
+    ret = JobReturn(overrides=list(overrides), working_dir=job_dir)
+    ret.status = JobStatus.COMPLETED
+    ret.return_value = "succeeded" if code == 0 else "failed"
+    return ret

@@ -1,0 +1,175 @@
+"""Command line: ``python -m ftjob [hydra overrides]`` and ``-m`` sweeps.
+
+Before Hydra runs a job, :func:`precheck` composes the same config through Hydra's compose API
+and validates it, so an unknown key, a wrong type or an invalid value stops the command in
+seconds with one line naming the key and the rule (for a sweep, every swept value is checked
+before the first job starts). Then Hydra takes over as usual: run dir, ``.hydra/``, sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from ftjob.config import ConfigError, load_job, register_schema
+from ftjob.config.compose import (
+    PRIMARY_CONFIG,
+    Composer,
+    Target,
+    expose_hydra_plugins,
+    override_key,
+    parse_overrides,
+    sweep_values,
+)
+
+# Flags after which Hydra does not run the job: nothing to precheck.
+_NO_RUN_FLAGS = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--cfg",
+    "-c",
+    "--info",
+    "-i",
+    "--resolve",
+    "--shell-completion",
+    "-sc",
+}
+_VALUE_FLAGS = {
+    "--config-dir",
+    "-cd",
+    "--config-name",
+    "-cn",
+    "--config-path",
+    "-cp",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--info",
+    "-i",
+    "--experimental-rerun",
+}
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Hydra flags (with values) and overrides."""
+    flags: dict[str, Any] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-") and "=" in arg and arg.split("=", 1)[0] in _VALUE_FLAGS:
+            key, value = arg.split("=", 1)
+            flags[key] = value
+        elif arg in _VALUE_FLAGS and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            flags[arg] = argv[i + 1]
+            i += 1
+        elif arg.startswith("-"):
+            flags[arg] = True
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
+def _explain(
+    exc: Exception, overrides: list[str], options: Callable[[str], list[str]] | None = None
+) -> ConfigError:
+    """One ConfigError (key, value, rule) from a Hydra/OmegaConf composition error."""
+    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    head = lines[0] if lines else type(exc).__name__
+    given = parse_overrides(overrides)
+    key = getattr(cause, "full_key", None)
+    missing = re.search(r"Could not (?:find|load) '([^']+)/([^']+)'", head)
+    if missing:
+        group, option = missing.groups()
+        try:
+            known = ", ".join(options(group)) if options else ""
+        except (HydraException, OmegaConfBaseException, OSError):  # a courtesy: the error stands
+            known = ""
+        return ConfigError(
+            group.split("/")[-1],
+            option,
+            f"no such {group} option; the options are: {known}"
+            if known
+            else f"no such config '{group}/{option}'",
+        )
+    unknown = re.search(r"Could not override '([^']+)'", head)
+    if unknown and not key:
+        key = unknown.group(1)
+    detail = next((line for line in str(cause).splitlines() if line.strip()), head).strip()
+    if key is None:
+        return ConfigError("config", " ".join(overrides), head)
+    if "is not in struct" in detail:  # a new key in a dict-valued key, e.g. resources_per_worker
+        rule = f"not a key yet ({detail}); to add it write +{key}=VALUE, or set the whole dict with ++{key.rsplit('.', 1)[0]}={{...}}"
+    elif "not in" in detail:
+        rule = f"unknown key ({detail}); check the spelling, or see the keys with --cfg job"
+    else:
+        rule = detail
+    return ConfigError(key, given.get(key), rule)
+
+
+def precheck(argv: list[str]) -> None:
+    """Raise ConfigError (one line) if the command's config, or any value it sweeps -- on the
+    command line or in a ``+sweep=`` preset's ``hydra.sweeper.params`` -- is invalid."""
+    flags, overrides = split_args(argv)
+    if any(flag in _NO_RUN_FLAGS for flag in flags) or "--config-path" in flags or "-cp" in flags:
+        return
+    config_dir = flags.get("--config-dir") or flags.get("-cd")
+    config_name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
+    composer = Composer(config_dir)
+    user_primary = bool(config_dir) and os.path.exists(
+        os.path.join(config_dir, f"{config_name}.yaml")
+    )
+    target = Target("command line", config_name=config_name, user_primary=user_primary)
+    given = sweep_values(None, overrides)
+    first = [values[0] for values in given.values.values()] + list(given.unlisted.values())
+
+    def check(combo: list[str], hydra: bool = False) -> DictConfig:
+        try:
+            cfg = composer.compose(target, combo, hydra=hydra)
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise _explain(exc, combo, lambda g: composer.group_options(g, target)) from None
+        job = cfg.copy()
+        if hydra:
+            with open_dict(job):
+                del job["hydra"]
+        load_job(job)
+        return cfg
+
+    cfg = check(first, hydra=True)
+    if "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN:
+        node = cfg.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
+        swept = sweep_values(params, overrides)  # type: ignore[arg-type]
+        for key, values in swept.values.items():
+            if len(values) > 1:
+                for value in values:
+                    check([o for o in first if override_key(o) != key] + [value])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    register_schema()
+    expose_hydra_plugins()  # before Hydra's plugin scan: hydra/launcher=ftjob
+    try:
+        precheck(argv)
+    except ConfigError as exc:
+        print(f"ftjob: config error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        GlobalHydra.instance().clear()
+    from ftjob.cli.app import run_hydra
+
+    return run_hydra(argv)

@@ -1,0 +1,473 @@
+"""The resumable data iterator: each rank streams its slice of the epoch order
+(:mod:`ftjob.data.order`) from the saved position, decoded ahead of training.
+
+Global batch ``k`` is ``order[k*B:(k+1)*B]``; rank ``r`` of ``W`` trains the ``r``-th slice of
+``B/W`` samples of it. Reading and decoding run in Ray Data (``map_batches``, in order), in
+windows of blocks that decode while the previous window trains; each worker streams its own
+slice, so batch ``k`` on every rank belongs to global batch ``k``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from ftjob.data.datasets import TRAIN, VAL, ImageDataset
+from ftjob.data.order import EpochPlan, epoch_order, validation_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    images: Any  # torch.Tensor, NCHW float32 on the training device
+    labels: Any  # torch.Tensor, int64
+    ids: np.ndarray  # catalog ids, for the sample audit
+
+
+class BatchSource(Protocol):
+    """What the training loop iterates: one epoch's batches from a position on."""
+
+    def epoch(self, epoch: int, position: int) -> Iterator[Batch]: ...
+
+
+class _Decode:
+    """Ray Data map_batches callable: catalog rows -> image/label/id columns."""
+
+    def __init__(self, dataset: ImageDataset, split: str, epoch: int, seed: int) -> None:
+        self.dataset, self.split, self.epoch, self.seed = dataset, split, epoch, seed
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images = self.dataset.decode(rows, self.split, self.epoch, self.seed)
+        return {
+            "image": images,
+            "label": rows["label"].astype(np.int64),
+            "id": rows["id"].astype(np.int64),
+        }
+
+
+def configure_ray_data() -> None:
+    """Per-process Ray Data settings the iterator relies on (order) and the console wants."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    # One "execution finished" line per decoded window would drown the worker logs.
+    logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
+
+
+class RayDataStream:
+    """Streams catalog rows through ``dataset.decode`` in Ray Data, in the given order."""
+
+    def __init__(
+        self,
+        dataset: ImageDataset,
+        catalog: pa.Table,
+        split: str,
+        *,
+        seed: int,
+        device: Any = "cpu",
+        prefetch_batches: int = 2,
+        decode_cpus: float = 1.0,
+        pin_memory: bool = False,
+        channels_last: bool = False,
+        window_mb: float = 256,
+        local_first_window: bool = False,
+    ) -> None:
+        self.dataset, self.catalog, self.split = dataset, catalog, split
+        # The first window of this stream's first epoch decodes in this process (LocalWindow).
+        self._local_first = local_first_window
+        self.seed, self.device = seed, device
+        self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
+        self.pin_memory, self.channels_last = pin_memory, channels_last
+        self.window_bytes = int(window_mb * 2**20)
+        self._scale: tuple[Any, Any] | None = None  # uint8 -> normalised float, on the device
+
+    def _normalised(self, images: Any) -> Any:
+        """uint8 images (as decoded, sent through the object store) normalised to float32 on
+        the training device; float32 images as they are."""
+        import torch
+
+        if images.dtype != torch.uint8:
+            return images
+        if self._scale is None:
+            mean, std = self.dataset.normalisation() or ((0.0,) * 3, (1.0,) * 3)
+            shape = (1, len(mean), 1, 1)
+            m = torch.tensor(mean, dtype=torch.float32, device=images.device).reshape(shape)
+            s = torch.tensor(std, dtype=torch.float32, device=images.device).reshape(shape)
+            self._scale = (m * 255.0, s * 255.0)
+        m, s = self._scale
+        return (images.float() - m) / s
+
+    def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]:
+        import torch
+
+        if len(ids) == 0:
+            return
+        configure_ray_data()
+        rows = self.catalog.take(pa.array(ids))
+        # Blocks of whole batches: batch boundaries never straddle blocks, and several
+        # blocks decode in parallel ahead of the training step.
+        block = batch_size * max(1, 128 // batch_size)
+        blocks = [rows.slice(i, block) for i in range(0, rows.num_rows, block)]
+        decode = _Decode(self.dataset, self.split, epoch, self.seed)
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        # As decoded: uint8 when the dataset normalises on the device, else float32.
+        image_dtype = torch.uint8 if self.dataset.normalisation() else torch.float32
+        for window in self._windows(blocks, decode):
+            for b in window.iter_torch_batches(
+                batch_size=batch_size,
+                prefetch_batches=self.prefetch_batches,
+                device=self.device,
+                pin_memory=self.pin_memory,
+                dtypes={"image": image_dtype, "label": torch.int64, "id": torch.int64},
+            ):
+                yield Batch(
+                    images=self._normalised(b["image"]).contiguous(memory_format=memory_format),
+                    labels=b["label"],
+                    ids=b["id"].cpu().numpy(),
+                )
+
+    def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+        """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
+        import ray.data
+
+        if self._local_first:
+            self._local_first = False
+            return LocalWindow.decode(blocks, decode)
+
+        ds = ray.data.from_arrow(blocks).map_batches(
+            decode, batch_size=None, batch_format="numpy", num_cpus=self.decode_cpus
+        )
+        return ds.materialize()
+
+    def _windows(self, blocks: list[pa.Table], decode: _Decode) -> Iterator[Any]:
+        """Decoded windows of blocks; the next window decodes while the current one trains.
+
+        Why windows and not one streaming dataset: a Ray Data streaming executor whose
+        consumer (the training step) is slower than its tasks polls in a tight loop, in the
+        training process, for as long as the stream lasts; a window's executor runs only
+        while it decodes, then the window is read like any materialized dataset."""
+        sizer = WindowSizer(self.window_bytes, len(blocks))
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ftjob-decode")
+        pending: collections.deque[tuple[concurrent.futures.Future[Any], int]] = collections.deque()
+
+        def submit() -> None:
+            window = sizer.next_window()
+            if window is not None:
+                start, end = window
+                pending.append((pool.submit(self._decode, blocks[start:end], decode), end - start))
+
+        try:
+            submit()
+            submit()
+            while pending:
+                future, num_blocks = pending.popleft()
+                window = future.result()
+                sizer.observe(window.size_bytes(), num_blocks)
+                submit()
+                yield window
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # no decode outlives its stream
+
+
+class LocalWindow:
+    """A window decoded in the training process, read like a materialized Ray dataset.
+
+    A (re)started worker's first batch would otherwise wait for Ray Data to start decode
+    worker processes -- on a replacement node, seconds of interpreter and import start-up on
+    cores the new training workers need too. The first window is one block (a few batches):
+    the same rows, the same decode and the same batches as Ray Data would give, decoded here
+    while the next window starts in Ray Data."""
+
+    def __init__(self, columns: dict[str, np.ndarray]) -> None:
+        self.columns = columns
+
+    @classmethod
+    def decode(cls, blocks: list[pa.Table], decode: _Decode) -> LocalWindow:
+        from ray.data.block import BlockAccessor
+
+        parts = [decode(BlockAccessor.for_block(b).to_batch_format("numpy")) for b in blocks]
+        return cls({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+    def size_bytes(self) -> int:
+        return sum(int(v.nbytes) for v in self.columns.values())
+
+    def iter_torch_batches(
+        self,
+        *,
+        batch_size: int,
+        dtypes: dict[str, Any],
+        device: Any = "cpu",
+        pin_memory: bool = False,
+        prefetch_batches: int = 0,
+    ) -> Iterator[dict[str, Any]]:
+        import torch
+
+        rows = len(next(iter(self.columns.values())))
+        for start in range(0, rows, batch_size):
+            batch = {}
+            for key, values in self.columns.items():
+                t = torch.as_tensor(values[start : start + batch_size], dtype=dtypes.get(key))
+                if pin_memory:
+                    t = t.pin_memory()
+                batch[key] = t.to(device, non_blocking=pin_memory)
+            yield batch
+
+
+class WindowSizer:
+    """Windows of blocks for :meth:`RayDataStream._windows`: the first is one block (the
+    first batch comes as soon as one block decodes), then each doubles while two windows of
+    decoded data stay within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int, num_blocks: int) -> None:
+        self.budget, self.num_blocks = budget_bytes, num_blocks
+        self.start, self.size, self.block_bytes = 0, 1, 0.0
+
+    def observe(self, window_bytes: int, num_blocks: int) -> None:
+        self.block_bytes = max(self.block_bytes, window_bytes / max(1, num_blocks))
+
+    def next_window(self) -> tuple[int, int] | None:
+        if self.start >= self.num_blocks:
+            return None
+        cap = int(self.budget // (2 * self.block_bytes)) if self.block_bytes else 2
+        size = max(1, min(self.size, cap))
+        window = (self.start, min(self.num_blocks, self.start + size))
+        self.start, self.size = window[1], size * 2
+        return window
+
+
+class ResumableIterator:
+    """Exact-once, constant-cost resumable training batches for one rank."""
+
+    def __init__(self, stream: RayDataStream, plan: EpochPlan, rank: int, world_size: int) -> None:
+        self.stream, self.plan, self.rank, self.world_size = stream, plan, rank, world_size
+        self.batch_size = plan.global_batch_size // world_size
+
+    def epoch(self, epoch: int, position: int) -> Iterator[Batch]:
+        ids = self.plan.shard(epoch, position, self.rank, self.world_size)
+        return self.stream.batches(ids, self.batch_size, epoch)
+
+
+EPOCH_END = object()  # BatchFeeder's marker after an epoch's last batch
+_DONE = object()
+
+
+class _Primed:
+    """An epoch's stream started on a helper thread, up to and including its first batch."""
+
+    def __init__(self, iterator: BatchSource, epoch: int) -> None:
+        self._result: tuple[Iterator[Batch], Any] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(iterator, epoch), name="ftjob-prime", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, iterator: BatchSource, epoch: int) -> None:
+        try:
+            batches = iter(iterator.epoch(epoch, 0))
+            self._result = (batches, next(batches, _DONE))
+        except BaseException as exc:  # raised where the epoch is consumed
+            self._error = exc
+
+    def take(self) -> Iterator[Batch]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        batches, first = self._result
+        if first is not _DONE:
+            yield first
+        yield from batches
+
+
+class BatchFeeder:
+    """Pulls training batches on a background thread, across epoch boundaries, into a small
+    queue. ``lookahead`` batches before an epoch ends, the next epoch's stream starts on a
+    helper thread (the stream start-up and its first decode run while the current epoch
+    finishes, validates and checkpoints), so epoch boundaries do not stall training.
+    Yields ``(epoch, Batch)`` and ``(epoch, EPOCH_END)``; re-raises errors."""
+
+    def __init__(
+        self,
+        iterator: BatchSource,
+        first: Iterator[Batch],
+        first_epoch: int,
+        epochs: int,
+        depth: int,
+        *,
+        first_steps: int,
+        steps_per_epoch: int,
+        lookahead: int = 8,
+    ) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(iterator, first, first_epoch, epochs, first_steps, steps_per_epoch, lookahead),
+            name="ftjob-feeder",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(
+        self,
+        iterator: BatchSource,
+        first: Iterator[Batch],
+        first_epoch: int,
+        epochs: int,
+        first_steps: int,
+        steps_per_epoch: int,
+        lookahead: int,
+    ) -> None:
+        try:
+            batches, steps, primed = first, first_steps, None
+            for epoch in range(first_epoch, epochs):
+                last = epoch + 1 == epochs
+                for k, batch in enumerate(batches):
+                    if not last and primed is None and steps - k <= lookahead:
+                        primed = _Primed(iterator, epoch + 1)
+                    if not self._put((epoch, batch)):
+                        return
+                if not self._put((epoch, EPOCH_END)):
+                    return
+                if not last:
+                    batches = (primed or _Primed(iterator, epoch + 1)).take()
+                    steps, primed = steps_per_epoch, None
+            self._put(None)
+        except BaseException as exc:  # handed to the training thread
+            self._put(exc)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self._stop.set()
+        while True:  # unblock a pending put
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=30)
+
+
+class _Stream(Protocol):
+    def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]: ...
+
+
+def _nbytes(batch: Batch) -> int:
+    return int(batch.images.element_size() * batch.images.nelement())
+
+
+class ValidationSet:
+    """One rank's validation batches. They are the same at every validation (no augmentation),
+    so when they fit in ``cache_bytes`` they are decoded once and kept. ``prefetch()`` fills
+    the cache on a background thread while training runs, so even the first validation does
+    not wait for the stream to start and decode; iterating starts the prefetch if needed and
+    waits for it."""
+
+    def __init__(
+        self,
+        stream: _Stream,
+        ids: np.ndarray,
+        batch_size: int,
+        cache_bytes: int,
+        note: Callable[[str], None] | None = None,
+    ) -> None:
+        self.stream, self.ids, self.batch_size = stream, ids, batch_size
+        self.cache_bytes = cache_bytes
+        self.note = note or (lambda line: logger.warning(line))
+        self.cache: list[Batch] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def _fill(self) -> None:
+        kept: list[Batch] = []
+        size = 0
+        try:
+            for batch in self.stream.batches(self.ids, self.batch_size, epoch=0):
+                size += _nbytes(batch)
+                need = _nbytes(batch) / len(batch.ids) * len(self.ids)
+                if not kept and need > self.cache_bytes:  # known from the first batch
+                    self.note(
+                        f"the validation set of a worker needs {need / 2**20:.0f} MB decoded, more "
+                        f"than trainer.validation_cache_mb={self.cache_bytes / 2**20:.0f}: every "
+                        "validation decodes it again; raise it to decode once"
+                    )
+                    return
+                if size > self.cache_bytes or self._stop.is_set():
+                    return  # closing (or a last batch larger than the rest)
+                kept.append(batch)
+        except Exception:
+            return  # the validation itself streams and raises it where it is seen
+        self.cache = kept
+
+    def prefetch(self) -> None:
+        if self.cache_bytes > 0 and self.cache is None and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._fill, name="ftjob-val-prefetch", daemon=True
+            )
+            self._thread.start()
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.prefetch()  # no-op once cached, or once known not to fit
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.cache is None:  # did not fit or failed: never prefetch again
+                self.cache_bytes = 0
+        yield from (
+            self.cache
+            if self.cache is not None
+            else self.stream.batches(self.ids, self.batch_size, epoch=0)
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+
+__all__ = [
+    "EPOCH_END",
+    "TRAIN",
+    "VAL",
+    "Batch",
+    "BatchFeeder",
+    "BatchSource",
+    "EpochPlan",
+    "LocalWindow",
+    "RayDataStream",
+    "ResumableIterator",
+    "ValidationSet",
+    "WindowSizer",
+    "epoch_order",
+    "validation_ids",
+]

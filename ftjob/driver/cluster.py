@@ -1,0 +1,309 @@
+"""The Ray cluster a run uses, and whether the job fits on it.
+
+``ray.*`` picks one of three: an existing cluster (``ray.address``; token authentication
+when this machine has a Ray token), a simulated multi-node cluster on this machine
+(``ray.local_nodes > 1``: :class:`LocalCluster`, whose killed nodes come back as an
+autoscaler's would), or an embedded single-node Ray (``address="local"``, never a stale
+cluster from ``/tmp/ray``). :func:`cluster` stops only what it started. While it runs, the
+raylet-death dumps Ray prints straight to stdout are folded into one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ftjob.config import JobConfig, JobError, RayConfig
+
+logger = logging.getLogger("ftjob.driver.cluster")
+
+
+class _RayNoiseFilter:
+    """A stdout wrapper that turns Ray's raylet-death reports (a header plus the dead raylet's
+    last 20 log lines, printed straight to stdout by the driver) into one short line, and drops
+    its paragraphs on a killed worker process and on a task retried after its node died. The
+    ledger already reports every kill and failure; the details stay in Ray's log files."""
+
+    _DUMP_LINE = re.compile(
+        r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\)|\(\d\) )|^\s*$"
+    )
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.buffer = ""
+        self.in_dump = False
+
+    def write(self, text: str) -> int:
+        self.buffer += text
+        while "\n" in self.buffer:
+            line, self.buffer = self.buffer.split("\n", 1)
+            self._line(line)
+        return len(text)
+
+    def _line(self, line: str) -> None:
+        if "A worker died or was killed while executing a task" in line:
+            return  # a killed training worker: the ledger's failure line says it
+        if "Task failed because the node it was running on is dead" in line:
+            return  # a decode task on a killed node, which Ray runs again elsewhere
+        if "Raylet is terminated" in line or "marked dead because the detector" in line:
+            self.in_dump = True
+            self.stream.write(
+                "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs\n"
+            )
+            return
+        if self.in_dump and self._DUMP_LINE.match(line):
+            return
+        self.in_dump = False
+        self.stream.write(line + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def _quiet_ray_console(enabled: bool) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    original = sys.stdout
+    sys.stdout = _RayNoiseFilter(original)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = original
+
+
+def _use_token_if_available() -> None:
+    """Connect with token authentication when this machine has a Ray token, as `ray start`
+    does (Ray 2.60 enables token auth for clusters it starts; a driver joining one must send
+    the token, and Ray only does that when RAY_AUTH_MODE=token)."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+RAY_CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"
+
+
+def resolve_address(address: str) -> str | None:
+    """``host:port`` of the cluster ``ray.address`` names (``auto``: RAY_ADDRESS, or the cluster
+    started last on this machine), None for a Ray Client address (``ray://``)."""
+    if address.startswith("ray://"):
+        return None
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address and os.path.exists(RAY_CURRENT_CLUSTER):
+            with open(RAY_CURRENT_CLUSTER) as f:
+                address = f.read().strip()
+        if not address:
+            raise JobError(
+                "ray.address='auto': no running Ray cluster found on this machine (no RAY_ADDRESS, "
+                f"no {RAY_CURRENT_CLUSTER}): start one with `ray start --head`, set "
+                "ray.address=HOST:6379, or ray.address=null for an embedded Ray"
+            )
+        if address.startswith("ray://"):
+            return None
+    return address
+
+
+def probe_cluster(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, with what to do, when nothing answers at ``ray.address`` (Ray itself
+    retries for minutes, printing GCS warnings)."""
+    target = resolve_address(address)
+    if target is None:
+        return
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise JobError(
+            f"ray.address={address!r}: expected HOST:PORT (e.g. 10.0.0.1:6379), 'auto' or ray://"
+        )
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        via = "" if target == address else f" (from ray.address={address!r})"
+        raise JobError(
+            f"ray.address={address!r}: no Ray cluster answers at {target}{via}: {exc}; start one with "
+            "`ray start --head`, fix the address, or set ray.address=null for an embedded Ray"
+        ) from None
+
+
+def system_config(r: RayConfig) -> dict[str, Any]:
+    """Ray settings for a cluster ftjob starts (null keys: Ray's defaults).
+
+    - ``object_manager_pull_timeout_ms``: a restarted worker on another node pulls the train
+      function and the catalogs from a copy Ray picks at random among the nodes that had one --
+      a node killed seconds ago stays among them until Ray marks it dead, and Ray asks the next
+      copy only after the pull timeout (its default: 10 s, measured as a 10 s gap in node-kill
+      recoveries).
+    - ``health_check_period_ms`` x ``health_check_failure_threshold``: how long after a node's
+      raylet stops answering Ray marks the node dead (its default: 3 s x 5). Until then Ray
+      Train may not learn that the node's worker died (a surviving rank waiting in a report
+      barrier sees nothing), and its new placement group may wait on the dead node's
+      resources; measured here as 16 s detections and 12 s restarts after node kills.
+
+    Existing clusters: the same names as ``RAY_<name>`` on ``ray start`` (the health checks
+    on the head node)."""
+    settings = {
+        "object_manager_pull_timeout_ms": r.object_pull_timeout_ms,
+        "health_check_period_ms": r.health_check_period_ms,
+        "health_check_failure_threshold": r.health_check_failure_threshold,
+    }
+    return {key: int(value) for key, value in settings.items() if value is not None}
+
+
+@contextmanager
+def cluster(job: JobConfig) -> Iterator[Any]:
+    """Connect to or start the cluster ``job.ray`` describes; yields the LocalCluster (or None).
+    Stops only what it started."""
+    r = job.ray
+    if r.address is not None:
+        _use_token_if_available()  # before Ray is imported: it reads RAY_AUTH_MODE once
+    import ray
+
+    common: dict[str, Any] = {
+        "log_to_driver": r.log_to_driver,
+        "logging_level": logging.WARNING if r.log_to_driver else logging.ERROR,
+        "runtime_env": dict(r.runtime_env) or None,
+    }
+    local: LocalCluster | None = None
+    with _quiet_ray_console(not r.log_to_driver):
+        try:
+            if r.address is not None:
+                ray.init(address=r.address, **common)
+            elif r.local_nodes > 1:
+                local = LocalCluster(
+                    r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes, system_config(r)
+                )
+                ray.init(address=local.address, **common)
+            else:
+                t = job.trainer
+                # Training workers hold their CPUs for the whole run; data decoding needs its
+                # own: the machine's cores, and at least one decode task per worker.
+                decode = max(os.cpu_count() or 1, math.ceil(t.num_workers * t.decode_cpus))
+                num_cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    _system_config=system_config(r),
+                    **common,
+                )
+            yield local
+        finally:
+            ray.shutdown()
+            if local is not None:
+                local.shutdown()
+
+
+def check_resources(job: JobConfig) -> None:
+    """Refuse a job the cluster can never schedule, instead of waiting forever."""
+    import ray
+
+    total = ray.cluster_resources()
+    t = job.trainer
+    # An elastic group starts on as few as min_workers (and waits for nothing more).
+    n, key = (
+        (t.min_workers, "trainer.min_workers")
+        if t.elastic
+        else (t.num_workers, "trainer.num_workers")
+    )
+    if t.use_gpu:
+        per_worker = float(t.resources_per_worker.get("GPU", 1.0))
+        need = n * per_worker
+        cpu_hint = (
+            "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
+        )
+        if total.get("GPU", 0.0) < need:
+            raise JobError(
+                f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {total.get('GPU', 0.0):g}: "
+                f"{cpu_hint}, or connect to a GPU cluster with ray.address"
+            )
+        largest = max(
+            (n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0
+        )
+        if per_worker > largest:
+            raise JobError(
+                f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
+                f"many GPUs (the largest has {largest:g}): lower it, or {cpu_hint}"
+            )
+    # Each worker's stream needs a decode task running beside it, or training waits for data.
+    need_cpu = n * (t.worker_cpus + t.decode_cpus)
+    if total.get("CPU", 0.0) < need_cpu:
+        raise JobError(
+            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x ({t.worker_cpus:g} CPUs "
+            f"+ trainer.decode_cpus={t.decode_cpus:g} for their data decoding) need {need_cpu:g}: "
+            f"lower {key}, trainer.resources_per_worker.CPU or trainer.decode_cpus"
+        )
+    for name, amount in t.resources_per_worker.items():
+        if name not in ("CPU", "GPU") and total.get(name, 0.0) < amount * n:
+            raise JobError(
+                f"trainer.resources_per_worker.{name}={amount:g}: the cluster has {total.get(name, 0.0):g} {name}"
+            )
+
+
+class LocalCluster:
+    """A simulated multi-node cluster on this machine (``ray.local_nodes=N``): a head node with
+    no CPUs (so training never lands on it) and N-1 worker nodes. Killed nodes are replaced
+    after ``replace_delay`` seconds, as an autoscaler would. ``Cluster.add_node`` must run on
+    the driver's main thread, so the runner calls :meth:`service` from there."""
+
+    def __init__(
+        self,
+        nodes: int,
+        node_cpus: int,
+        replace_delay: float,
+        replace_nodes: bool = True,
+        system_config: dict[str, Any] | None = None,
+    ) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.node_cpus, self.replace_delay = node_cpus, replace_delay
+        self.replace_nodes = replace_nodes
+        head: dict[str, Any] = {"num_cpus": 0, "_system_config": system_config or {}}
+        self.cluster = Cluster(initialize_head=True, head_node_args=head)
+        for _ in range(nodes - 1):
+            self.cluster.add_node(num_cpus=node_cpus)
+        self.replaced: set[int] = set()
+        self.replacements = 0
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def service(self, kills: list[dict[str, Any]], now: float) -> None:
+        """Add a node for every node kill older than replace_delay that was not replaced yet
+        (none with ray.replace_nodes=false: a cluster without spare capacity)."""
+        if not self.replace_nodes:
+            return
+        for i, kill in enumerate(kills):
+            gone = kill.get("deadline", kill["time"])  # a preempted node goes at its deadline
+            if (
+                kill["kind"] in ("node", "preempt")
+                and i not in self.replaced
+                and now - gone >= self.replace_delay
+            ):
+                self.replaced.add(i)
+                self.cluster.add_node(num_cpus=self.node_cpus)
+                self.replacements += 1
+                logger.info(
+                    "local cluster: replaced killed node %s", kill["target"]["node_id"][:12]
+                )
+
+    def shutdown(self) -> None:
+        try:
+            self.cluster.shutdown()
+        except Exception as exc:  # dead nodes may refuse a clean stop
+            logger.debug("local cluster shutdown: %s", exc)

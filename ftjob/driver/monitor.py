@@ -1,0 +1,181 @@
+"""The driver's side of a running job, on its main thread: the progress lines, the duties each
+poll of the run ledger serves (hang and straggler handling, node replacement, the lease), and
+what SIGTERM means before and after training started."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftjob.driver.ledger import empty_snapshot
+from ftjob.reporting.loggers import LogFeed
+from ftjob.storage.lease import LeaseKeeper
+
+logger = logging.getLogger("ftjob")
+
+
+class StoppedDuringStartUp(BaseException):
+    """SIGTERM before training started: nothing to checkpoint yet; the run stops with its
+    summary (a BaseException, like KeyboardInterrupt, so no handler of errors swallows it)."""
+
+
+class StopSignal:
+    """SIGTERM to the driver (Kubernetes, SLURM, ``ray job stop``). During start-up it stops
+    the run (``stage`` says where it was); once training started it is a preemption notice:
+    forwarded to the workers through the ledger; the run stops once their just-in-time
+    checkpoint is recorded, or after ``wait_s``."""
+
+    def __init__(self, enabled: bool, wait_s: float = 60.0) -> None:
+        self.received: float | None = None
+        self.enabled, self.wait_s = enabled, wait_s
+        self.stage = "checking the storage, the resume target and the dataset"
+        self.training = False
+        self._installed = False
+        self._previous: Any = None
+        self.install()
+
+    def install(self) -> None:
+        """Handle SIGTERM here -- again after ``ray.init``, which installs a handler of its own
+        in the driver. Only the main thread may handle signals (runner.run called from another
+        thread: SIGTERM keeps its default)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.signal(signal.SIGTERM, self._handle)
+        if not self._installed:
+            self._previous, self._installed = previous, True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.enabled:  # failure.preemption=false: stop as on Ctrl-C, with a summary
+            raise KeyboardInterrupt
+        if not self.training:
+            raise StoppedDuringStartUp
+        if self.received is None:
+            self.received = time.time()
+
+    def restore(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
+            self._installed = False
+
+    def done(self, ledger: Any, echo: Callable[[str], None]) -> bool:
+        """Called every poll: True when the run should stop now."""
+        import ray
+
+        if self.received is None:
+            return False
+        if not ray.get(ledger.stop_requested.remote(), timeout=10):
+            echo("SIGTERM: a preemption notice; committing a checkpoint of the current step")
+            ledger.request_stop.remote("SIGTERM", self.received)
+        latest = ray.get(ledger.latest_preemption.remote(), timeout=10) or {}
+        return "jit" in latest or time.time() - self.received > self.wait_s
+
+
+class Monitor:
+    """Prints the ledger's progress lines, ends a hung (or, if so configured, straggling)
+    worker the ledger found, replaces killed nodes of a local cluster, and watches the lease.
+    Each duty asks the ledger on its own: one that fails is said, and the others go on."""
+
+    def __init__(
+        self,
+        ledger: Any,
+        echo: Callable[[str], None],
+        local: Any,
+        keeper: LeaseKeeper,
+        feed: LogFeed,
+        clean: Callable[[str], str] = lambda text: text,
+    ) -> None:
+        self.ledger, self.echo, self.local, self.keeper = ledger, echo, local, keeper
+        self.feed, self.clean = feed, clean
+        self.cursor = 0
+        self.started = time.time()
+        self.failing: dict[str, int] = {}  # duty -> failed asks in a row
+
+    def ask(self, duty: str, call: Callable[[], Any]) -> Any:
+        """``call()`` (which asks the ledger); None when the ledger did not answer, said at
+        the first failure of a streak and every minute of it."""
+        import ray
+
+        try:
+            value = call()
+        except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
+            count = self.failing[duty] = self.failing.get(duty, 0) + 1
+            if count == 1 or count % 60 == 0:
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                self.echo(
+                    f"warning: the run ledger did not answer ({duty}; {count} time(s) in a row): "
+                    f"{type(exc).__name__}: {first}"
+                )
+            return None
+        if self.failing.pop(duty, 0):
+            self.echo(f"the run ledger answers again ({duty})")
+        return value
+
+    def tick(self) -> bool:
+        """One round of duties. False when this driver lost its run to another driver."""
+        import ray
+
+        if self.keeper.lost is not None:
+            self.echo(f"stopping: {self.keeper.lost}")
+            self.ask("lease lost", lambda: self.ledger.set_fatal.remote(self.keeper.lost))
+            return False
+        polled = self.ask(
+            "progress", lambda: ray.get(self.ledger.poll.remote(self.cursor), timeout=10)
+        )
+        lines: list[str] = []
+        if polled is not None:
+            lines, self.cursor = [self.clean(line) for line in polled[0]], polled[1]
+        for line in lines:
+            elapsed = int(time.time() - self.started)
+            self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
+        if self.feed.loggers:
+            records = self.ask(
+                "loggers",
+                lambda: ray.get(self.ledger.log_feed.remote(self.feed.cursor), timeout=10),
+            )
+            if records is not None:
+                self.feed.records(records)
+            self.feed.events(lines, time.time())
+        actions = self.ask(
+            "hang detection",
+            lambda: ray.get(self.ledger.check_watch.remote(time.time()), timeout=10),
+        )
+        for action in actions or []:
+            self._end_stalled(action)
+        if self.local is not None:
+            kills = self.ask(
+                "node replacement", lambda: ray.get(self.ledger.snapshot_kills.remote(), timeout=10)
+            )
+            if kills is not None:
+                self.local.service(kills, time.time())
+        return True
+
+    def final_snapshot(self) -> dict[str, Any]:
+        """The ledger's record of the run; if the ledger is gone, an empty one that says so
+        (the run is then failed, and its checkpoints are still in storage)."""
+        import ray
+
+        snap = self.ask("final record", lambda: ray.get(self.ledger.snapshot.remote(), timeout=30))
+        if snap is None:
+            snap = empty_snapshot()
+            snap["fatal"] = (
+                "the run ledger was lost before the run ended: its records (failures, steps, "
+                "checkpoints) are gone; the committed checkpoints are still in storage"
+            )
+        return snap
+
+    def _end_stalled(self, action: dict[str, Any]) -> None:
+        """Capture a hung worker's stack and kill it (Ray Train restarts the group)."""
+        import ray
+
+        from ftjob.driver.stacks import end_stalled_worker
+
+        try:
+            result = end_stalled_worker(action)
+        except (ray.exceptions.RayError, TimeoutError) as exc:  # its node went meanwhile
+            result = {"pid": action["pid"], "error": f"{type(exc).__name__}: {exc}"}
+        if action["action"] == "hang":
+            self.ledger.hang_handled.remote(action["time"], result)

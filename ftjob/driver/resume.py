@@ -1,0 +1,158 @@
+"""Run names and resumption: a new run never silently continues an old one, and a resumed run
+refuses changes its checkpoint cannot follow.
+
+Two checks, cheap first: :func:`check_run_name` (before the dataset is listed: does the run
+exist, may it be continued) and :func:`check_resume` (after: the config and the training data
+the newest checkpoint was trained on). Exact-once rests on the epoch order, which is a function
+of the train catalog (its rows, ids, labels and sources), the global batch and the seed; any
+change there is refused with the diff. Changes that only reshape the rest of training (more
+epochs, another learning rate) are allowed and stated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import pyarrow as pa
+
+from ftjob.config import JobConfig, to_plain
+from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
+
+# Dataset keys that say where the data is, not what it is: moving the data is not a change.
+LOCATION_KEYS = ("path", "storage_options")
+# Allowed on resume, but stated: they change the rest of the run, not what it trained so far.
+STATED_KEYS = ("trainer.epochs", "trainer.lr", "trainer.lr_schedule", "trainer.warmup_steps")
+
+
+class ResumeError(RuntimeError):
+    """The run to resume is missing, or the config or data changed incompatibly."""
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: node}
+
+
+def _fingerprint(config: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint depends on: the model, the dataset, the data order."""
+    t = config["trainer"]
+    dataset = {k: v for k, v in config["dataset"].items() if k not in LOCATION_KEYS}
+    return {
+        **_flatten(config["model"], "model"),
+        **_flatten(dataset, "dataset"),
+        "trainer.batch_size x trainer.num_workers (global batch)": t["batch_size"]
+        * t["num_workers"],
+        "trainer.seed (data order)": t["seed"],
+    }
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
+
+
+def breaking_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Lines ``key: saved -> current`` for every difference that breaks the checkpoint."""
+    return _diff(_fingerprint(saved), _fingerprint(current))
+
+
+def stated_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Allowed differences, to be said in the run's output."""
+    old, new = _flatten(saved), _flatten(current)
+    return _diff({k: old.get(k) for k in STATED_KEYS}, {k: new.get(k) for k in STATED_KEYS})
+
+
+def catalog_fingerprint(table: pa.Table, num_classes: int) -> dict[str, Any]:
+    """The train catalog as a checkpoint remembers it: rows, the real class count, and a hash
+    of every column (ids, labels, sources). Source paths are hashed relative to their common
+    root, so a dataset copied to another place is the same dataset."""
+    digest = hashlib.sha256()
+    for name in sorted(table.column_names):
+        values = table.column(name).to_pylist()
+        if name == "path" and values:
+            root = os.path.commonprefix([str(v) for v in values])
+            values = [str(v)[len(root) :] for v in values]
+        digest.update(name.encode())
+        for value in values:
+            item = value if isinstance(value, bytes) else repr(value).encode()
+            digest.update(len(item).to_bytes(8, "big") + item)
+    return {
+        "train_rows": table.num_rows,
+        "train_sha256": digest.hexdigest()[:32],
+        "num_classes": int(num_classes),
+    }
+
+
+def _latest(store: CheckpointStore) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(config, state) saved in the newest committed checkpoint."""
+    for step in store.steps():
+        try:
+            store.read_manifest(step)
+            config = json.loads(store.read_file(step, "config.json"))
+            state = json.loads(store.read_file(step, "state.json"))
+            return config, state
+        except (CorruptCheckpoint, FileNotFoundError, ValueError):
+            continue
+    return None
+
+
+def latest_config(store: CheckpointStore) -> dict[str, Any] | None:
+    """The config saved in the newest committed checkpoint."""
+    latest = _latest(store)
+    return latest[0] if latest else None
+
+
+def check_run_name(job: JobConfig, store: CheckpointStore, url: str) -> None:
+    """A new run must not reuse a name that has checkpoints; a resumed one must find them."""
+    steps = store.steps()
+    if not job.resume:
+        if steps:
+            raise ResumeError(
+                f"name={job.name!r}: a run with this name already has checkpoints at {url}; "
+                "pass resume=true to continue it, or choose another name"
+            )
+        return
+    if not steps or latest_config(store) is None:
+        raise ResumeError(
+            f"resume=true: no committed checkpoint of run {job.name!r} at {url}; check name= and "
+            "checkpoint.storage_path= (the storage of the run to continue)"
+        )
+
+
+def check_resume(
+    job: JobConfig,
+    store: CheckpointStore,
+    url: str,
+    data: dict[str, Any],
+    current: dict[str, Any] | None = None,
+) -> list[str]:
+    """For ``resume=true``: refuse a config or train data the newest checkpoint cannot follow;
+    return the allowed changes (to be stated). ``data`` is :func:`catalog_fingerprint` now;
+    ``current`` the config as checkpoints keep it (secrets redacted, as in the saved one)."""
+    latest = _latest(store) if job.resume else None
+    if latest is None:
+        return []
+    saved, state = latest
+    current = to_plain(job) if current is None else current
+    changes = breaking_changes(saved, current)
+    trained_on = state.get("data")
+    if trained_on is not None:
+        changes += [f"train data {line}" for line in _diff(trained_on, data)]
+    if changes:
+        raise ResumeError(
+            f"resume=true: run {job.name!r} cannot continue with this config or data; its "
+            "checkpoint needs:\n  "
+            + "\n  ".join(changes)
+            + "\nrevert these changes, or start a new run (drop resume=true)"
+        )
+    return stated_changes(saved, current)

@@ -1,0 +1,520 @@
+"""The generic runner (driver side): validated JobConfig -> storage, data, cluster, chaos ->
+TorchTrainer.fit() -> summary.json.
+
+Everything that can be checked without Ray is checked first (storage reachable, dataset
+listable, batch sizes, resume target), so bad input fails in seconds. The cluster is whatever
+``ray.*`` says: an embedded local Ray (``address="local"``), a simulated multi-node cluster, or
+an existing cluster at ``ray.address``; whatever the runner starts, it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import secrets
+import shlex
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftjob.chaos.killer import node_chaos_targets
+from ftjob.config import NODE_KINDS, ConfigError, JobConfig, JobError, to_plain
+from ftjob.config.compose import override_key
+from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
+from ftjob.data.order import EpochPlan
+from ftjob.driver.cluster import check_resources, cluster, probe_cluster
+from ftjob.driver.ledger import empty_snapshot
+from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
+from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
+from ftjob.reporting.redact import Redactor
+from ftjob.reporting.summary import (
+    FitOutcome,
+    build_summary,
+    decide_status,
+    format_summary,
+    write_summary,
+)
+from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.fs import (
+    RetryingFileSystem,
+    StorageError,
+    build_filesystem,
+    preflight,
+    to_pyarrow,
+)
+from ftjob.storage.lease import LeaseHeld, LeaseKeeper, RunLease
+from ftjob.storage.wrapper import exclusive_create_guarantee
+from ftjob.worker.checkpointer import run_scratch_dir, scratch_name
+
+logger = logging.getLogger("ftjob")
+
+
+@dataclass
+class RunResult:
+    name: str
+    status: str  # "succeeded" | "failed"
+    error: str | None
+    summary: dict[str, Any]
+    summary_path: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+
+def unique_run_name() -> str:
+    return f"ftjob-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class Prepared:
+    """What the driver resolves before Ray starts."""
+
+    name: str
+    fs: RetryingFileSystem
+    storage_root: str
+    run_path: str
+    dataset: ImageDataset
+    catalogs: dict[str, Any]
+    plan: EpochPlan
+    data: dict[str, Any]  # the train catalog's fingerprint, kept in every checkpoint
+    lease: RunLease  # this driver's hold on the run
+    notes: list[str]  # said before training: a lease taken over, allowed resume changes
+    scratch: str  # this driver's checkpoint scratch on each node (checkpointer.scratch_name)
+    public_config: dict[str, Any]  # the resolved config with its secrets redacted
+    redactor: Redactor  # what keeps secrets out of what the run writes and prints
+
+
+def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> Prepared:
+    """All checks that need no training: the cluster answers, storage, resume target,
+    dataset, batch sizes; then the run's lease."""
+    redactor = redactor or Redactor(resolved=to_plain(job))
+    public = redactor.config(to_plain(job))
+    if job.ray.address is not None:
+        probe_cluster(job.ray.address)
+    name = job.name or unique_run_name()
+    url = job.checkpoint.storage_path or os.path.join(os.path.abspath(run_dir), "checkpoints")
+    probe_fs, root = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
+    preflight(probe_fs, root)
+    fs, root = build_filesystem(
+        url,
+        job.checkpoint.storage_options,
+        job.checkpoint.retry,
+        job.chaos.storage,
+        seed=job.chaos.seed,
+    )
+    run_path = posixpath.join(root.rstrip("/"), name)
+    store, url = CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path)
+    check_run_name(job, store, url)
+    dataset = build_dataset(job.dataset)
+    catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+    data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
+    stated = check_resume(job, store, url, data, public)
+    plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
+    if job.trainer.num_workers > catalogs[VAL].num_rows:
+        raise JobError(
+            f"trainer.num_workers={job.trainer.num_workers}: more workers than validation samples"
+        )
+    # Last: nothing fails after it.
+    lease = RunLease(probe_fs, run_path, job.checkpoint.lease_timeout, run_name=name)
+    try:
+        lease_note = lease.acquire()
+    except LeaseHeld as exc:
+        raise JobError(str(exc)) from None
+    notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(probe_fs)}"]
+    notes += ([lease_note] if lease_note else []) + [
+        f"resume: {change} (changed since the checkpoint; allowed)" for change in stated
+    ]
+    notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
+    return Prepared(
+        name,
+        fs,
+        root,
+        run_path,
+        dataset,
+        catalogs,
+        plan,
+        data,
+        lease,
+        notes,
+        scratch_name(name),
+        public,
+        redactor,
+    )
+
+
+def _fit_outcome(
+    exc: BaseException | None, interrupted: bool, preempted: bool = False
+) -> FitOutcome:
+    """How fit() ended, as the plain data :func:`ftjob.reporting.summary.decide_status` decides on. Only
+    worker-group failures spend the failure budget; Ray Train's controller failing is said as
+    such."""
+    if preempted or exc is None:
+        return FitOutcome(interrupted=interrupted, preempted=preempted)
+    from ray.train import ControllerError, PreemptionError, WorkerGroupError
+
+    text = str(exc).strip().splitlines()
+    root = next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:400]
+    if isinstance(exc, WorkerGroupError):
+        return FitOutcome(root, budget_exhausted=True, interrupted=interrupted)
+    if isinstance(exc, PreemptionError):
+        return FitOutcome(root, preemption_budget_exhausted=True, interrupted=interrupted)
+    if isinstance(exc, ControllerError):
+        return FitOutcome(f"Ray Train's controller failed: {root}", interrupted=interrupted)
+    return FitOutcome(f"{type(exc).__name__}: {root}", interrupted=interrupted)
+
+
+def run(
+    job: JobConfig,
+    run_dir: str,
+    echo: Callable[[str], None] | None = None,
+    overrides: list[str] | None = None,
+    redactor: Redactor | None = None,
+) -> RunResult:
+    """Run ``job``; write summary.json in ``run_dir`` -- also for a run stopped (Ctrl-C,
+    SIGTERM) during start-up. Never raises for a run that did not succeed (status "failed",
+    "interrupted" or "preempted" in the result); raises JobError/StorageError/ConfigError for
+    bad input. ``overrides`` (the command line's) make the printed command that resumes a run
+    that did not succeed; ``redactor`` keeps secrets out of everything written or printed."""
+    redactor = redactor or Redactor(resolved=to_plain(job))
+    say = echo or (lambda line: print(f"[ftjob] {line}", flush=True))
+
+    def echo(line: str) -> None:
+        say(redactor.text(line))
+
+    started = time.time()
+    os.makedirs(run_dir, exist_ok=True)
+    stop = StopSignal(job.failure.preemption)
+    prep: Prepared | None = None
+    trained = Trained(empty_snapshot(), FitOutcome())
+    try:
+        try:
+            prep = prepare(job, run_dir, redactor)
+        except (StorageError, ConfigError, JobError, ResumeError):
+            raise
+        except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
+            raise JobError(redactor.text(str(exc))) from None
+        trained = _train(job, prep, run_dir, echo, stop, trained)
+    except (KeyboardInterrupt, StoppedDuringStartUp, SystemExit) as exc:
+        # SystemExit(SIGTERM): Ray's own handler, while ray.init starts the cluster.
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        sigterm = not isinstance(exc, KeyboardInterrupt)
+        trained.fit = FitOutcome(
+            interrupted=not sigterm,
+            preempted=sigterm,
+            stopped_at=f"during start-up ({stop.stage}), before the first step",
+        )
+    finally:
+        stop.restore()
+    return _finish(job, run_dir, prep, trained, started, overrides or [], echo, redactor)
+
+
+@dataclass
+class Trained:
+    """How the run went, as the driver saw it."""
+
+    snapshot: dict[str, Any]  # the run ledger's
+    fit: FitOutcome
+    feed: LogFeed | None = None
+    lease_lost: str | None = None  # another driver holds the run now: why this one stopped
+
+
+def _train(
+    job: JobConfig,
+    prep: Prepared,
+    run_dir: str,
+    echo: Callable[[str], None],
+    stop: StopSignal,
+    out: Trained,
+) -> Trained:
+    """Loggers, lease keeper, cluster, fit; whatever it starts it stops (the scratch of every
+    attempt on this node, killed ones' included, and the lease, when it is still ours)."""
+    keeper = LeaseKeeper(prep.lease).start()
+    try:
+        echo(
+            f"run {prep.name}: {prep.dataset.describe()} ({prep.catalogs[TRAIN].num_rows} train / "
+            f"{prep.catalogs[VAL].num_rows} val), {job.trainer.num_workers} workers x batch "
+            f"{job.trainer.batch_size}, {prep.plan.steps_per_epoch} steps/epoch x "
+            f"{job.trainer.epochs} epochs"
+        )
+        echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
+        for note in prep.notes:
+            echo(note)
+        try:
+            out.feed = LogFeed(build_loggers(job.logger, run_dir, prep.name))
+        except LoggerError as exc:
+            raise JobError(prep.redactor.text(str(exc))) from None
+        out.feed.params(prep.public_config)
+        out.snapshot, out.fit = _train_on_cluster(job, prep, echo, out.feed, keeper, stop)
+    finally:
+        keeper.stop()
+        out.lease_lost = keeper.lost
+        shutil.rmtree(run_scratch_dir(prep.scratch), ignore_errors=True)
+        if keeper.lost is None:
+            prep.lease.release()
+    return out
+
+
+def _finish(
+    job: JobConfig,
+    run_dir: str,
+    prep: Prepared | None,
+    trained: Trained,
+    started: float,
+    overrides: list[str],
+    echo: Callable[[str], None],
+    redactor: Redactor,
+) -> RunResult:
+    """The verdict, summary.json, the loggers' end, the printed summary and resume command."""
+    snapshot = trained.snapshot
+    status, error = decide_status(
+        snapshot, trained.fit, job.failure.max_failures, job.failure.max_preemptions
+    )
+    if trained.lease_lost:
+        status, error = "failed", trained.lease_lost
+    name = prep.name if prep else (job.name or "")
+    summary = build_summary(
+        snapshot,
+        name=name,
+        status=status,
+        error=redactor.text(error) if error else error,
+        wall_time_s=time.time() - started,
+        config=prep.public_config if prep else redactor.config(to_plain(job)),
+        driver_storage=prep.fs.snapshot_stats() if prep else None,
+        run_started=started,
+    )
+    if status != "succeeded" and prep is not None and not trained.lease_lost:
+        _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
+    path = write_summary(summary, run_dir)
+    if trained.feed is not None:
+        trained.feed.finish(summary)
+    for line in format_summary(summary).splitlines():
+        echo(line)
+    if "resume_command" in summary:
+        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    echo(f"summary: {path}")
+    return RunResult(name, status, error, summary, path)
+
+
+def _how_to_resume(
+    summary: dict[str, Any],
+    snapshot: dict[str, Any],
+    prep: Prepared,
+    overrides: list[str],
+    echo: Callable[[str], None],
+    redactor: Redactor,
+) -> None:
+    """A run that did not succeed: the checkpoint it continues from, and the command."""
+    restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
+    store = CheckpointStore(prep.fs, prep.run_path)
+    settle_latest(summary, store, echo, max(restored, default=-1))
+    if summary["checkpoints"]["latest"]:
+        summary["resume_command"], notes = resume_command(overrides, prep, redactor)
+        for note in notes:
+            echo(f"resume: {note}")
+
+
+def settle_latest(
+    summary: dict[str, Any],
+    store: CheckpointStore,
+    echo: Callable[[str], None],
+    restored_step: int = -1,
+) -> None:
+    """The newest committed checkpoint in storage is what a resume restores, so a stopped
+    run's summary names that one. Usually the ledger's latest; but workers outlive the
+    driver's last look at the ledger by a moment (until Ray has shut them down), and an
+    upload in flight then may still commit. And a resumed run that committed nothing new
+    continues from the one it restored (``restored_step``)."""
+    try:
+        newest = max(store.committed_steps(), default=-1)
+    except StorageError as exc:
+        echo(f"warning: could not list the checkpoints after the stop ({exc})")
+        return
+    record = summary["checkpoints"]
+    known = store.step_of(record["latest"]) if record["latest"] else None
+    if newest < 0 or (known is not None and newest <= known):
+        return
+    record["latest"] = store.path_for(newest)
+    if newest > max(restored_step, -1 if known is None else known):
+        echo(f"checkpoint step {newest} was committed while the run stopped")
+        record["committed"] += 1
+        record["committed_while_stopping"] = newest
+
+
+def resume_command(
+    overrides: list[str], prep: Prepared, redactor: Redactor | None = None
+) -> tuple[str, list[str]]:
+    """The command that continues this run from its latest committed checkpoint, and notes on
+    the secrets it leaves out (each is read from an environment variable the note names)."""
+    redactor = redactor or Redactor()
+    replaced = {"name", "resume", "checkpoint.storage_path"}
+    kept, notes = [], []
+    for override in overrides:
+        if override_key(override) in replaced:
+            continue
+        text, note = redactor.override(override)
+        kept.append(text)
+        notes += [note] if note else []
+    storage = redactor.text(prep.fs.unstrip_protocol(prep.storage_root))
+    args = [*kept, f"name={prep.name}", "resume=true", f"checkpoint.storage_path={storage}"]
+    return "python -m ftjob " + " ".join(shlex.quote(a) for a in args), notes
+
+
+def _train_on_cluster(
+    job: JobConfig,
+    prep: Prepared,
+    echo: Callable[[str], None],
+    feed: LogFeed,
+    keeper: LeaseKeeper,
+    stop: StopSignal,
+) -> tuple[dict[str, Any], FitOutcome]:
+    """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
+    thread prints progress and services the simulated cluster; stop everything it started.
+    Returns the ledger's final snapshot and how fit() ended."""
+    interrupted = preempted = False
+    stop.stage = "starting the cluster"
+    with cluster(job) as local:
+        import ray
+
+        stop.install()  # ray.init put its own SIGTERM handler in
+        check_resources(job)
+        if job.chaos.enabled and job.chaos.kind in NODE_KINDS and not node_chaos_targets():
+            echo(
+                f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
+                "the driver's node, which chaos never takes away; each window will be skipped"
+            )
+        stop.stage = "starting the run ledger"
+        ledger, killer = _start_run_actors(job, prep)
+        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text)
+        outcome: dict[str, Any] = {}
+        fit_thread = threading.Thread(
+            target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
+        )
+        stop.training = True  # from now on SIGTERM is a preemption notice
+        fit_thread.start()
+        try:
+            while fit_thread.is_alive():
+                fit_thread.join(timeout=1.0)
+                if not monitor.tick():
+                    break  # another driver holds the run: stop writing to it now
+                if monitor.ask("preemption", lambda: stop.done(ledger, echo)):
+                    preempted = True
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+            echo("interrupted: stopping the run")
+        finally:
+            if killer is not None:
+                monitor.ask("stopping chaos", lambda: ray.get(killer.stop.remote(), timeout=15))
+            monitor.tick()
+            snapshot = monitor.final_snapshot()
+    return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
+
+
+def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
+    from ftjob.chaos.killer import start_killer
+    from ftjob.driver.ledger import start_ledger
+    from ftjob.policy.hang import WatchConfig
+
+    plan = {
+        "num_samples": prep.plan.num_samples,
+        "global_batch_size": prep.plan.global_batch_size,
+        "samples_per_epoch": prep.plan.samples_per_epoch,
+        "steps_per_epoch": prep.plan.steps_per_epoch,
+        "seed": prep.plan.seed,
+        "epochs": job.trainer.epochs,
+        "num_workers": job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
+    }
+    ledger = start_ledger(plan, list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
+    killer = None
+    if job.chaos.enabled:
+        killer = start_killer(job.chaos, ledger)
+    return ledger, killer
+
+
+def _torch_trainer() -> Any:
+    """Ray Train's TorchTrainer without its dataset integration. ftjob streams its own data
+    (``ftjob.data.streams``), and the integration is not idle when no dataset is given: it starts a
+    DatasetManager actor -- a new process -- with every attempt, on the controller's node
+    (measured: 1.5 CPU-seconds while the new workers start, on a 2-core machine)."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    class FtjobTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            return [
+                c
+                for c in super()._create_default_callbacks()
+                if not isinstance(c, DatasetsCallback)
+            ]
+
+    return FtjobTorchTrainer
+
+
+def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -> None:
+    """Runs TorchTrainer.fit() (on a thread: the main thread services the local cluster)."""
+    import ray
+    import ray.train
+
+    from ftjob.driver.drains import drain_relay
+    from ftjob.driver.ledger import failure_watch
+    from ftjob.driver.scaling import elastic_policy
+    from ftjob.worker.loop import WorkerSpec, train_loop
+
+    t = job.trainer
+    spec = WorkerSpec(
+        job=job,
+        dataset=prep.dataset,
+        catalogs={split: ray.put(table) for split, table in prep.catalogs.items()},
+        ledger=ledger,
+        fs=prep.fs,
+        run_path=prep.run_path,
+        run_name=prep.name,
+        data=prep.data,
+        scratch=prep.scratch,
+        fence=prep.lease.fence(),
+        public_config=prep.public_config,
+    )
+    # Ray Train's controller polls its workers this often: it bounds how late a failure is
+    # noticed and how long a ray.train.report waits for the previous one to be taken.
+    f = job.failure
+    os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(f.health_check_interval)
+    # Node drains reach the workers through the run ledger's process, not through a watcher
+    # process Ray Train would start with every attempt (ftjob.driver.drains).
+    os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    trainer = _torch_trainer()(
+        train_loop,
+        train_loop_config=spec,  # type: ignore[arg-type]
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=(t.min_workers, t.num_workers) if t.elastic else t.num_workers,
+            elastic_resize_monitor_interval_s=t.resize_interval,
+            use_gpu=t.use_gpu,
+            resources_per_worker=dict(t.resources_per_worker),
+            placement_strategy=t.placement or ("SPREAD" if job.ray.local_nodes > 1 else "PACK"),
+        ),
+        run_config=ray.train.RunConfig(
+            name=prep.name,
+            storage_path=prep.storage_root,
+            storage_filesystem=to_pyarrow(prep.fs),
+            failure_config=ray.train.FailureConfig(
+                max_failures=f.max_failures,
+                max_preemption_failures=f.max_preemptions,
+                preemption_grace_s=f.preemption_grace_s,
+                relax_collectives_on_preemption=f.relax_collectives_on_preemption,
+            ),
+            callbacks=[failure_watch(ledger), drain_relay(ledger, f.preemption_poll_interval)],
+        ),
+    )
+    try:
+        with elastic_policy(ledger) if t.elastic else contextlib.nullcontext():
+            outcome["result"] = trainer.fit()
+    except BaseException as exc:
+        outcome["error"] = exc

@@ -1,0 +1,189 @@
+"""Goodput: where every second of a run's wall clock went.
+
+ETTR (effective training time ratio) is the share of the wall clock spent in training steps
+that count -- steps re-done after a restore do not. The rest is badput, split by cause from
+what the run already measures: the surviving timers of rank 0 (a checkpoint carries them, so
+an attempt's lost work is not in them), the recovery records of every failure, and the run's
+start and end. ``other`` is what none of them explains (Ray Train's bookkeeping between
+steps, validation and checkpoints of lost work); the buckets sum to the wall clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftjob import metrics as M
+from ftjob.metrics import finite
+from ftjob.policy.cadence import optimal_interval_s
+
+BUCKETS = (
+    "startup",  # launch -> first training step
+    "training",  # training steps that count
+    "data_wait",  # steps waiting for their batch
+    "validation",
+    "checkpoint",  # training waiting for checkpoint save, upload, report
+    "detection",  # failure -> Ray Train noticed it
+    "restart",  # noticed -> new worker group in the train function
+    "restore",  # checkpoint download, load, data position
+    "setup",  # restored -> first step (model, process group, first batch)
+    "redone",  # steps trained again after a restore
+    "preemption",  # notice -> the node went (just-in-time checkpoint, then waiting)
+    "resize",  # a planned elastic resize: its checkpoint -> the resized group's first step
+    "shutdown",  # last step -> the run's end
+    "other",
+)
+
+
+def _sum(records: list[dict[str, Any]], key: str) -> float:
+    return sum(finite(r.get(key)) for r in records)
+
+
+def _planned_resizes(resizes: list[dict[str, Any]]) -> float:
+    """Seconds of planned elastic resizes, their checkpoint to the resized group's first step
+    (whose batch wait and step are in data_wait and training)."""
+    return sum(
+        max(0.0, finite(r["time_to_recover_s"]) - r.get("first_step_s", 0.0))
+        for r in resizes
+        if r["cause"] == "planned"
+    )
+
+
+def goodput(
+    *,
+    wall_s: float,
+    run_started: float,
+    first_step: float | None,
+    finished: float | None,
+    first_step_took: float = 0.0,
+    metrics: dict[str, Any],
+    failures: list[dict[str, Any]],
+    resizes: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``{"wall_s", "ettr", "buckets": {name: seconds}}``; the buckets sum to ``wall_s``."""
+    steps = finite(metrics.get(M.TRAIN_STEPS_COMPLETED))
+    busy = finite(metrics.get(M.TRAIN_STEP))
+    waiting = finite(metrics.get(M.TRAIN_ITER_BATCH)) + finite(
+        metrics.get(M.TRAIN_ITER_FIRST_BATCH)
+    )
+    per_step = (busy + waiting) / steps if steps else 0.0
+    recovered = [f for f in failures if f.get("recovered")]
+    restore = sum(finite(f.get(k)) for f in recovered for k in ("download_s", "load_s", "skip_s"))
+    # The first step after a restore is in time-to-recover, and also in data_wait and training.
+    known_recovery = (
+        _sum(failures, "detection_s")
+        + _sum(recovered, "restart_s")
+        + restore
+        + _sum(recovered, "first_step_s")
+    )
+    preempted = [f for f in failures if f.get("notice")]
+    buckets = {
+        # The first step's own batch wait and step are in data_wait and training.
+        "startup": (first_step - run_started - first_step_took) if first_step else wall_s,
+        "training": busy,
+        "data_wait": waiting,
+        "validation": finite(metrics.get(M.VALIDATION_STEP)),
+        "checkpoint": sum(
+            finite(metrics.get(k))
+            for k in (M.CHECKPOINT_SAVE, M.CHECKPOINT_UPLOAD, M.CHECKPOINT_REPORT)
+        ),
+        "detection": _sum(failures, "detection_s"),
+        "restart": _sum(recovered, "restart_s"),
+        "restore": restore,
+        "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
+        "redone": sum(f.get("lost_steps", 0) for f in failures) * per_step,
+        "preemption": sum(
+            max(0.0, finite(f["notice"].get("deadline")) - f["notice"]["received"])
+            for f in preempted
+            if f["notice"].get("deadline")
+        ),
+        "resize": _planned_resizes(resizes or []),
+        "shutdown": max(0.0, run_started + wall_s - finished) if finished else 0.0,
+    }
+    buckets["other"] = wall_s - sum(buckets.values())
+    return {
+        "wall_s": wall_s,
+        "ettr": busy / wall_s if wall_s > 0 else 0.0,
+        "buckets": {name: buckets[name] for name in BUCKETS},
+    }
+
+
+def write_goodput_plot(path: str, jobs: list[tuple[str, dict[str, float]]]) -> None:
+    """One stacked bar per job: its wall clock split into the buckets, ETTR on top."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6.0, 1.2 * len(jobs) + 3), 6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    from matplotlib import colormaps
+
+    colours = colormaps["tab20"]  # one colour per bucket (the default cycle has 10)
+    labels = [label for label, _ in jobs]
+    bottoms = [0.0] * len(jobs)
+    for i, name in enumerate(BUCKETS):
+        heights = [max(0.0, buckets.get(name, 0.0)) for _, buckets in jobs]
+        if any(heights):
+            ax.bar(labels, heights, bottom=bottoms, label=name, color=colours(i))
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, (_, buckets) in enumerate(jobs):
+        wall = sum(buckets.values())
+        ettr = buckets.get("training", 0.0) / wall if wall > 0 else 0.0
+        ax.annotate(f"ETTR {ettr:.2f}", (x, bottoms[x]), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds of wall clock")
+    ax.set_title("goodput: where each job's time went" if jobs else "no job reported goodput")
+    if jobs:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    # Rotated labels end under their own bar (centred, a long one would sit under the next).
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", rotation_mode="anchor")
+    fig.savefig(path, dpi=100)
+
+
+# -- the first-order model: ETTR against the checkpoint interval -----------------------------
+
+
+MODELED = (
+    "training",
+    "data_wait",
+    "checkpoint",
+    "detection",
+    "restart",
+    "restore",
+    "setup",
+    "redone",
+)
+
+
+def predict_ettr(
+    goodput: dict[str, Any],
+    checkpoints: int,
+    failures: int,
+    mtbf_s: float | None,
+    max_failures: int | None = None,
+) -> dict[str, Any] | None:
+    """The first-order model's ETTR for a run, from the run's own measurements: checkpoint
+    cost C (stall per checkpoint), the interval τ (training and batch wait per checkpoint),
+    recovery R (detection + restart + restore + set-up per failure) and the declared mean time
+    between failures (expected failures over the modeled time, at most ``max_failures``: a kill
+    schedule's cap; without a rate, exactly ``max_failures``). Every τ of training pays C; every failure costs R and, on average, τ/2 of
+    work done again. Start-up, validation and shutdown are taken as measured. None without a
+    checkpoint."""
+    b, wall = goodput.get("buckets") or {}, goodput.get("wall_s") or 0.0
+    step_time = b.get("training", 0.0) + b.get("data_wait", 0.0)
+    if checkpoints <= 0 or wall <= 0 or step_time <= 0:
+        return None
+    cost, interval = b.get("checkpoint", 0.0) / checkpoints, step_time / checkpoints
+    recovery = sum(b.get(k, 0.0) for k in ("detection", "restart", "restore", "setup"))
+    recovery = recovery / failures if failures else 0.0
+    modeled = sum(b.get(k, 0.0) for k in MODELED)
+    expected = modeled / mtbf_s if mtbf_s else float(max_failures or 0)
+    if max_failures is not None:
+        expected = min(expected, max_failures)
+    useful = max(0.0, modeled - expected * (recovery + interval / 2)) / (1 + cost / interval)
+    return {
+        "ettr": useful * (b.get("training", 0.0) / step_time) / wall,
+        "checkpoint_cost_s": cost,
+        "interval_s": interval,
+        "recovery_s": recovery,
+        "expected_failures": expected,
+        "optimal_interval_s": optimal_interval_s(cost, modeled / expected) if expected else None,
+    }

@@ -1,0 +1,215 @@
+"""Experiment loggers (``logger`` group: csv, tensorboard, mlflow), written by the driver from
+the run ledger -- never by a worker, so a killed worker never loses or duplicates a point.
+
+A step's figures (training loss, throughput, learning rate; validation) can be trained again
+after a restore. :class:`LogFeed` holds each step until it is *settled* -- at or before a
+committed checkpoint, or the run is over -- and then logs the surviving version once: a
+restore never draws a second curve. Events (kills, failures, restores, checkpoints, hangs,
+preemptions: the ledger's progress lines other than step lines) are logged as they come; the
+resolved config goes in as params, the summary at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import re
+import time
+from typing import Any
+
+from ftjob.config import LoggerConfig
+
+log = logging.getLogger("ftjob.reporting.loggers")
+
+# Step and validation lines are metrics (logged once settled), not events.
+METRIC_LINE = re.compile(r"^(epoch \d+/\d+ step \d+/\d+ |validation at step \d+: )")
+
+
+def flatten(config: Any, prefix: str = "") -> dict[str, str]:
+    """``{"trainer.lr": "0.003", ...}``: a nested config as flat string params."""
+    if isinstance(config, dict):
+        out: dict[str, str] = {}
+        for key, value in config.items():
+            out.update(flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): json.dumps(config) if isinstance(config, list) else str(config)}
+
+
+class CsvLogger:
+    def __init__(self, root: str, name: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self._metrics = open(os.path.join(root, "metrics.csv"), "w", newline="")
+        self._events = open(os.path.join(root, "events.csv"), "w", newline="")
+        self.metrics, self.events = csv.writer(self._metrics), csv.writer(self._events)
+        self.metrics.writerow(["step", "name", "value"])
+        self.events.writerow(["time", "step", "event"])
+
+    def params(self, params: dict[str, str]) -> None:
+        with open(os.path.join(self.root, "params.json"), "w") as f:
+            json.dump(params, f, indent=1)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.metrics.writerow([step, name, value])
+        self._metrics.flush()
+
+    def event(self, when: float, step: int, text: str) -> None:
+        self.events.writerow([f"{when:.3f}", step, text])
+        self._events.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self._metrics.close()
+        self._events.close()
+
+
+class TensorBoardLogger:
+    def __init__(self, root: str, name: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=os.path.join(root, "tensorboard", name))
+
+    def params(self, params: dict[str, str]) -> None:
+        table = "\n".join(f"| {k} | {v} |" for k, v in sorted(params.items()))
+        self.writer.add_text("config", "| key | value |\n|---|---|\n" + table, 0)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def event(self, when: float, step: int, text: str) -> None:
+        self.writer.add_text("events", text, step, walltime=when)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        step = int((summary.get("metrics") or {}).get("train/steps_completed") or 0)
+        for key, value in (summary.get("metrics") or {}).items():
+            if isinstance(value, (int, float)) and key.startswith(("goodput/", "recovery/")):
+                self.writer.add_scalar(f"summary/{key}", value, step)
+        self.writer.add_text("summary", f"status: {summary.get('status')}", step)
+        self.writer.close()
+
+
+class MlflowLogger:
+    def __init__(self, config: LoggerConfig, run_dir: str, name: str) -> None:
+        from mlflow.tracking import MlflowClient
+
+        store = os.path.join(os.path.abspath(run_dir), "mlruns")
+        uri = config.mlflow_tracking_uri or f"file:{store}"
+        if uri.startswith("file:"):  # MLflow 3 keeps its file store only on request
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(config.mlflow_experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(config.mlflow_experiment)
+        )
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        self.events: list[str] = []
+
+    def params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(1000 * time.time())
+        metrics = [Metric(k, v, now, step) for k, v in values.items() if math.isfinite(v)]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def event(self, when: float, step: int, text: str) -> None:
+        self.events.append(f"{when:.3f}\tstep {step}\t{text}")
+        self.client.set_tag(self.run_id, f"event.{len(self.events):04d}", text[:5000])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.client.log_text(self.run_id, "\n".join(self.events) + "\n", "events.txt")
+        self.client.log_dict(self.run_id, summary, "summary.json")
+        status = "FINISHED" if summary.get("status") == "succeeded" else "FAILED"
+        self.client.set_terminated(self.run_id, status)
+
+
+def build_loggers(config: LoggerConfig, run_dir: str, name: str) -> list[Any]:
+    root = config.dir or os.path.join(run_dir, "logs")
+    made: dict[str, Any] = {
+        "csv": lambda: CsvLogger(root, name),
+        "tensorboard": lambda: TensorBoardLogger(root, name),
+        "mlflow": lambda: MlflowLogger(config, run_dir, name),
+    }
+    loggers = []
+    for backend in dict.fromkeys(config.backends):
+        try:
+            loggers.append(made[backend]())
+        # A job boundary: a backend's client (an MLflow server that does not answer, a log
+        # directory that cannot be written) raises its own error types; the run stops before
+        # training with one line naming the backend.
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise LoggerError(
+                f"logger.backends: {backend} could not start ({type(exc).__name__}: {first}); "
+                "fix its settings (logger.*) or drop it from logger.backends"
+            ) from exc
+    return loggers
+
+
+class LoggerError(RuntimeError):
+    """An experiment logger could not start; the message names the backend."""
+
+
+class LogFeed:
+    """Feeds the loggers from the ledger's step records and progress lines, each step once."""
+
+    def __init__(self, loggers: list[Any]) -> None:
+        self.loggers = loggers
+        self.cursor = 0
+        self.pending: dict[tuple[int, str], dict[str, Any]] = {}  # (step, kind) -> newest record
+        self.step = 0  # the run's furthest step seen: events are placed there
+
+    def _each(self, method: str, *args: Any) -> None:
+        for logger in list(self.loggers):
+            try:
+                getattr(logger, method)(*args)
+            # A job boundary: each backend is third-party code (MLflow, TensorBoard) raising
+            # its own error types, and its failure must not end the training run. It is said
+            # with its traceback (a bug shows as one) and that logger stops.
+            except Exception as exc:
+                name = type(logger).__name__
+                log.warning(
+                    "%s stopped logging: %s: %s", name, type(exc).__name__, exc, exc_info=True
+                )
+                self.loggers.remove(logger)
+
+    def params(self, config: dict[str, Any]) -> None:
+        self._each("params", flatten(config))
+
+    def records(self, feed: dict[str, Any]) -> None:
+        """``feed``: the ledger's :meth:`~ftjob.driver.ledger.RunLedger.log_feed` since the cursor."""
+        self.cursor = feed["cursor"]
+        for record in feed["records"]:
+            key = (record["step"], record["kind"])
+            if key not in self.pending or record["attempt"] >= self.pending[key]["attempt"]:
+                self.pending[key] = record  # a step trained again replaces its earlier version
+            self.step = max(self.step, record["step"])
+        self._flush(feed["settled"])
+
+    def _flush(self, settled: float) -> None:
+        for key in sorted(k for k in self.pending if k[0] <= settled):
+            record = self.pending.pop(key)
+            values = {f"{record['kind']}/{k}": v for k, v in record["values"].items()}
+            self._each("scalars", record["step"], values)
+
+    def events(self, lines: list[str], when: float) -> None:
+        for line in lines:
+            if not METRIC_LINE.match(line):
+                self._each("event", when, self.step, line)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The run is over: what is still held is the surviving version of its steps."""
+        self._flush(math.inf)
+        self._each("finish", summary)

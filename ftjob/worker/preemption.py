@@ -1,0 +1,198 @@
+"""Preemption notices, as the training workers see them.
+
+A notice comes from Ray Train (a node of the run is being drained: a spot reclaim, an
+autoscaler, ``chaos=preempt``; Ray's watcher marks every worker with the deadline), from the
+driver (SIGTERM: Kubernetes, SLURM, ``ray job stop``) through the run ledger, or from SIGTERM
+to a training worker process itself (a pod or a process supervisor stopping it). Each rank reads
+its local signals without a barrier; once per step every rank agrees on them in one small
+all-reduce (:meth:`PreemptionNotices.agree`), so all ranks stop at the same step and no rank
+leaves alone. What the loop then does (a just-in-time checkpoint of that step, then waiting to
+be torn down) is in ``train_loop.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+DRAIN, DRIVER, WORKER = "drain", "driver", "worker"
+RESIZE = "resize"  # not a preemption: an elastic group about to be resized (ftjob.driver.scaling)
+# The agreed kind is the highest any rank saw: a real preemption outranks a planned resize.
+SOURCES = {1: RESIZE, 2: DRAIN, 3: DRIVER, 4: WORKER}
+_KIND = {source: kind for kind, source in SOURCES.items()}
+
+
+@dataclass(frozen=True)
+class Notice:
+    """An agreed preemption notice."""
+
+    source: str  # DRAIN (a node drain) | DRIVER (the driver got SIGTERM) | WORKER (a worker did)
+    deadline: float | None  # UNIX seconds the node goes away; None if not announced
+    received: float  # when this rank saw it agreed
+
+    def remaining(self, now: float) -> float:
+        return math.inf if self.deadline is None else self.deadline - now
+
+    def record(self, step: int, ranks: list[int]) -> dict[str, Any]:
+        """What the run ledger keeps of it."""
+        return {
+            "source": self.source,
+            "deadline": self.deadline,
+            "received": self.received,
+            "step": step,
+            "ranks": ranks,
+        }
+
+
+def ray_drain_notice() -> tuple[float | None, list[int]] | None:
+    """(deadline in UNIX seconds or None, preempted ranks) if Ray Train marked this worker
+    preempted, read locally (``ray.train.get_preemption_info`` is a barrier per call)."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    info = get_train_context().preemption_context.preemption_info
+    if info is None:
+        return None
+    deadline = info.deadline_ms / 1000.0 if info.deadline_ms else None
+    return deadline, list(info.preempted_ranks)
+
+
+class PreemptionNotices:
+    """Local notice signals of one rank, and the per-step agreement across ranks."""
+
+    def __init__(
+        self,
+        world: int,
+        device: Any,
+        ledger: Any = None,
+        poll_s: float = 0.5,
+        sigterm: bool = False,
+        drain: bool = True,
+    ) -> None:
+        self.world, self.device, self.drain = world, device, drain
+        self._ray_exit: Any = None
+        self.requested = threading.Event()  # the driver asked (through the ledger)
+        self.requested_source = DRIVER  # or RESIZE: the elastic group is about to be resized
+        self.terminated = threading.Event()  # this worker process got SIGTERM
+        self.drain_ranks: list[int] = []
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        if ledger is not None:
+            self._poller = threading.Thread(
+                target=self._poll_ledger, args=(ledger, poll_s), name="ftjob-notice", daemon=True
+            )
+            self._poller.start()
+        if sigterm:
+            self.catch_sigterm()
+
+    def _poll_ledger(self, ledger: Any, poll_s: float) -> None:
+        import ray
+
+        while not self._stop.wait(poll_s):
+            try:
+                source = ray.get(ledger.notice_request.remote(), timeout=10)
+                if source is not None:
+                    self.requested_source = source
+                    self.requested.set()
+                    return
+            except ray.exceptions.RayError:  # the ledger is gone: the run is ending anyway
+                return
+
+    def local(self) -> tuple[int, float]:
+        """(0 none, or the kind of :data:`SOURCES`; deadline or +inf) as this rank sees it."""
+        if self.terminated.is_set():
+            return _KIND[WORKER], math.inf
+        drain = ray_drain_notice() if self.drain else None
+        if drain is not None:
+            deadline, self.drain_ranks = drain
+            return _KIND[DRAIN], deadline if deadline is not None else math.inf
+        if self.requested.is_set():
+            return _KIND[self.requested_source], math.inf
+        return 0, math.inf
+
+    def noticed(self) -> bool:
+        """A notice reached this rank (no agreement: for cutting work short)."""
+        return self.local()[0] != 0
+
+    def agree(self) -> Notice | None:
+        """Called by every rank at the same point of every step."""
+        kind, deadline = self.local()
+        if self.world > 1:
+            import torch
+            import torch.distributed as dist
+
+            # On the training device: NCCL reduces only CUDA tensors.
+            box = torch.tensor([float(kind), -deadline], dtype=torch.float64, device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)  # any rank's notice, earliest deadline
+            kind, deadline = int(box[0].item()), -float(box[1].item())
+        if kind == 0:
+            return None
+        return Notice(SOURCES[kind], None if math.isinf(deadline) else deadline, time.time())
+
+    def catch_sigterm(self) -> None:
+        """Make SIGTERM to this worker process a notice. Ray's handler (on the process's main
+        thread; training runs on another, which cannot install one) would exit at once: the
+        message it exits with is taken over while a notice can still be acted on."""
+        import ray._private.worker as ray_worker
+
+        self._ray_exit = original = ray_worker.raise_sys_exit_with_custom_error_message
+
+        def on_exit(message: str, exit_code: int = 1) -> None:
+            if "SIGTERM" in message and not self.terminated.is_set() and not self._stop.is_set():
+                self.terminated.set()  # the first one, while training: a notice
+                return
+            original(message, exit_code)
+
+        ray_worker.raise_sys_exit_with_custom_error_message = on_exit
+
+    def wait_for_teardown(self) -> None:
+        """After the just-in-time checkpoint: a worker that got SIGTERM now exits as Ray would
+        have (Ray Train restarts the group); the others wait to be stopped -- returning would
+        tell Ray Train that training finished."""
+        self.close()
+        if self.terminated.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)  # Ray's own handler, this time
+        while True:
+            time.sleep(1.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._ray_exit is not None:
+            import ray._private.worker as ray_worker
+
+            ray_worker.raise_sys_exit_with_custom_error_message = self._ray_exit
+            self._ray_exit = None
+
+
+def describe_notice(record: dict[str, Any]) -> list[str]:
+    """Progress lines for a notice every rank agreed on, or (``{"jit": ...}``) for the
+    just-in-time checkpoint that followed it."""
+    jit = record.get("jit")
+    if jit is not None:
+        if not jit.get("path"):
+            return [f"no just-in-time checkpoint: {jit.get('reason')}"]
+        how = "already committed" if jit.get("reused") else f"in {jit['seconds']:.2f}s"
+        return [f"just-in-time checkpoint of step {jit['step']} {how}: 0 steps will be lost"]
+    if record["source"] == RESIZE:
+        return [
+            f"resizing from {record.get('from')} to {record.get('to')} workers at step "
+            f"{record['step']}: saving a just-in-time checkpoint first"
+        ]
+    deadline = record.get("deadline")
+    left = (
+        f"{deadline - record['received']:.0f} s before the deadline" if deadline else "no deadline"
+    )
+    lines = [
+        f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
+        "saving a just-in-time checkpoint"
+    ]
+    if record.get("validation_cut") is not None:
+        lines.append(
+            f"validation at step {record['validation_cut']} was cut short by the notice; "
+            "it runs again after the restart"
+        )
+    return lines
