@@ -33,6 +33,19 @@ def _schema() -> None:
     register_schema()
 
 
+def compose_job(*overrides: str) -> Any:
+    """The JobConfig ``python -m ftjob`` would run with these overrides (no Hydra run dir)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ftjob.config import load_job
+    from ftjob.config.compose import Composer, Target
+
+    try:
+        return load_job(Composer().compose(Target("test"), overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def run_ftjob(
     args: list[str], tmp_path: Path, timeout: float = 600, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
@@ -107,3 +120,34 @@ def make_image_tree(
                 )
                 Image.fromarray(pixels).save(folder / f"{i:03d}.png")
     return root
+
+
+def check_loggers(
+    run_dir: Path,
+    name: str,
+    monkeypatch: pytest.MonkeyPatch,
+    last_step: int,
+    epochs: int,
+    failures: int,
+) -> None:
+    """What the loggers wrote, read back with TensorBoard's and MLflow's own readers: one
+    point per logged step across the restores, params, and the failures as events."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [events] = (run_dir / "logs" / "tensorboard" / name).glob("events.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == last_step, steps
+    assert [e.step for e in acc.Scalars("validation/accuracy")][-1] == last_step
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(tracking_uri=f"file:{run_dir / 'mlruns'}")
+    [run] = client.search_runs([client.get_experiment_by_name("ftjob").experiment_id])
+    assert run.info.run_name == name and run.info.status == "FINISHED"
+    assert run.data.params["trainer.epochs"] == str(epochs)
+    history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(history) == steps
+    noticed = [v for k, v in run.data.tags.items() if k.startswith("event.") and "failure" in v]
+    assert len(noticed) >= failures
+    assert (run_dir / "logs" / "metrics.csv").stat().st_size > 0

@@ -23,14 +23,8 @@ from ftjob.storage.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore,
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import _DelegatingFileSystem
-from ftjob.worker.checkpointer import (
-    AsyncUploader,
-    UploadOutcome,
-    attempt_scratch_dir,
-    run_scratch_dir,
-    scratch_name,
-    upload_checkpoint,
-)
+from ftjob.worker.scratch import attempt_scratch_dir, run_scratch_dir, scratch_name
+from ftjob.worker.uploads import AsyncUploader, UploadOutcome, upload_checkpoint
 
 
 class RecordingFileSystem(_DelegatingFileSystem):

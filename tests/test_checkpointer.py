@@ -18,6 +18,7 @@ from ftjob.config import CheckpointConfig
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
+from ftjob.worker.recorder import JobStopped, RunRecorder
 from tests.test_checkpoint_store import RecordingFileSystem, _flip_bytes, no_sleep_policy
 
 
@@ -42,7 +43,9 @@ class FakeLedger:
         return next((args[0] for name, args in self.calls if name == "set_fatal"), None)
 
 
-def make(tmp_path: Path, fs: Any = None, **config: Any) -> tuple[Checkpointer, FakeLedger]:
+def make(
+    tmp_path: Path, fs: Any = None, global_batch: int = 32, **config: Any
+) -> tuple[Checkpointer, FakeLedger]:
     ledger = FakeLedger()
     policy: RetryPolicy = no_sleep_policy()
     checkpointer = Checkpointer(
@@ -50,14 +53,14 @@ def make(tmp_path: Path, fs: Any = None, **config: Any) -> tuple[Checkpointer, F
         run_path=str(tmp_path / "storage" / "run"),
         config=CheckpointConfig(**config),
         job_config={"job": "config"},
-        rank=0,
+        recorder=RunRecorder(ledger, 0, lambda value, timeout=None: value, attempt=0),
         world=1,
-        ledger=ledger,
-        attempt=0,
+        broadcast=lambda obj: obj,
+        report=lambda metrics: None,  # Ray Train's barrier
         metrics=M.MetricSet(),
         local_root=str(tmp_path / "scratch"),
+        global_batch=global_batch,
     )
-    checkpointer._report = lambda state: None  # type: ignore[method-assign]  # Ray Train's barrier
     return checkpointer, ledger
 
 
@@ -73,27 +76,29 @@ def model_and_optimizer(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimiz
 def test_a_saved_step_restores_model_optimizer_and_position(tmp_path: Path) -> None:
     checkpointer, ledger = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    assert checkpointer.save(TrainState(step=7, epoch=1, position=64), model, optimizer, 32)
+    checkpointer.save(TrainState(step=7, epoch=1, position=64), model, optimizer)
     fresh, fresh_optimizer = model_and_optimizer(1)
-    restored = checkpointer.locate(32)
-    assert restored is not None and restored.state == TrainState(step=7, epoch=1, position=64)
-    assert not torch.equal(fresh.weight, model.weight)  # located: state read, nothing loaded
-    checkpointer.load(restored, fresh, fresh_optimizer, "cpu")
+    assert not torch.equal(fresh.weight, model.weight)
+    restored = checkpointer.restore(fresh, fresh_optimizer, "cpu")
+    assert restored is not None
+    s = restored.state
+    assert (s.step, s.epoch, s.position, s.global_batch_size) == (7, 1, 64, 32)
     assert torch.equal(fresh.weight, model.weight)
-    assert not os.path.exists(restored.local_dir)  # the local copy is gone once loaded
+    assert os.listdir(tmp_path / "scratch") == []  # the local copy is gone once loaded
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert [name for name, _ in ledger.calls if name == "checkpoint"] == ["checkpoint"]
+    other, _ = make(tmp_path, global_batch=64)
     with pytest.raises(RuntimeError, match="global batch 32, this run uses 64"):
-        checkpointer.locate(64)
+        other.restore(fresh, fresh_optimizer, "cpu")
 
 
 def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Path) -> None:
     checkpointer, _ = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    checkpointer.save(TrainState(step=5), model, optimizer)
     _flip_bytes(checkpointer.store, 5)
     with pytest.raises(NoUsableCheckpoint, match="restart_if_unrecoverable=true") as err:
-        checkpointer.locate(32)
+        checkpointer.restore(model, optimizer, "cpu")
     assert "step 5: model.pt does not match its checksum" in str(err.value)
     assert checkpointer.store.steps() == []
     [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
@@ -103,9 +108,9 @@ def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Pat
 def test_starting_over_is_allowed_only_when_asked(tmp_path: Path) -> None:
     checkpointer, _ = make(tmp_path, restart_if_unrecoverable=True)
     model, optimizer = model_and_optimizer(0)
-    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    checkpointer.save(TrainState(step=5), model, optimizer)
     _flip_bytes(checkpointer.store, 5)
-    assert checkpointer.locate(32) is None
+    assert checkpointer.restore(model, optimizer, "cpu") is None
 
 
 def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
@@ -113,9 +118,9 @@ def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
 ) -> None:
     checkpointer, _ = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    checkpointer.save(TrainState(step=5), model, optimizer)
     checkpointer.store.fs.rm_file(checkpointer.store.manifest_path(5))  # killed mid-upload
-    assert checkpointer.locate(32) is None
+    assert checkpointer.restore(model, optimizer, "cpu") is None
     assert checkpointer.store.steps() == []
 
 
@@ -123,7 +128,7 @@ def test_retention_keeps_the_newest_committed_checkpoints(tmp_path: Path) -> Non
     checkpointer, _ = make(tmp_path, num_to_keep=2)
     model, optimizer = model_and_optimizer(0)
     for step in (10, 20, 30):
-        assert checkpointer.save(TrainState(step=step), model, optimizer, 32)
+        checkpointer.save(TrainState(step=step), model, optimizer)
     assert checkpointer.store.steps() == [30, 20]
 
 
@@ -136,10 +141,11 @@ def test_a_run_never_ends_without_its_final_checkpoint(tmp_path: Path, mode: str
     # One failed upload in a row is tolerated mid-run...
     checkpointer, ledger = make(tmp_path, fs, upload_mode=mode, max_consecutive_upload_failures=1)
     model, optimizer = model_and_optimizer(0)
-    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)
-    assert checkpointer.save(TrainState(step=20), model, optimizer, 32)
+    checkpointer.save(TrainState(step=10), model, optimizer)
+    checkpointer.save(TrainState(step=20), model, optimizer)
     # ...but not as the last one: the run ends failed, naming the step and what survives.
-    assert not checkpointer.finish(TrainState(step=20))
+    with pytest.raises(JobStopped):
+        checkpointer.finish(TrainState(step=20))
     fatal = ledger.fatal()
     assert fatal is not None and fatal.startswith(
         "the final checkpoint (step 20) was not committed"
@@ -157,15 +163,15 @@ def test_a_bug_in_checkpoint_code_is_not_a_tolerated_upload_failure(tmp_path: Pa
     store.commit = broken_commit  # type: ignore[method-assign]
     model, optimizer = model_and_optimizer(0)
     with pytest.raises(AttributeError):
-        checkpointer.save(TrainState(step=10), model, optimizer, 32)
+        checkpointer.save(TrainState(step=10), model, optimizer)
     assert checkpointer.failed_uploads == 0  # not counted against the upload budget
 
 
 def test_a_just_in_time_checkpoint_commits_this_step_before_it_returns(tmp_path: Path) -> None:
     checkpointer, _ = make(tmp_path, upload_mode="async")
     model, optimizer = model_and_optimizer(0)
-    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)  # in flight
-    record = checkpointer.save_now(TrainState(step=13), model, optimizer, 32)
+    checkpointer.save(TrainState(step=10), model, optimizer)  # in flight
+    record = checkpointer.save_now(TrainState(step=13), model, optimizer)
     assert record["step"] == 13 and record["path"] == checkpointer.store.path_for(13)
     assert checkpointer.store.steps() == [13, 10]  # the one in flight finished first
 
@@ -173,8 +179,8 @@ def test_a_just_in_time_checkpoint_commits_this_step_before_it_returns(tmp_path:
 def test_a_periodic_checkpoint_of_the_same_step_is_the_just_in_time_one(tmp_path: Path) -> None:
     checkpointer, ledger = make(tmp_path, upload_mode="async")
     model, optimizer = model_and_optimizer(0)
-    assert checkpointer.save(TrainState(step=20), model, optimizer, 32)  # notice came during it
-    record = checkpointer.save_now(TrainState(step=20), model, optimizer, 32)
+    checkpointer.save(TrainState(step=20), model, optimizer)  # notice came during it
+    record = checkpointer.save_now(TrainState(step=20), model, optimizer)
     assert record["reused"] and record["path"] == checkpointer.store.path_for(20)
     assert [name for name, _ in ledger.calls].count("checkpoint") == 1  # uploaded once
 
@@ -182,10 +188,8 @@ def test_a_periodic_checkpoint_of_the_same_step_is_the_just_in_time_one(tmp_path
 def test_no_just_in_time_checkpoint_when_the_deadline_is_too_close(tmp_path: Path) -> None:
     checkpointer, _ = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    checkpointer.save(TrainState(step=10), model, optimizer, 32)
-    record = checkpointer.save_now(
-        TrainState(step=12), model, optimizer, 32, deadline=time.time() + 0.2
-    )
+    checkpointer.save(TrainState(step=10), model, optimizer)
+    record = checkpointer.save_now(TrainState(step=12), model, optimizer, time.time() + 0.2)
     assert (
         record.get("path") is None and "falling back to the last committed one" in record["reason"]
     )
@@ -201,12 +205,13 @@ def test_a_full_scratch_disk_is_a_failed_checkpoint_with_its_cause_not_a_crash(
         out = tmp_path / "scratch" / f"out_{step:09d}"
         out.mkdir(parents=True)
         (out / "model.pt").symlink_to("/dev/full")
-    assert checkpointer.save(TrainState(step=10), model, optimizer, 32)  # within the budget
+    checkpointer.save(TrainState(step=10), model, optimizer)  # within the budget
     [(_, (_, record))] = [c for c in ledger.calls if c[0] == "checkpoint"]
     assert record["path"] is None and "No space left on device" in record["error"]
     assert "scratch" in record["error"] and "MB free there" in record["error"]
     assert "\n" not in record["error"]
-    assert not checkpointer.save(TrainState(step=20), model, optimizer, 32)  # over it
+    with pytest.raises(JobStopped):
+        checkpointer.save(TrainState(step=20), model, optimizer)  # over it
     assert "2 checkpoint upload(s) in a row failed" in (ledger.fatal() or "")
 
 
@@ -225,12 +230,16 @@ def test_a_checkpoint_file_planted_in_storage_cannot_run_code_at_restore(tmp_pat
 
     checkpointer, _ = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    assert checkpointer.save(TrainState(step=5), model, optimizer, 32)
+    checkpointer.save(TrainState(step=5, global_batch_size=32), model, optimizer)
+    # Someone with write access to the storage plants a model.pt, with a manifest to match.
+    planted = tmp_path / "planted"
+    planted.mkdir()
     marker = tmp_path / "code-ran"
-    restored = checkpointer.locate(32)
-    assert restored is not None
-    with open(os.path.join(restored.local_dir, "model.pt"), "wb") as f:
+    with open(planted / "model.pt", "wb") as f:
         torch.save({"weight": PlantedCode(str(marker))}, f, pickle_module=pickle)
+    for name in ("optimizer.pt", "state.json"):
+        (planted / name).write_bytes(checkpointer.store.read_file(5, name))
+    checkpointer.store.commit(str(planted), 5)
     with pytest.raises(pickle.UnpicklingError):
-        checkpointer.load(restored, model, optimizer, torch.device("cpu"))
+        checkpointer.restore(model, optimizer, torch.device("cpu"))
     assert not marker.exists()

@@ -17,14 +17,11 @@ from ftjob.cli.main import precheck
 from ftjob.config import (
     ChaosConfig,
     ConfigError,
-    JobConfig,
     RetryConfig,
     TrainerConfig,
-    load_job,
     register_schema,
 )
-from ftjob.config.compose import Composer, Target
-from tests.conftest import ctrl_c_reaches_it
+from tests.conftest import compose_job, ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -35,10 +32,6 @@ def _schema():
     register_schema()
     yield
     GlobalHydra.instance().clear()
-
-
-def compose_job(*overrides: str) -> JobConfig:
-    return load_job(Composer().compose(Target("test"), overrides))
 
 
 def test_default_config_composes_to_a_runnable_job():

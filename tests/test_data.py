@@ -356,7 +356,7 @@ def test_validation_cut_short_by_a_notice_does_not_count():
     import torch
 
     from ftjob.data.streams import Batch
-    from ftjob.worker.loop import evaluate
+    from ftjob.worker.validation import evaluate
 
     model = torch.nn.Linear(4, 2)
     batches = [Batch(torch.ones(3, 4), torch.zeros(3, dtype=torch.int64), None) for _ in range(4)]
@@ -434,24 +434,27 @@ class _Ledger:
         self.set_fatal = Call("set_fatal")
 
 
-def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank(monkeypatch):
+def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank():
     from ftjob.data.datasets import DataError
-    from ftjob.worker import loop as train_loop
+    from ftjob.worker.loop import end_on_data_error
+    from ftjob.worker.recorder import RunRecorder
 
-    monkeypatch.setattr(train_loop.ray, "get", lambda value, timeout=None: value)
+    def recorder(ledger):
+        return RunRecorder(ledger, rank=1, resolve=lambda value, timeout=None: value)
+
     line = "dataset file /d/train/cat/x.jpg cannot be decoded as an image (...): remove or fix it"
     try:
         raise RuntimeError("UDF failed to process a data block.") from DataError(line)
     except RuntimeError as exc:
         wrapped = exc
     alone = _Ledger()  # one worker: it records the error and returns, the job ends
-    train_loop.end_on_data_error(wrapped, alone, world=1)
+    end_on_data_error(wrapped, recorder(alone), world=1)
     assert alone.fatal == line
     # Several: the other ranks wait in a collective with this one; the attempt fails so that
     # Ray Train ends the group, and the restart ends at its start.
     group = _Ledger()
     with pytest.raises(DataError) as err:
-        train_loop.end_on_data_error(wrapped, group, world=2)
+        end_on_data_error(wrapped, recorder(group), world=2)
     assert str(err.value) == group.fatal == line
     from ftjob.driver.ledger import RunLedger
 
@@ -462,6 +465,6 @@ def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank(monkeypatch):
     # Any other error is raised again: a failure, Ray Train's to retry.
     other, reset = _Ledger(), ConnectionResetError("connection reset by peer")
     with pytest.raises(ConnectionResetError) as err:
-        train_loop.end_on_data_error(reset, other, world=2)
+        end_on_data_error(reset, recorder(other), world=2)
     assert err.value is reset and other.calls == []
     assert group.calls == ["set_fatal"]

@@ -166,7 +166,7 @@ def test_the_ledger_stops_a_restart_loop_and_steers_the_slow_rank():
 
 
 def test_heartbeat_sections_and_steps_without_a_thread():
-    hb = Heartbeat(ledger=None, attempt=0, rank=0, enabled=False)
+    hb = Heartbeat(recorder=None, enabled=False)
     with hb.section("restore"):
         time.sleep(0.01)
     hb.enter("warmup")
@@ -195,7 +195,7 @@ def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
     fake.perf_counter = lambda: clock["now"]
     fake.sleep = lambda s: clock.__setitem__("now", clock["now"] + s)
     monkeypatch.setattr("ftjob.worker.heartbeat.time", fake)
-    hb = Heartbeat(ledger=None, attempt=0, rank=0, enabled=False)
+    hb = Heartbeat(recorder=None, enabled=False, sleep=fake.sleep)
     hb.enter("warmup")
     slept = []
     for step, compute in enumerate([0.3] * 6 + [0.1] * 40, start=1):

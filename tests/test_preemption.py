@@ -12,26 +12,24 @@ from ftjob import metrics as M
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.driver.drains import DrainRelay
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
-from ftjob.worker import preemption
 from ftjob.worker.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
 from tests.test_chaos import WORKERS
 from tests.test_chaos import FakeLedger as ChaosLedger
 from tests.test_summary import make_ledger, train
 
 
-def test_a_drain_notice_carries_its_deadline_and_wins_over_nothing(monkeypatch):
-    notices = PreemptionNotices(world=1, device="cpu")
-    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
+def test_a_drain_notice_carries_its_deadline_and_wins_over_nothing():
+    drain: list = [None]  # what Ray Train's drain mark says, as the worker reads it
+    notices = PreemptionNotices(world=1, device="cpu", drain_notice=lambda: drain[0])
     assert notices.agree() is None and not notices.noticed()
-    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: (1_000_030.0, [1]))
+    drain[0] = (1_000_030.0, [1])
     notice = notices.agree()
     assert notice is not None and (notice.source, notice.deadline) == (DRAIN, 1_000_030.0)
     assert notice.remaining(1_000_000.0) == 30.0 and notices.drain_ranks == [1]
 
 
-def test_a_driver_request_is_a_notice_without_a_deadline(monkeypatch):
-    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
-    notices = PreemptionNotices(world=1, device="cpu")
+def test_a_driver_request_is_a_notice_without_a_deadline():
+    notices = PreemptionNotices(world=1, device="cpu", drain_notice=lambda: None)
     notices.requested.set()  # what the ledger poller does when the driver got SIGTERM
     notice = notices.agree()
     assert notice is not None and notice.source == DRIVER and notice.deadline is None
@@ -42,7 +40,6 @@ def test_sigterm_to_a_worker_is_a_notice_once_then_rays_exit_again(monkeypatch):
     import ray._private.worker as ray_worker
 
     exits: list[str] = []
-    monkeypatch.setattr(preemption, "ray_drain_notice", lambda: None)
     monkeypatch.setattr(
         ray_worker, "raise_sys_exit_with_custom_error_message", lambda m, c=1: exits.append(m)
     )

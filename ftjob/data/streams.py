@@ -84,10 +84,12 @@ class RayDataStream:
         channels_last: bool = False,
         window_mb: float = 256,
         local_first_window: bool = False,
+        decode_here: bool = False,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
-        # The first window of this stream's first epoch decodes in this process (LocalWindow).
-        self._local_first = local_first_window
+        # The first window of this stream's first epoch decodes in this process (LocalWindow);
+        # with decode_here, every window does (a worker run without Ray: tests).
+        self._local_first, self.decode_here = local_first_window, decode_here
         self.seed, self.device = seed, device
         self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
         self.pin_memory, self.channels_last = pin_memory, channels_last
@@ -115,7 +117,8 @@ class RayDataStream:
 
         if len(ids) == 0:
             return
-        configure_ray_data()
+        if not self.decode_here:
+            configure_ray_data()
         rows = self.catalog.take(pa.array(ids))
         # Blocks of whole batches: batch boundaries never straddle blocks, and several
         # blocks decode in parallel ahead of the training step.
@@ -143,7 +146,7 @@ class RayDataStream:
         """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
         import ray.data
 
-        if self._local_first:
+        if self._local_first or self.decode_here:
             self._local_first = False
             return LocalWindow.decode(blocks, decode)
 

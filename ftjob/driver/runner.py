@@ -51,7 +51,7 @@ from ftjob.storage.fs import (
 )
 from ftjob.storage.lease import LeaseHeld, LeaseKeeper, RunLease
 from ftjob.storage.wrapper import exclusive_create_guarantee
-from ftjob.worker.checkpointer import run_scratch_dir, scratch_name
+from ftjob.worker.scratch import run_scratch_dir, scratch_name
 
 logger = logging.getLogger("ftjob")
 
@@ -419,12 +419,9 @@ def _train_on_cluster(
     return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
 
 
-def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
-    from ftjob.chaos.killer import start_killer
-    from ftjob.driver.ledger import start_ledger
-    from ftjob.policy.hang import WatchConfig
-
-    plan = {
+def run_plan(job: JobConfig, prep: Prepared) -> dict[str, Any]:
+    """What the run ledger knows of the run's shape from the start."""
+    return {
         "num_samples": prep.plan.num_samples,
         "global_batch_size": prep.plan.global_batch_size,
         "samples_per_epoch": prep.plan.samples_per_epoch,
@@ -433,7 +430,34 @@ def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
         "epochs": job.trainer.epochs,
         "num_workers": job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
     }
-    ledger = start_ledger(plan, list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
+
+
+def worker_spec(job: JobConfig, prep: Prepared, ledger: Any, catalogs: dict[str, Any]) -> Any:
+    """What every worker is handed (``catalogs``: the tables, or references to them)."""
+    from ftjob.worker.loop import WorkerSpec
+
+    return WorkerSpec(
+        job=job,
+        dataset=prep.dataset,
+        catalogs=catalogs,
+        ledger=ledger,
+        fs=prep.fs,
+        run_path=prep.run_path,
+        run_name=prep.name,
+        data=prep.data,
+        scratch=prep.scratch,
+        fence=prep.lease.fence(),
+        public_config=prep.public_config,
+    )
+
+
+def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
+    from ftjob.chaos.killer import start_killer
+    from ftjob.driver.ledger import start_ledger
+    from ftjob.policy.hang import WatchConfig
+
+    watch = WatchConfig.from_job(job)
+    ledger = start_ledger(run_plan(job, prep), list(job.chaos.fail_at_steps), watch)
     killer = None
     if job.chaos.enabled:
         killer = start_killer(job.chaos, ledger)
@@ -467,21 +491,11 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     from ftjob.driver.drains import drain_relay
     from ftjob.driver.ledger import failure_watch
     from ftjob.driver.scaling import elastic_policy
-    from ftjob.worker.loop import WorkerSpec, train_loop
+    from ftjob.worker.loop import train_loop
 
     t = job.trainer
-    spec = WorkerSpec(
-        job=job,
-        dataset=prep.dataset,
-        catalogs={split: ray.put(table) for split, table in prep.catalogs.items()},
-        ledger=ledger,
-        fs=prep.fs,
-        run_path=prep.run_path,
-        run_name=prep.name,
-        data=prep.data,
-        scratch=prep.scratch,
-        fence=prep.lease.fence(),
-        public_config=prep.public_config,
+    spec = worker_spec(
+        job, prep, ledger, {split: ray.put(table) for split, table in prep.catalogs.items()}
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.

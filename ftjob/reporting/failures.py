@@ -64,8 +64,9 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
     for k in range(max(len(failed), len(noticed))):
         # Past the attempts followed by another: the last one, which died.
         i = failed[k] if k < len(failed) else len(attempts) - 1 + (k - len(failed))
-        attempt = attempts[i] if i < len(attempts) else None
-        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        # (No attempt at all when every worker died before it could start one.)
+        attempt = attempts[i] if 0 <= i < len(attempts) else None
+        nxt = attempts[i + 1] if 0 <= i + 1 < len(attempts) else None
         notice = noticed[k] if k < len(noticed) else (nxt["started"] if nxt else None)
         lo = attempt["started"] if attempt else 0.0
         hi = notice if notice is not None else float("inf")

@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,14 +30,13 @@ logger = logging.getLogger("ftjob.worker.heartbeat")
 class Heartbeat:
     def __init__(
         self,
-        ledger: Any,
-        attempt: int,
-        rank: int,
+        recorder: Any,
         io_count: Any = None,
         interval: float = 1.0,
         enabled: bool = True,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.ledger, self.attempt, self.rank = ledger, attempt, rank
+        self.recorder, self.sleep = recorder, sleep  # a RunRecorder: where beats go
         self.io_count = io_count or (lambda: -1)  # storage requests completed so far
         self.interval = interval
         self._lock = threading.Lock()
@@ -95,7 +94,7 @@ class Heartbeat:
         whose first steps share the process with the stream's start-up)."""
         if self.slow > 0 and self._pace:
             self._slept = self.slow * statistics.median(self._pace)
-            time.sleep(self._slept)
+            self.sleep(self._slept)
 
     def step_done(self, step: int) -> None:
         now = time.perf_counter()
@@ -152,16 +151,14 @@ class Heartbeat:
         return beat
 
     def _send(self) -> None:
-        import ray
+        import ray.exceptions
 
         try:
-            answer = ray.get(
-                self.ledger.heartbeat.remote(self.attempt, self.rank, self._beat()), timeout=10
-            )
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+            answer = self.recorder.heartbeat(self._beat())
+        except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             logger.debug("heartbeat not delivered: %s", exc)
             return
-        self.slow = float((answer or {}).get("slow", 0.0))
+        self.slow = float(answer.get("slow", 0.0))
 
     def _run(self) -> None:
         while True:

@@ -1,24 +1,29 @@
-"""The per-worker training function. Ray Train runs it on every worker and runs it again,
-from the latest valid checkpoint, after a failure.
+"""The training worker: what Ray Train runs on every worker, and runs again from the newest
+valid checkpoint after a failure. :meth:`Worker.train` is one attempt and reads top to bottom:
 
-Each attempt: register with the ledger -> restore (timed: download, load) -> position the
-resumable iterator after the last trained sample (timed: skip) -> train, validating every N
-steps and checkpointing every M steps (rank 0 writes and uploads, every rank reports).
+    start (the attempt's index, heartbeat, checkpointer) -> build (model, optimizer, notices)
+    -> restore (timed: download, load) -> open the streams at the restored position (timed:
+    skip) -> for each batch: step, then after the step: progress, validation, checkpoint
+    (when due: the checkpointer decides), preemption notices -> finish (the final checkpoint)
+
+Everything it needs from the world comes from its :class:`~ftjob.worker.context.WorkerContext`
+(Ray Train in production, this process in tests) and every record goes through its
+:class:`~ftjob.worker.recorder.RunRecorder`. A job that must stop (divergence, the upload
+budget spent, no checkpoint that verifies, the run taken over, a file that cannot be decoded)
+raises :class:`~ftjob.worker.recorder.JobStopped` on every rank together; the attempt then
+returns, and the driver reports the ledger's reason.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import ray
-import ray.train
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,6 +34,7 @@ from ftjob.data.datasets import TRAIN, VAL, ImageDataset, data_error_of
 from ftjob.data.order import EpochPlan, validation_ids
 from ftjob.data.streams import (
     EPOCH_END,
+    Batch,
     BatchFeeder,
     RayDataStream,
     ResumableIterator,
@@ -39,33 +45,359 @@ from ftjob.policy.elastic import micro_batches
 from ftjob.storage.faults import set_fault_stream
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.lease import LeaseFence
-from ftjob.worker.checkpointer import (
-    Checkpointer,
-    NoUsableCheckpoint,
-    Restored,
-    TrainState,
-    attempt_scratch_dir,
-)
-from ftjob.worker.collective import broadcast
+from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, Restored, TrainState
+from ftjob.worker.context import WorkerContext, ray_context
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
 from ftjob.worker.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.worker.preemption import PreemptionNotices
+from ftjob.worker.recorder import JobStopped, RunRecorder
+from ftjob.worker.scratch import attempt_scratch_dir
+from ftjob.worker.validation import Validator
 
 
-def build_streams(
+@dataclass
+class WorkerSpec:
+    """What the driver hands every worker: plain, resolved data and handles."""
+
+    job: JobConfig
+    dataset: ImageDataset
+    catalogs: dict[str, Any]  # split -> pyarrow.Table (an ObjectRef of one, on Ray)
+    ledger: Any  # the run ledger's handle (a Ray actor in production)
+    fs: RetryingFileSystem  # the run's storage, with its retry policy (pickles)
+    run_path: str  # the run's directory on ``fs``
+    run_name: str
+    data: dict[str, Any]  # the train catalog's fingerprint (ftjob.driver.resume)
+    scratch: str  # this driver's checkpoint scratch (ftjob.worker.scratch.scratch_name)
+    fence: LeaseFence  # raises once another driver holds the run: before every commit, prune
+    public_config: dict[str, Any]  # the resolved config, secrets redacted: kept in checkpoints
+
+
+def train_loop(spec: WorkerSpec) -> None:
+    """Entry point handed to TorchTrainer (train_loop_config is the WorkerSpec)."""
+    Worker(spec, ray_context(spec.ledger)).train()
+
+
+class InjectedFailure(RuntimeError):
+    """Raised at a step listed in chaos.fail_at_steps (once per run)."""
+
+
+class Worker:
+    """One training worker's attempt. Checkpoints are the :class:`Checkpointer`'s, data order
+    and position the iterator's; everything else is here, built in :meth:`_start`/:meth:`_build`."""
+
+    spec: WorkerSpec
+    ctx: WorkerContext
+    job: JobConfig
+    trainer: Any  # job.trainer
+    autocast: bool  # bf16 autocast (trainer.precision)
+    record: RunRecorder  # every ledger call, with its rank rule
+    rank: int
+    world: int
+    catalogs: dict[str, Any]  # split -> pyarrow.Table
+    plan: EpochPlan  # the data order (global batch, steps per epoch)
+    total_steps: int
+    state: TrainState  # where training stands
+    metrics: M.MetricSet
+    lr: LRSchedule
+    losses: LossWindow  # the training loss since the last progress line
+    beat: Heartbeat
+    checkpointer: Checkpointer
+    notices: PreemptionNotices | None  # preemptions, and planned elastic resizes
+    model: Any  # as prepared for data parallelism (DDP)
+    module: torch.nn.Module  # the model itself
+    optimizer: torch.optim.Optimizer
+    restored: Restored | None
+    val_set: ValidationSet | None
+    validator: Validator  # validation of a step, once; owed after a notice cut it short
+    feeder: BatchFeeder | None
+    started: dict[str, float]  # perf_counter stamps of the attempt's set-up
+    first_step_done: bool
+    _wait_start: float  # when this rank began waiting for its next batch
+
+    def __init__(self, spec: WorkerSpec, ctx: WorkerContext) -> None:
+        self.started = {"entered": time.perf_counter()}
+        self.spec, self.ctx, self.job = spec, ctx, spec.job
+        self.trainer = spec.job.trainer
+        self.record, self.rank, self.world = ctx.recorder, ctx.rank, ctx.world
+        self.catalogs = {split: ctx.fetch(ref) for split, ref in spec.catalogs.items()}
+        self.plan = EpochPlan(
+            self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
+        )
+        self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
+        self.state, self.metrics = TrainState(), M.MetricSet()
+        self.lr = LRSchedule.for_trainer(self.trainer, self.plan.steps_per_epoch)
+        self.losses = LossWindow(ctx.device, self.world)
+        self.notices = self.restored = self.val_set = self.feeder = None
+        self.first_step_done, self._wait_start = False, time.perf_counter()
+        self.beat = None  # type: ignore[assignment]
+        self.checkpointer = None  # type: ignore[assignment]
+        self.validator = None  # type: ignore[assignment]
+
+    # -- the attempt, top to bottom --------------------------------------------------------
+
+    def train(self) -> None:
+        """The whole attempt. One exit: a job that must stop ends it as a normal return, and
+        whatever the attempt opened is closed whichever way it ends."""
+        try:
+            self._start()
+            self._build()
+            self._restore()
+            assert self.feeder is not None
+            for epoch, batch in self.feeder:
+                epoch_end = batch is EPOCH_END
+                if not epoch_end:
+                    self._step(epoch, batch)
+                self._after_step(epoch, epoch_end)
+            self._finish()
+        except JobStopped:
+            pass  # every rank together; the ledger has the reason
+        except Exception as exc:  # a file that cannot be decoded; anything else is raised again
+            end_on_data_error(exc, self.record, self.world)
+        finally:
+            self._close()
+
+    def _start(self) -> None:
+        """The attempt's index (rank 0 asks, every rank hears), where this rank runs, its
+        heartbeat and checkpointer. A fatal error or a restart loop stops it here."""
+        answer = self.ctx.broadcast(self.record.start_attempt(self.world))
+        self.record.attempt = answer["attempt"]
+        if answer["stop"] is not None:
+            raise JobStopped(answer["stop"])
+        torch.set_num_threads(max(1, int(self.trainer.worker_cpus)))
+        set_fault_stream(self.spec.fs, f"attempt {self.record.attempt} rank {self.rank}")
+        self.record.register(self.ctx.where)
+        self.beat = Heartbeat(
+            self.record, self.spec.fs.completed_requests, self.job.failure.heartbeat_interval
+        )
+        self.checkpointer = Checkpointer(
+            fs=self.spec.fs,
+            run_path=self.spec.run_path,
+            config=self.job.checkpoint,
+            job_config=self.spec.public_config,
+            recorder=self.record,
+            world=self.world,
+            broadcast=self.ctx.broadcast,
+            report=self.ctx.report,
+            metrics=self.metrics,
+            local_root=attempt_scratch_dir(self.spec.scratch, self.record.attempt, self.rank),
+            global_batch=self.plan.global_batch_size,
+            data=self.spec.data,
+            schedule=CheckpointSchedule(
+                self.trainer.checkpoint_every_n_steps, self.job.failure.expected_mtbf_s
+            ),
+            fence=self.spec.fence,
+        )
+        self.started["registered"] = time.perf_counter()
+
+    def _build(self) -> None:
+        """Notices, model (the same initial weights on every rank), DDP, optimizer."""
+        job, t = self.job, self.trainer
+        if job.failure.preemption or t.elastic:  # a planned resize takes the notice's path
+            self.notices = PreemptionNotices(
+                self.world,
+                self.ctx.device,
+                self.record if self.rank == 0 else None,  # rank 0 polls; agree() tells the rest
+                sigterm=job.failure.preemption and self.ctx.ray_signals,
+                drain_notice=self.ctx.drain_notice if job.failure.preemption else None,
+            )
+        torch.manual_seed(t.seed)
+        model = build_model(job.model, self.spec.dataset.num_classes)
+        if t.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = self.ctx.prepare_model(model)
+        self.beat.attach(self.model)
+        self.module = self.model.module if hasattr(self.model, "module") else self.model
+        groups = parameter_groups(self.module, t.weight_decay_norm_and_bias)
+        self.optimizer = build_optimizer(job.optimizer, groups, t.lr)
+        self.autocast = t.precision == "bf16"
+        self.started["built"] = time.perf_counter()
+
+    def _restore(self) -> None:
+        """The newest checkpoint that verifies, loaded (or step 0); the streams opened at its
+        position -- nothing before it is read -- and the restore recorded."""
+        self.beat.enter("restore")  # until the stream starts at the restored position
+        try:
+            self.restored = self.checkpointer.restore(self.module, self.optimizer, self.ctx.device)
+        except NoUsableCheckpoint as exc:  # every rank: retrying would find the same
+            raise self.record.fatal(str(exc)) from None
+        if self.restored is not None:
+            saved = self.restored.state
+            self.state = TrainState(saved.step, saved.epoch, saved.position, saved.validated)
+        note = self.record.log if self.rank == 0 else None  # one line for the run, not per rank
+        self.val_set, self.feeder, skip_s = open_streams(
+            self.spec.dataset, self.catalogs, self.trainer, self.ctx, self.plan, self.state, note
+        )
+        stop = self.notices.noticed if self.notices is not None else None
+        self.validator = Validator(
+            self.val_set, self.ctx, self.autocast, self.metrics, self.beat.section, stop
+        )
+        self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
+        s = self.state
+        if self.restored is not None:
+            self.record.restored({**self.restored.record(), "skip": skip_s})
+            self.validator.restored(s.step, s.validated)
+            every = self.trainer.validate_every_n_steps
+            if Validator.owed(s.step, s.position, s.validated, every):  # a notice cut it short
+                self.validator.run(self.module, s.step, s.epoch - 1 if s.position == 0 else s.epoch)
+        self.checkpointer.send_storage_stats()
+        self.beat.enter("warmup")  # until the first step
+        self._wait_start = time.perf_counter()
+
+    def _step(self, epoch: int, batch: Batch) -> None:
+        """One training step on this rank's slice of the global batch, and its records."""
+        t, B = self.trainer, self.plan.global_batch_size
+        waited = time.perf_counter() - self._wait_start
+        first = not self.first_step_done
+        new_epoch = first or self.state.position == 0
+        self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
+        self.beat.step_started(waited)
+        with self.metrics.timer(M.TRAIN_STEP):
+            self.losses.add(self._train_step(batch.images, batch.labels), B)
+        self.state.step += 1
+        self.beat.step_done(self.state.step)
+        self.state.position += B
+        self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
+        self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
+        if t.audit_samples:
+            self.record.audit_step(self.state.step, epoch, batch.ids.tolist())
+        self.record.step_done(self.state.step)
+        if first:  # with its own cost (batch wait + step): not set-up
+            self.first_step_done = True
+            took = time.perf_counter() - self._wait_start
+            self.record.first_step(self.state.step, took, start_phases(self.started, waited, took))
+            assert self.val_set is not None
+            self.val_set.prefetch()  # training is flowing: fill the validation cache meanwhile
+        step = self.state.step
+        if step in self.job.chaos.fail_at_steps and self.record.claim_injected_failure(step):
+            raise InjectedFailure(f"chaos.fail_at_steps: injected failure at step {step}")
+
+    def _after_step(self, epoch: int, epoch_end: bool) -> None:
+        """After every step, and at the end of every epoch (the epoch's last step acts there,
+        with the position already wrapped to the next epoch): progress line, validation,
+        checkpoint when due, preemption notice."""
+        s, t = self.state, self.trainer
+        if epoch_end:
+            s.epoch, s.position = epoch + 1, 0
+        else:
+            if s.step % t.log_every_n_steps == 0:
+                self._log_progress()
+            if s.position >= self.plan.samples_per_epoch:
+                return  # the epoch's last step: validated and checkpointed at its end
+        if epoch_end or (t.validate_every_n_steps and s.step % t.validate_every_n_steps == 0):
+            self.validator.run(self.module, s.step, epoch)
+        s.validated = self.validator.done(s.step)
+        with self.beat.section("checkpoint"):
+            self.checkpointer.maybe_save(
+                s, self.module, self.optimizer, epoch_end, guard=self._refuse_diverged
+            )
+        self._preempted()
+        self._wait_start = time.perf_counter()
+
+    def _finish(self) -> None:
+        """The final checkpoint must commit; the run's last progress line."""
+        with self.beat.section("checkpoint"):
+            self.checkpointer.finish(self.state)
+        self.checkpointer.send_storage_stats()
+        busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
+        rate = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
+        self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), rate)
+        self.record.finish()
+
+    def _close(self) -> None:
+        for closing in (self.feeder, self.val_set, self.notices, self.beat, self.checkpointer):
+            if closing is not None:
+                closing.close()
+
+    # -- parts of a step ---------------------------------------------------------------------
+
+    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr(self.state.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = backward_in_micro_batches(
+            self.model, images, labels, self.trainer.batch_size, self._loss, self.beat.straggle
+        )  # chaos=slow sleeps between forward and backward: local time, not the others' wait
+        self.optimizer.step()
+        return loss
+
+    def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return F.cross_entropy(
+                self.model(images), labels, label_smoothing=self.trainer.label_smoothing
+            )
+
+    def _refuse_diverged(self) -> None:
+        """Before a checkpoint: a non-finite loss since the last check, or non-finite weights
+        (a finite loss, but the step made them NaN), stop the job -- diverged weights are
+        never written over a good checkpoint."""
+        self._stop_if_diverged(self.losses.peek(self.state.step))
+        if not all(torch.isfinite(p).all() for p in self.module.parameters()):
+            self._stop_if_diverged(math.nan)
+
+    def _stop_if_diverged(self, loss: float) -> None:
+        """A non-finite loss stops the job (every rank sees the same all-reduced loss, so all
+        stop together), unless trainer.stop_on_nonfinite_loss=false. Retrying would diverge
+        again: the job ends as failed, not through the failure budget."""
+        if math.isfinite(loss) or not self.trainer.stop_on_nonfinite_loss:
+            return
+        raise self.record.fatal(divergence(loss, self.state.step, self.losses.last_finite_step))
+
+    def _preempted(self) -> None:
+        """Every rank, once per step: on an agreed preemption notice, commit a checkpoint of
+        this very step (0 lost steps), then be torn down (the context's teardown: returning
+        would tell Ray Train that training finished)."""
+        if self.notices is None or self.state.step >= self.total_steps:
+            return  # at the last step the run ends anyway
+        notice = self.notices.agree()
+        if notice is None:
+            return
+        record = notice.record(self.state.step, self.notices.drain_ranks)
+        self.record.preemption_notice({**record, "validation_cut": self.validator.cut})
+        self.state.validated = self.validator.done(self.state.step)
+        with self.beat.section("checkpoint"):
+            jit = self.checkpointer.save_now(
+                self.state, self.module, self.optimizer, notice.deadline
+            )
+        self.beat.enter("preempted")
+        self.record.jit_checkpoint(jit)
+        self.checkpointer.send_storage_stats()
+        self.notices.wait_for_teardown(self.ctx.teardown)
+
+    def _log_progress(self) -> None:
+        """A progress line with the mean loss since the last one; a non-finite one stops."""
+        loss, throughput = self.losses.read(self.state.step)
+        self.metrics.set(M.TRAIN_LOSS, loss)
+        self._send_progress(self.state.epoch, loss, throughput)
+        self._stop_if_diverged(loss)
+
+    def _send_progress(self, epoch: int, loss: float, throughput: float) -> None:
+        progress = {"step": self.state.step, "epoch": epoch, "epochs": self.trainer.epochs}
+        progress.update(total_steps=self.total_steps, loss=loss, throughput=throughput)
+        progress["lr"] = self.lr(max(self.state.step - 1, 0))  # the last step's
+        self.record.progress(progress, self.metrics.as_dict())
+
+
+# -- the pieces, pure or nearly ---------------------------------------------------------------
+
+
+def open_streams(
     dataset: ImageDataset,
     catalogs: dict[str, Any],
     trainer: Any,
-    device: torch.device,
+    ctx: WorkerContext,
     plan: EpochPlan,
-    rank: int,
-    world: int,
+    state: TrainState,
     note: Callable[[str], None] | None = None,
-) -> tuple[ValidationSet, ResumableIterator]:
-    """This rank's validation set and resumable training iterator, decoded in Ray Data;
-    ``note`` hears what the user should know (a validation set too big to cache)."""
+) -> tuple[ValidationSet, BatchFeeder, float]:
+    """This rank's validation set, and its training batches from ``state``'s position to the
+    end of training, already decoding in Ray Data (or in this process: the context's
+    ``decode_here``); and how long positioning took (the skip). ``note`` hears what the user
+    should know (a validation set too big to cache)."""
+    device, rank, world = ctx.device, ctx.rank, ctx.world
     common = {
+        "decode_here": ctx.decode_here,
         "seed": trainer.seed,
         "device": device,
         "prefetch_batches": trainer.prefetch_batches,
@@ -83,7 +415,20 @@ def build_streams(
         trainer.validation_cache_mb * 2**20,
         note,
     )
-    return val_set, ResumableIterator(train_stream, plan, rank, world)
+    iterator = ResumableIterator(train_stream, plan, rank, world)
+    start = time.perf_counter()
+    s = state
+    first = iterator.epoch(s.epoch, s.position) if s.epoch < trainer.epochs else iter(())
+    feeder = BatchFeeder(
+        iterator,
+        first,
+        s.epoch,
+        trainer.epochs,
+        depth=max(1, trainer.prefetch_batches),
+        first_steps=plan.steps_per_epoch - s.position // plan.global_batch_size,
+        steps_per_epoch=plan.steps_per_epoch,
+    )
+    return val_set, feeder, time.perf_counter() - start
 
 
 def start_phases(started: dict[str, float], waited: float, took: float) -> dict[str, float]:
@@ -96,61 +441,6 @@ def start_phases(started: dict[str, float], waited: float, took: float) -> dict[
         "first_batch": waited,
         "first_step": took - waited,
     }
-
-
-def make_checkpointer(
-    spec: WorkerSpec, rank: int, world: int, attempt: int, metrics: M.MetricSet
-) -> Checkpointer:
-    return Checkpointer(
-        fs=spec.fs,
-        run_path=spec.run_path,
-        config=spec.job.checkpoint,
-        job_config=spec.public_config,
-        data=spec.data,
-        rank=rank,
-        world=world,
-        ledger=spec.ledger,
-        attempt=attempt,
-        metrics=metrics,
-        local_root=attempt_scratch_dir(spec.scratch, attempt, rank),
-        schedule=CheckpointSchedule(
-            spec.job.trainer.checkpoint_every_n_steps, spec.job.failure.expected_mtbf_s
-        ),
-        fence=spec.fence,
-    )
-
-
-def open_streams(
-    spec: WorkerSpec,
-    catalogs: dict[str, Any],
-    device: torch.device,
-    plan: EpochPlan,
-    rank: int,
-    world: int,
-    state: TrainState,
-) -> tuple[ValidationSet, BatchFeeder, float]:
-    """This rank's validation set, and its training batches from ``state``'s position to the
-    end of training (the epoch's stream starts at the position: nothing before it is read),
-    already decoding; and how long positioning took (the skip)."""
-    trainer = spec.job.trainer
-    note = spec.ledger.log.remote if rank == 0 else None  # one line for the run, not per rank
-    val_set, iterator = build_streams(
-        spec.dataset, catalogs, trainer, device, plan, rank, world, note
-    )
-    start = time.perf_counter()
-    first = (
-        iterator.epoch(state.epoch, state.position) if state.epoch < trainer.epochs else iter(())
-    )
-    feeder = BatchFeeder(
-        iterator,
-        first,
-        state.epoch,
-        trainer.epochs,
-        depth=max(1, trainer.prefetch_batches),
-        first_steps=plan.steps_per_epoch - state.position // plan.global_batch_size,
-        steps_per_epoch=plan.steps_per_epoch,
-    )
-    return val_set, feeder, time.perf_counter() - start
 
 
 class LossWindow:
@@ -192,34 +482,19 @@ class LossWindow:
         return loss, throughput
 
 
-@torch.inference_mode()
-def evaluate(
-    module: torch.nn.Module,
-    batches: Any,
-    device: torch.device,
-    autocast: bool,
-    world: int,
-    stop: Callable[[], bool] | None = None,
-) -> tuple[float, float, float, bool]:
-    """(summed loss, correct, count, complete) over every rank's validation shard. ``stop``
-    (a preemption notice) cuts it short; every rank still meets in the final all-reduce, and
-    the result counts only if no rank stopped."""
-    module.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=device)
-    for batch in batches:
-        if stop is not None and stop():
-            totals[3] = 1
-            break
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = module(batch.images)
-        totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-        totals[1] += (logits.argmax(1) == batch.labels).sum()
-        totals[2] += len(batch.labels)
+def end_on_data_error(exc: Exception, record: RunRecorder, world: int) -> None:
+    """A file that cannot be decoded fails again on every attempt: it is the run's fatal
+    error, not a failure for failure.max_failures to absorb. Any other error is raised again
+    (a failure: Ray Train's to retry)."""
+    error = data_error_of(exc)
+    if error is None:
+        raise exc
+    record.data_error(str(error))
     if world > 1:
-        dist.all_reduce(totals)
-    module.train()
-    loss, correct, count, stopped = totals.tolist()
-    return loss, correct, count, not stopped
+        # The ranks whose slices hold no bad file wait in a collective with this one (gloo
+        # waits while this process lives): the attempt fails instead, Ray Train ends the
+        # group at once, and its restart stops at its start (the ledger has the error).
+        raise error from exc
 
 
 def divergence(loss: float, step: int, last_finite_step: int) -> str:
@@ -228,68 +503,6 @@ def divergence(loss: float, step: int, last_finite_step: int) -> str:
         f"at step {last_finite_step}); not retried, and no checkpoint of the diverged weights "
         "was written (trainer.stop_on_nonfinite_loss=false trains on)"
     )
-
-
-def end_on_data_error(exc: BaseException, ledger: Any, world: int) -> None:
-    """Called with the exception that ended training on this rank; returns if the rank is to
-    return, raises otherwise. A file that cannot be decoded (a DataError) fails again on every
-    attempt: it becomes the run's fatal error, not a failure for failure.max_failures to
-    absorb, and one worker returns. With several, the ranks whose slices do not hold the file
-    are blocked in a collective with this one -- gloo waits for as long as this process lives
-    -- so the attempt fails instead (the DataError is raised): Ray Train ends the group at
-    once, and its restart ends at its start, as the ledger holds a fatal error."""
-    error = data_error_of(exc)
-    if error is None:
-        raise exc
-    ray.get(ledger.set_fatal.remote(str(error)), timeout=60)
-    if world > 1:
-        raise error from exc
-
-
-class InjectedFailure(RuntimeError):
-    """Raised at a step listed in chaos.fail_at_steps (once per run)."""
-
-
-def maybe_inject_failure(ledger: Any, step: int, fail_at_steps: list[int]) -> None:
-    """Rank 0: raise at a step of chaos.fail_at_steps, once per run (the ledger keeps count)."""
-    if step in fail_at_steps and ray.get(ledger.claim_injected_failure.remote(step, time.time())):
-        raise InjectedFailure(f"chaos.fail_at_steps: injected failure at step {step}")
-
-
-@dataclass
-class WorkerSpec:
-    """What the driver hands every worker: plain, resolved data and handles."""
-
-    job: JobConfig
-    dataset: ImageDataset
-    catalogs: dict[str, Any]  # split -> ObjectRef of a pyarrow.Table
-    ledger: Any  # ActorHandle[RunLedger]
-    fs: RetryingFileSystem  # the run's storage, with its retry policy (pickles)
-    run_path: str  # the run's directory on ``fs``
-    run_name: str
-    data: dict[
-        str, Any
-    ]  # the train catalog's fingerprint (ftjob.driver.resume.catalog_fingerprint)
-    scratch: str  # this driver's checkpoint scratch (ftjob.worker.checkpointer.scratch_name)
-    fence: LeaseFence  # raises once another driver holds the run: before every commit, prune
-    public_config: dict[str, Any]  # the resolved config, secrets redacted: kept in checkpoints
-
-
-def _step_seed(seed: int, step: int, rank: int) -> int:
-    """Seed for step-local randomness (dropout...): the same whichever attempt runs the step."""
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
-
-
-def make_notices(
-    job: JobConfig, world: int, device: Any, ledger: Any, rank: int
-) -> PreemptionNotices | None:
-    """A rank's notice signals: preemptions (failure.preemption), and a planned elastic
-    resize, which takes the same path (a checkpoint of the current step, then teardown)."""
-    preemption = job.failure.preemption
-    if not (preemption or job.trainer.elastic):
-        return None
-    ledger = ledger if rank == 0 else None  # rank 0 polls the ledger; agree() tells the rest
-    return PreemptionNotices(world, device, ledger, sigterm=preemption, drain=preemption)
 
 
 def backward_in_micro_batches(
@@ -320,316 +533,6 @@ def backward_in_micro_batches(
     return total
 
 
-class Worker:
-    """One training worker's attempt. ``run()`` is the whole attempt; checkpoints are the
-    :class:`~ftjob.worker.checkpointer.Checkpointer`'s, data order and position the iterator's."""
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        entered = time.perf_counter()
-        self.spec = spec
-        self.job = job = spec.job
-        self.trainer = job.trainer
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.fs = spec.fs  # the run's retrying filesystem, as the driver built it
-        self.ledger = spec.ledger
-        self.metrics = M.MetricSet()
-        self.state = TrainState()
-        self.device = ray.train.torch.get_device()
-        torch.set_num_threads(max(1, int(self.trainer.worker_cpus)))
-        self.catalogs = {split: ray.get(ref) for split, ref in spec.catalogs.items()}
-        self.plan = EpochPlan(
-            self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
-        )
-        self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
-        self.lr = LRSchedule.for_trainer(self.trainer, self.plan.steps_per_epoch)
-        self.validated_step, self.smoothing = -1, self.trainer.label_smoothing
-        self.restore_info: dict[str, Any] | None = None
-        self.losses = LossWindow(self.device, self.world)
-        self.notices: PreemptionNotices | None = None
-        self.validation_cut: int | None = None  # the step whose validation a notice cut short
-        # Set-up phases (seconds) until the first step, for the ledger's recovery records.
-        self.started: dict[str, float] = {"entered": entered}
-
-    # -- setup ----------------------------------------------------------------------------
-
-    def _register(self) -> None:
-        ask = self.ledger.start_attempt
-        start = ray.get(ask.remote(time.time(), self.world)) if self.rank == 0 else None
-        start = broadcast(start, self.world)
-        self.attempt, self.stop_reason = start["attempt"], start["stop"]
-        set_fault_stream(self.fs, f"attempt {self.attempt} rank {self.rank}")
-        node = ray.get_runtime_context().get_node_id()
-        where = {"node_id": node, "pid": os.getpid(), "raylet_pid": os.getppid()}
-        self.ledger.register_worker.remote(self.attempt, self.rank, {**where, "time": time.time()})
-        interval = self.job.failure.heartbeat_interval
-        self.beat = Heartbeat(
-            self.ledger, self.attempt, self.rank, self.fs.completed_requests, interval
-        )
-        self.checkpointer = make_checkpointer(
-            self.spec, self.rank, self.world, self.attempt, self.metrics
-        )
-
-    def _build(self) -> None:
-        torch.manual_seed(self.trainer.seed)
-        model = build_model(self.job.model, self.spec.dataset.num_classes)
-        if self.trainer.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        self.model = ray.train.torch.prepare_model(model)
-        self.beat.attach(self.model)
-        self.module = self.model.module if hasattr(self.model, "module") else self.model
-        groups = parameter_groups(self.module, self.trainer.weight_decay_norm_and_bias)
-        self.optimizer = build_optimizer(self.job.optimizer, groups, self.trainer.lr)
-        self.autocast = self.trainer.precision == "bf16"
-
-    def _locate(self) -> Restored | None:
-        """The checkpoint to restore, downloaded, its state (step, data position) applied."""
-        located = self.checkpointer.locate(self.plan.global_batch_size)
-        if located is not None:
-            self.metrics.load_state_dict(located.metrics)
-            self.metrics.add(M.CHECKPOINT_DOWNLOAD, located.download_s)
-            self.state = located.state
-            self.validated_step = self.state.step if self.state.validated else -1
-        return located
-
-    def _validation_owed(self) -> bool:
-        """Was the restored step due a validation that did not run to its end?"""
-        s, every = self.state, self.trainer.validate_every_n_steps
-        due = s.step > 0 and (s.position == 0 or bool(every and s.step % every == 0))
-        return self.restore_info is not None and not s.validated and due
-
-    def _checkpoint(self) -> bool:
-        """False: the job must stop (a fatal upload failure, or a non-finite loss since the
-        last check: diverged weights are never written over a good checkpoint)."""
-        if self._diverged(self.losses.peek(self.state.step)):
-            return False
-        if not all(torch.isfinite(p).all() for p in self.module.parameters()):
-            return not self._diverged(math.nan)  # a finite loss, but the step made them NaN
-        self.state.validated = self.validated_step == self.state.step
-        with self.beat.section("checkpoint"):
-            return self.checkpointer.save(
-                self.state, self.module, self.optimizer, self.plan.global_batch_size
-            )
-
-    # -- validation -----------------------------------------------------------------------
-
-    def _validate(self, epoch: int) -> None:
-        if self.validated_step == self.state.step:
-            return
-        self.validated_step = self.state.step
-        stop = self.notices.noticed if self.notices is not None else None
-        with self.metrics.timer(M.VALIDATION_STEP), self.beat.section("validation"):
-            loss, correct, count, complete = evaluate(
-                self.module, self.val_set, self.device, self.autocast, self.world, stop
-            )
-        if not complete:  # a preemption notice: this step's validation runs after the restore
-            self.validated_step, self.validation_cut = -1, self.state.step
-            return
-        result = {
-            "epoch": epoch,
-            "loss": loss / max(count, 1),
-            "accuracy": correct / max(count, 1),
-            "samples": int(count),
-            "time": time.time(),
-        }
-        self.metrics.set(M.VALIDATION_LOSS, result["loss"])
-        self.metrics.set(M.VALIDATION_ACCURACY, result["accuracy"])
-        if self.rank == 0:
-            self.ledger.validation.remote(self.attempt, self.state.step, result)
-
-    # -- training -------------------------------------------------------------------------
-
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.lr(self.state.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = backward_in_micro_batches(
-            self.model, images, labels, self.trainer.batch_size, self._loss, self.beat.straggle
-        )  # chaos=slow sleeps between forward and backward: local time, not the others' wait
-        self.optimizer.step()
-        return loss
-
-    def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return F.cross_entropy(self.model(images), labels, label_smoothing=self.smoothing)
-
-    def _diverged(self, loss: float) -> bool:
-        """A non-finite loss stops the job (every rank sees the same all-reduced loss, so all
-        stop together), unless trainer.stop_on_nonfinite_loss=false. Retrying would diverge
-        again: the job ends as failed, not through the failure budget."""
-        if math.isfinite(loss) or not self.trainer.stop_on_nonfinite_loss:
-            return False
-        if self.rank == 0:
-            why = divergence(loss, self.state.step, self.losses.last_finite_step)
-            self.ledger.set_fatal.remote(why)
-        return True
-
-    def _preempted(self) -> bool:
-        """Every rank, once per step: on an agreed preemption notice, commit a checkpoint of
-        this very step (0 lost steps), then wait to be torn down -- returning would tell Ray
-        Train that training finished. False when there is no notice."""
-        if self.notices is None or self.state.step >= self.total_steps:
-            return False  # at the last step the run ends anyway
-        notice = self.notices.agree()
-        if notice is None:
-            return False
-        if self.rank == 0:
-            record = notice.record(self.state.step, self.notices.drain_ranks)
-            record = {**record, "validation_cut": self.validation_cut}
-            self.ledger.preemption_notice.remote(self.attempt, record)
-        self.state.validated = self.validated_step == self.state.step
-        with self.beat.section("checkpoint"):
-            jit = self.checkpointer.save_now(
-                self.state,
-                self.module,
-                self.optimizer,
-                self.plan.global_batch_size,
-                notice.deadline,
-            )
-        self.beat.enter("preempted")
-        if self.rank == 0:
-            self.ledger.jit_checkpoint.remote(self.attempt, {**jit, "time": time.time()})
-        self.checkpointer.send_storage_stats()
-        self.notices.wait_for_teardown()  # never returns
-
-    def _log_progress(self) -> bool:
-        """A progress line with the mean loss since the last one. False: training diverged."""
-        loss, throughput = self.losses.read(self.state.step)
-        self.metrics.set(M.TRAIN_LOSS, loss)
-        if self.rank == 0:
-            self._send_progress(self.state.epoch, loss, throughput)
-        return not self._diverged(loss)
-
-    def _send_progress(self, epoch: int, loss: float, throughput: float) -> None:
-        progress = {"step": self.state.step, "epoch": epoch, "epochs": self.trainer.epochs}
-        progress.update(total_steps=self.total_steps, loss=loss, throughput=throughput)
-        progress["lr"] = self.lr(max(self.state.step - 1, 0))  # the last step's
-        self.ledger.progress_update.remote(
-            self.attempt, {**progress, "time": time.time()}, self.metrics.as_dict()
-        )
-
-    def run(self) -> None:
-        self._register()
-        if self.stop_reason is not None:  # a fatal error or a restart loop: the ledger says why
-            return
-        self.started["registered"] = time.perf_counter()
-        self.notices = make_notices(self.job, self.world, self.device, self.ledger, self.rank)
-        self._build()
-        self.started["built"] = time.perf_counter()
-        self.beat.enter("restore")  # until the stream starts at the restored position
-        try:
-            located = self._locate()
-        except NoUsableCheckpoint as exc:  # every rank: retrying would find the same
-            if self.rank == 0:
-                self.ledger.set_fatal.remote(str(exc))
-            return
-        if located is not None:
-            self.checkpointer.load(located, self.module, self.optimizer, self.device)
-        self.val_set, feeder, skip_s = open_streams(
-            self.spec, self.catalogs, self.device, self.plan, self.rank, self.world, self.state
-        )
-        self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
-        try:
-            if located is not None:
-                self.restore_info = {**located.record(), "skip": skip_s}
-                if self.rank == 0:
-                    self.ledger.restored.remote(self.attempt, self.restore_info)
-            self.checkpointer.send_storage_stats()
-            if self._validation_owed():  # a preemption notice cut it short before the checkpoint
-                self._validate(
-                    self.state.epoch - 1 if self.state.position == 0 else self.state.epoch
-                )
-            self.beat.enter("warmup")  # until the first step
-            if not self._train(feeder):
-                return
-        except Exception as exc:  # a data error ends the job; anything else is raised again
-            end_on_data_error(exc, self.ledger, self.world)
-            return
-        finally:
-            feeder.close()
-            self.val_set.close()
-        with self.beat.section("checkpoint"):
-            if not self.checkpointer.finish(self.state):
-                return
-        self.checkpointer.send_storage_stats()
-        if self.rank == 0:  # the final progress line: the whole run's throughput
-            busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
-            rate = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
-            self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), rate)
-            self.ledger.finish.remote(time.time())
-
-    def _train(self, feeder: BatchFeeder) -> bool:
-        """Train to the end; False if the job must stop (a fatal upload failure, divergence)."""
-        t, B = self.trainer, self.plan.global_batch_size
-        first_step_done, new_epoch = False, True
-        wait_start = time.perf_counter()
-        for epoch, batch in feeder:
-            waited = time.perf_counter() - wait_start
-            if batch is EPOCH_END:
-                # Epoch end: position wraps to the next epoch before the checkpoint is written.
-                self.state.epoch, self.state.position = epoch + 1, 0
-                self._validate(epoch)
-                if not self._checkpoint():
-                    return False
-                self._preempted()
-                new_epoch = True
-                wait_start = time.perf_counter()
-                continue
-            self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
-            new_epoch = False
-            self.beat.step_started(waited)
-            with self.metrics.timer(M.TRAIN_STEP):
-                self.losses.add(self._train_step(batch.images, batch.labels), B)
-            self.state.step += 1
-            self.beat.step_done(self.state.step)
-            self.state.position += B
-            self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
-            self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
-            if t.audit_samples:
-                self.ledger.audit_step.remote(
-                    self.attempt, self.state.step, epoch, batch.ids.tolist()
-                )
-            if self.rank == 0:
-                self.ledger.step_done.remote(self.attempt, self.state.step)
-                if not first_step_done:  # with its own cost (batch wait + step): not set-up
-                    took = time.perf_counter() - wait_start
-                    self.ledger.first_step.remote(
-                        self.attempt,
-                        self.state.step,
-                        time.time(),
-                        took,
-                        start_phases(self.started, waited, took),
-                    )
-            if not first_step_done:
-                # Training is flowing: decode the validation set into its cache meanwhile.
-                self.val_set.prefetch()
-            first_step_done = True
-            if self.rank == 0:
-                maybe_inject_failure(self.ledger, self.state.step, self.job.chaos.fail_at_steps)
-            if self.state.step % t.log_every_n_steps == 0 and not self._log_progress():
-                return False
-            # The epoch's last step validates and checkpoints at EPOCH_END.
-            if self.state.position < self.plan.samples_per_epoch:
-                if t.validate_every_n_steps and self.state.step % t.validate_every_n_steps == 0:
-                    self._validate(epoch)
-                if self.checkpointer.schedule.due(self.state.step):
-                    if not self._checkpoint():
-                        return False
-                self._preempted()
-            wait_start = time.perf_counter()
-        return True
-
-
-def train_loop(spec: WorkerSpec) -> None:
-    """Entry point handed to TorchTrainer (train_loop_config is the WorkerSpec)."""
-    worker = Worker(spec)
-    try:
-        worker.run()
-    finally:
-        if worker.notices is not None:  # SIGTERM is Ray's again
-            worker.notices.close()
-        if hasattr(worker, "beat"):
-            worker.beat.close()
-        if hasattr(worker, "checkpointer"):
-            worker.checkpointer.close()
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    """Seed for step-local randomness (dropout...): the same whichever attempt runs the step."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])

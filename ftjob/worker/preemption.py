@@ -7,7 +7,7 @@ to a training worker process itself (a pod or a process supervisor stopping it).
 its local signals without a barrier; once per step every rank agrees on them in one small
 all-reduce (:meth:`PreemptionNotices.agree`), so all ranks stop at the same step and no rank
 leaves alone. What the loop then does (a just-in-time checkpoint of that step, then waiting to
-be torn down) is in ``train_loop.py``.
+be torn down) is in :mod:`ftjob.worker.loop`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +69,15 @@ class PreemptionNotices:
         self,
         world: int,
         device: Any,
-        ledger: Any = None,
+        recorder: Any = None,
         poll_s: float = 0.5,
         sigterm: bool = False,
-        drain: bool = True,
+        drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None,
     ) -> None:
-        self.world, self.device, self.drain = world, device, drain
+        """``recorder`` (rank 0's :class:`~ftjob.worker.recorder.RunRecorder`): polled for the
+        driver's requests; ``drain_notice``: Ray Train's mark of a draining node, read
+        locally; ``sigterm``: SIGTERM to this process becomes a notice (through Ray's handler)."""
+        self.world, self.device, self.drain_notice = world, device, drain_notice
         self._ray_exit: Any = None
         self.requested = threading.Event()  # the driver asked (through the ledger)
         self.requested_source = DRIVER  # or RESIZE: the elastic group is about to be resized
@@ -81,32 +85,32 @@ class PreemptionNotices:
         self.drain_ranks: list[int] = []
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
-        if ledger is not None:
+        if recorder is not None:
             self._poller = threading.Thread(
-                target=self._poll_ledger, args=(ledger, poll_s), name="ftjob-notice", daemon=True
+                target=self._poll, args=(recorder, poll_s), name="ftjob-notice", daemon=True
             )
             self._poller.start()
         if sigterm:
             self.catch_sigterm()
 
-    def _poll_ledger(self, ledger: Any, poll_s: float) -> None:
-        import ray
+    def _poll(self, recorder: Any, poll_s: float) -> None:
+        import ray.exceptions
 
         while not self._stop.wait(poll_s):
             try:
-                source = ray.get(ledger.notice_request.remote(), timeout=10)
-                if source is not None:
-                    self.requested_source = source
-                    self.requested.set()
-                    return
-            except ray.exceptions.RayError:  # the ledger is gone: the run is ending anyway
+                source = recorder.notice_request()
+            except (ray.exceptions.RayError, TimeoutError):  # the run is ending anyway
+                return
+            if source is not None:
+                self.requested_source = source
+                self.requested.set()
                 return
 
     def local(self) -> tuple[int, float]:
         """(0 none, or the kind of :data:`SOURCES`; deadline or +inf) as this rank sees it."""
         if self.terminated.is_set():
             return _KIND[WORKER], math.inf
-        drain = ray_drain_notice() if self.drain else None
+        drain = self.drain_notice() if self.drain_notice is not None else None
         if drain is not None:
             deadline, self.drain_ranks = drain
             return _KIND[DRAIN], deadline if deadline is not None else math.inf
@@ -149,15 +153,14 @@ class PreemptionNotices:
 
         ray_worker.raise_sys_exit_with_custom_error_message = on_exit
 
-    def wait_for_teardown(self) -> None:
+    def wait_for_teardown(self, teardown: Callable[[], None]) -> None:
         """After the just-in-time checkpoint: a worker that got SIGTERM now exits as Ray would
-        have (Ray Train restarts the group); the others wait to be stopped -- returning would
-        tell Ray Train that training finished."""
+        have (Ray Train restarts the group); the others wait to be stopped (``teardown``) --
+        returning would tell Ray Train that training finished."""
         self.close()
         if self.terminated.is_set():
             os.kill(os.getpid(), signal.SIGTERM)  # Ray's own handler, this time
-        while True:
-            time.sleep(1.0)
+        teardown()
 
     def close(self) -> None:
         self._stop.set()

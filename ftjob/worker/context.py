@@ -1,0 +1,145 @@
+"""What a training worker needs from the world around it, in one small object.
+
+In production Ray Train provides it (:func:`ray_context`): rank and world from its train
+context, the device, ``ray.train.report`` (a barrier), the process group Ray Train set up, the
+run ledger as a Ray actor. In tests a worker runs in this very process against the same code
+(:func:`local_context`): world 1, or world 2 as two local processes with a gloo process group;
+the ledger is a real :class:`~ftjob.driver.ledger.RunLedger` called directly
+(:class:`DirectHandle`), data is decoded in the process instead of by Ray Data tasks, and the
+teardown after a just-in-time checkpoint ends the attempt instead of waiting to be killed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftjob.worker.collective import broadcast
+from ftjob.worker.recorder import RunRecorder
+
+
+class TornDown(RuntimeError):  # noqa: N818 -- what happened, as Ray Train's restart would say
+    """A local attempt ended after a just-in-time checkpoint, as Ray Train would end it."""
+
+
+def wait_to_be_torn_down() -> None:
+    """Production: the node goes (or Ray Train stops the group); returning would tell Ray
+    Train that training finished."""
+    while True:
+        time.sleep(1.0)
+
+
+@dataclass
+class WorkerContext:
+    rank: int
+    world: int
+    device: Any  # torch.device
+    recorder: RunRecorder
+    where: dict[str, Any]  # node_id, pid, raylet_pid: where chaos and hang handling find it
+    report: Callable[[dict[str, Any]], None]  # every rank, together: Ray Train's view of progress
+    fetch: Callable[[Any], Any]  # the value of an object the driver put in the object store
+    prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
+    decode_here: bool = False  # decode every window in this process, not in Ray Data tasks
+    drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None
+    ray_signals: bool = False  # SIGTERM to this process arrives through Ray's handler
+    teardown: Callable[[], None] = wait_to_be_torn_down
+    sleep: Callable[[float], None] = field(default=time.sleep)
+
+    def broadcast(self, obj: Any) -> Any:
+        """``obj`` from rank 0, on every rank."""
+        return broadcast(obj, self.world)
+
+
+def ray_context(ledger: Any) -> WorkerContext:
+    """The context of a Ray Train worker (called inside the train function)."""
+    import ray
+    import ray.train
+    import ray.train.torch
+
+    from ftjob.worker.preemption import ray_drain_notice
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    return WorkerContext(
+        rank=rank,
+        world=ctx.get_world_size(),
+        device=ray.train.torch.get_device(),
+        recorder=RunRecorder(ledger, rank, ray.get),
+        where={
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "raylet_pid": os.getppid(),  # a Ray worker's parent is its node's raylet
+        },
+        report=ray.train.report,
+        fetch=ray.get,
+        prepare_model=ray.train.torch.prepare_model,
+        drain_notice=ray_drain_notice,
+        ray_signals=True,
+    )
+
+
+class DirectHandle:
+    """A plain object behind the ``handle.method.remote(*args)`` calls a Ray actor handle
+    takes: each call runs at once, under one lock (an actor runs one call at a time)."""
+
+    def __init__(self, target: Any) -> None:
+        self._target, self._lock = target, threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        method, lock = getattr(self._target, name), self._lock
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                with lock:
+                    return method(*args)
+
+        return _Remote()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"target": self._target}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["target"])  # type: ignore[misc]
+
+
+def _answer(value: Any, timeout: float | None = None) -> Any:
+    return value
+
+
+def local_context(ledger: Any, rank: int = 0, world: int = 1) -> WorkerContext:
+    """A worker in this process: world 1, or one of ``world`` processes that joined a gloo
+    process group already (see tests/helpers.py). ``ledger`` answers at once (a
+    :class:`DirectHandle`, or a proxy of a ledger in another process)."""
+    import torch
+
+    def prepare(model: Any) -> Any:
+        if world == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+
+    def report(metrics: dict[str, Any]) -> None:
+        if world > 1:  # ray.train.report is a barrier across the workers
+            torch.distributed.barrier()
+
+    def end_attempt() -> None:
+        raise TornDown("torn down after the just-in-time checkpoint")
+
+    return WorkerContext(
+        rank=rank,
+        world=world,
+        device=torch.device("cpu"),
+        recorder=RunRecorder(ledger, rank, _answer),
+        where={"node_id": "local", "pid": os.getpid(), "raylet_pid": os.getppid()},
+        report=report,
+        fetch=lambda value: value,
+        prepare_model=prepare,
+        decode_here=True,
+        teardown=end_attempt,
+    )

@@ -1,0 +1,205 @@
+"""A whole run in this process: the driver's preparation, a real run ledger, and real training
+workers, restarted after a failure the way Ray Train restarts them -- without Ray.
+
+World 1 runs the worker in this process; world 2 runs two processes joined in a gloo process
+group, the ledger served to them from a manager process. What only Ray can show (kills, node
+loss, drains, elastic resizes, hangs the driver finds) stays in the Ray end-to-end tests;
+what the workers decide is tested here, in seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+from typing import Any
+
+from ftjob.config import JobConfig
+from ftjob.driver.ledger import RunLedger
+from ftjob.driver.runner import Prepared, prepare, run_plan, worker_spec
+from ftjob.policy.hang import WatchConfig
+from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
+from ftjob.worker.context import DirectHandle, TornDown, local_context
+from ftjob.worker.loop import Worker, WorkerSpec
+
+PREEMPTED = "PreemptionError"
+
+
+@dataclass
+class LocalRun:
+    """What :func:`run_locally` leaves: the summary as summary.json holds it, the ledger's
+    record, the prepared run (storage, names), and each failed attempt's error."""
+
+    summary: dict[str, Any]
+    snapshot: dict[str, Any]
+    prep: Prepared
+    errors: list[str] = field(default_factory=list)
+
+
+class _LockedLedger:
+    """The ledger a manager serves: one call at a time, as a Ray actor takes them."""
+
+    def __init__(self, *args: Any) -> None:
+        self._ledger, self._lock = RunLedger(*args), threading.Lock()
+
+    def call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            return getattr(self._ledger, name)(*args)
+
+
+class _Ledgers(BaseManager):
+    pass
+
+
+_Ledgers.register("Ledger", _LockedLedger)
+
+
+class ProxyHandle:
+    """``handle.method.remote(*args)`` over a manager's proxy of :class:`_LockedLedger`."""
+
+    def __init__(self, proxy: Any) -> None:
+        self._proxy = proxy
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # unpickling asks before _proxy is set
+            raise AttributeError(name)
+        proxy = self._proxy
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return proxy.call(name, *args)
+
+        return _Remote()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _error(exc: BaseException) -> str:
+    if isinstance(exc, TornDown):
+        return f"{PREEMPTED}: the attempt ended after its just-in-time checkpoint"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _rank_main(spec: WorkerSpec, rank: int, world: int, port: int, out: Any) -> None:
+    """One rank of a world-2 attempt, in a process of its own."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        Worker(spec, local_context(spec.ledger, rank, world)).train()
+        out.put((rank, None))
+    except BaseException as exc:
+        out.put((rank, f"{_error(exc)}\n{traceback.format_exc()}"))
+
+
+def _attempt(spec: WorkerSpec, world: int) -> str | None:
+    """One attempt on every rank: the first error (one line and its traceback), or None."""
+    if world == 1:
+        try:
+            Worker(spec, local_context(spec.ledger)).train()
+        except (TornDown, Exception) as exc:
+            return f"{_error(exc)}\n{traceback.format_exc()}"
+        return None
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(spec, rank, world, port, out), daemon=True)
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, str | None] = {}
+    deadline = time.monotonic() + 300
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, error = out.get(timeout=1.0)
+            results[rank] = error
+        except queue.Empty:
+            if any(p.exitcode not in (0, None) for p in procs):
+                break  # a rank died without a word
+        if any(results.values()):
+            break  # one rank failed: Ray Train ends the whole group
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=30)
+    failed = [e for e in results.values() if e]
+    if failed:
+        return failed[0]
+    return None if len(results) == world else "WorkerGroupError: a rank died without a word"
+
+
+def run_locally(
+    job: JobConfig,
+    run_dir: Path,
+    *,
+    during: Callable[[Any], None] | None = None,
+) -> LocalRun:
+    """Run ``job`` to its end in this process (``trainer.num_workers`` is the local world
+    size, 1 or 2), restarting failed attempts up to ``failure.max_failures`` and preempted
+    ones up to ``failure.max_preemptions``, as Ray Train would. ``during(ledger)`` runs on a
+    thread while the attempts train (a test's stop request, say)."""
+    world = job.trainer.num_workers
+    started = time.time()
+    prep = prepare(job, str(run_dir))
+    args = (run_plan(job, prep), list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
+    manager = None
+    if world == 1:
+        handle: Any = DirectHandle(RunLedger(*args))
+    else:
+        manager = _Ledgers(ctx=multiprocessing.get_context("fork"))
+        manager.start()
+        handle = ProxyHandle(manager.Ledger(*args))  # type: ignore[attr-defined]
+    spec = worker_spec(job, prep, handle, dict(prep.catalogs))
+    if during is not None:
+        threading.Thread(target=during, args=(handle,), daemon=True).start()
+    failures = preemptions = 0
+    fit, errors = FitOutcome(), []
+    try:
+        while (error := _attempt(spec, world)) is not None:
+            errors.append(error)
+            first = error.splitlines()[0]
+            handle.failure_noticed.remote(time.time(), {0: first})
+            preempted = first.startswith(PREEMPTED)
+            if preempted and handle.stop_requested.remote():  # the driver was told to stop
+                fit = FitOutcome(preempted=True)
+                break
+            preemptions, failures = preemptions + preempted, failures + (not preempted)
+            if failures > job.failure.max_failures:
+                fit = FitOutcome(first, budget_exhausted=True)
+                break
+            if preempted and 0 <= job.failure.max_preemptions < preemptions:
+                fit = FitOutcome(first, preemption_budget_exhausted=True)
+                break
+        snapshot = handle.snapshot.remote()
+    finally:
+        prep.lease.release()
+        if manager is not None:
+            manager.shutdown()
+    f = job.failure
+    status, why = decide_status(snapshot, fit, f.max_failures, f.max_preemptions)
+    summary = build_summary(
+        snapshot,
+        name=prep.name,
+        status=status,
+        error=why,
+        wall_time_s=time.time() - started,
+        config=prep.public_config,
+        driver_storage=prep.fs.snapshot_stats(),
+        run_started=started,
+    )
+    return LocalRun(summary, snapshot, prep, errors)
