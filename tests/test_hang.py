@@ -290,6 +290,18 @@ def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_tim
     assert hang is not None and hang["rank"] == 1 and hang["timeout_s"] == 10.0
 
 
+def test_rank_0_stopped_while_it_writes_a_checkpoint_is_named_not_the_rank_waiting_for_it():
+    policy = HangPolicy(min_timeout=10.0, max_timeout=300.0, io_timeout=300.0)
+    d = detector(policy)
+    d.times.observe("checkpoint", [0.5] * 5)  # learned: 10 s for rank 1, 300 s for rank 0
+    d.beat(0, 0, beat("checkpoint", 0.0, io=3), now=1.0)  # then rank 0 is stopped (SIGSTOP)
+    for t in range(1, 13):  # rank 1 waits for rank 0's commit in the agreement
+        d.beat(0, 1, beat("checkpoint", t - 1.0), now=float(t))
+    hang = d.check(12.5)
+    assert hang is not None and hang["rank"] == 0 and hang["heartbeats_stopped"]
+    assert hang["timeout_s"] == 10.0  # the floor: a silent process is not a slow upload
+
+
 def test_a_persistent_straggler_is_restarted_when_so_configured():
     config = WatchConfig(
         POLICY, straggler_threshold=1.3, straggler_patience=2, straggler_action="restart"

@@ -32,7 +32,7 @@ def test_a_stopped_worker_is_found_its_stack_read_and_the_run_recovers(tmp_path)
     assert hang["heartbeats_stopped"] and hang["killed"]
     # Found by the default, learned timeouts within 30 s of the stop.
     assert hang["learned"] and hang["time"] - stop["time"] < 30.0
-    assert hang["stack_source"] == "py-spy" and "ftjob/train_loop.py" in hang["stack"]
+    assert hang["stack_source"] == "py-spy" and "ftjob/worker/loop.py" in hang["stack"]
     [failure] = s["failures"]
     assert failure["kind"] == "hang" and failure["recovered"]
     assert failure["detail"]["rank"] == hang["rank"]

@@ -165,9 +165,10 @@ class HangDetector:
             timeout = self.times.timeout(s.section, io)
             if timeout is None:
                 continue
-            if now - s.beat > silent and not io:
+            if now - s.beat > silent:
                 # Its heartbeat thread went quiet too: the process is stopped or gone, not
-                # waiting for data or slow peers -- the floor, not a learned wait, applies.
+                # waiting for data, slow peers or storage (uploads run beside the heartbeat
+                # thread, which beats through them) -- the floor, not a learned wait, applies.
                 timeout = min(timeout, self.policy.min_timeout)
             timeouts.append(timeout)
             if now - s.progress > timeout:
