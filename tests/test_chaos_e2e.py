@@ -1,11 +1,13 @@
-"""Chaos on real Ray: node kills on a simulated 3-node cluster, worker kills, and the failure
-budget. Each run is a full training job; these are the slowest tests."""
+"""Chaos on real Ray: node kills on a simulated 3-node cluster, an elastic shrink and grow,
+worker kills. Each run is a full training job; these are the slowest tests. (The failure
+budget and restores after failures are tested in-process: test_worker_local.py.)"""
 
 from __future__ import annotations
 
 import pytest
 
 from ftjob import metrics as M
+from ftjob.reporting.summary import exactly_once
 from tests.conftest import run_ftjob
 
 pytestmark = pytest.mark.ray
@@ -16,20 +18,13 @@ JOB = ["+experiment=digits_ft", "trainer.epochs=6"]
 EARLY_KILLS = ["chaos.at_steps=[20,70]"]
 
 
-@pytest.fixture(scope="module")
-def unkilled(tmp_path_factory):
-    """The reference: the same job without chaos, audited (step -> its global batch)."""
-    proc, summary = run_ftjob([*JOB, "trainer.audit_samples=true"], tmp_path_factory.mktemp("calm"))
-    assert proc.returncode == 0 and summary["metrics"][M.CHAOS_KILLS] == 0
-    return summary
-
-
-def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path, unkilled):
+def test_node_kills_recover_within_budget_and_every_sample_is_trained_once(tmp_path):
     chaos = [
         "ray.local_nodes=3",
         "chaos=node_killer",
         *EARLY_KILLS,
         "failure.max_failures=4",
+        "trainer.audit_samples=true",
     ]
     proc, s = run_ftjob([*JOB, *chaos], tmp_path / "killed")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
@@ -48,12 +43,12 @@ def test_node_kills_recover_within_budget_and_match_an_unkilled_run(tmp_path, un
     assert m[M.RECOVERY_TIME_TO_RECOVER] > 0 and m[M.CHECKPOINT_RESTORATION_TIME] > 0
     assert m[M.VALIDATION_ACCURACY] >= 0.9
     assert "chaos: kill 2" in proc.stdout and "[state-dump]" not in proc.stdout
-
-    assert abs(m[M.VALIDATION_ACCURACY] - unkilled["metrics"][M.VALIDATION_ACCURACY]) <= 0.02
+    # Every step trained its global batch of the data order, each sample once.
+    assert len(s["audit"]) == 6 and all(exactly_once(a) for a in s["audit"])
 
 
 def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_same_batches(
-    tmp_path, unkilled
+    tmp_path,
 ):
     """digits_elastic: a node (one of the two workers) is killed at step 20; training goes on
     at world size 1 until the node is back, then grows to 2 after a checkpoint of its step."""
@@ -79,10 +74,10 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     assert m[M.ELASTIC_RESIZES] >= 2 and m[M.ELASTIC_TIME_BELOW_FULL] > 0
     assert m[M.FAILURES_COUNT] == 1  # the node kill; the grow is no failure
     assert "continuing on 1 of 2 workers" in proc.stdout
-    # Every step trained the same global batch as the unkilled run, each sample once.
-    assert all(a["duplicates"] == a["missing"] == a["misplaced"] == 0 for a in s["audit"])
-    assert s["audit_batches"] == unkilled["audit_batches"]
-    assert abs(m[M.VALIDATION_ACCURACY] - unkilled["metrics"][M.VALIDATION_ACCURACY]) <= 0.02
+    # Every step trained the global batch the data order gives it (whatever the world size),
+    # each sample once; and the model learned as an unresized run does.
+    assert len(s["audit"]) == 6 and all(exactly_once(a) for a in s["audit"])
+    assert m[M.VALIDATION_ACCURACY] >= 0.9
 
 
 def test_worker_kills_keep_every_sample_exactly_once(tmp_path):
@@ -96,19 +91,4 @@ def test_worker_kills_keep_every_sample_exactly_once(tmp_path):
     assert s["metrics"][M.CHAOS_KILLS] == 2 and s["metrics"][M.FAILURES_COUNT] >= 2
     assert all(k["kind"] == "worker" and k["target"]["pid"] > 0 for k in s["chaos"]["kills"])
     assert [a["epoch"] for a in s["audit"]] == list(range(6))
-    assert all(a["duplicates"] == 0 and a["missing"] == 0 for a in s["audit"])
-
-
-def test_more_kills_than_the_budget_fail_cleanly(tmp_path):
-    chaos = [
-        "chaos=worker_killer",
-        *EARLY_KILLS,
-        "failure.max_failures=1",
-    ]
-    proc, s = run_ftjob([*JOB, *chaos], tmp_path)
-    assert proc.returncode == 1
-    assert s["status"] == "failed"
-    assert "failure.max_failures=1" in s["error"] and "2 failure(s)" in s["error"]
-    assert s["metrics"][M.CHAOS_KILLS] == 2
-    assert s["failures"][-1]["recovered"] is False
-    assert s["checkpoints"]["committed"] >= 1  # the last good checkpoint is still there
+    assert all(exactly_once(a) for a in s["audit"])

@@ -21,7 +21,7 @@ from ftjob.config import RetryConfig
 from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
 from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
 from ftjob.storage.wrapper import innermost
-from tests.conftest import run_ftjob
+from tests.conftest import check_loggers, run_ftjob
 from tests.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.s3
@@ -251,11 +251,12 @@ def test_missing_bucket_stops_the_cli_before_ray_starts(s3_endpoint: str, tmp_pa
 
 @pytest.mark.ray
 def test_training_on_s3_through_faults_restores_after_a_failure(
-    s3_endpoint: str, s3_bucket: str, tmp_path: Path
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One run for three requirements: checkpoints on S3 with a restore from S3 after a forced
-    failure, every checkpoint committed although the network throttles and drops, and no
-    secret (in storage_options, or from the environment) in anything the run wrote."""
+    """One run for four requirements: checkpoints on S3 with a restore from S3 after a forced
+    failure, every checkpoint committed although the network throttles and drops, no secret
+    (in storage_options, or from the environment) in anything the run wrote, and every
+    logger's record of the run (one point per step across the restore), read back."""
     faults = {"throttle_rate": 0.12, "drop_rate": 0.06, "truncate_rate": 0.06}
     secret, from_env = "s3-secret-6f1c9d2a", "env-token-0b7e44c1"
     with FaultProxy(s3_endpoint, seed=3, **faults) as proxy:
@@ -312,3 +313,4 @@ def test_training_on_s3_through_faults_restores_after_a_failure(
         assert not any(value.encode() in blob for blob in stored + written), value
         assert value not in proc.stdout + proc.stderr
     assert summary["config"]["checkpoint"]["storage_options"]["secret"] == "<redacted>"
+    check_loggers(tmp_path / "run", "s3-e2e", monkeypatch, last_step=44, epochs=2, failures=1)

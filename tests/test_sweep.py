@@ -292,87 +292,6 @@ def job_summary(sweep_dir: Path, job: str) -> dict[str, Any]:
     return json.loads((sweep_dir / job / "summary.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def real_2x2(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    # Swept keys that leave the job's cost unchanged: the test is about the sweep, not them.
-    # ftjob's launcher: two jobs at a time, each a full run in its own process.
-    sweep_dir = tmp_path_factory.mktemp("sweep2x2") / "sweep"
-    proc = run_sweep(
-        [
-            "trainer.lr=0.001,0.003",
-            "checkpoint.retry.max_attempts=1,3",
-            "hydra/launcher=ftjob",
-            "hydra.launcher.max_concurrent=2",
-        ],
-        sweep_dir,
-    )
-    return sweep_dir, proc
-
-
-@pytest.mark.ray
-def test_real_2x2_sweep_writes_csv_markdown_and_plot(real_2x2) -> None:
-    sweep_dir, proc = real_2x2
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    rows = read_csv(sweep_dir / SWEEP_CSV)
-    assert [(r["trainer.lr"], r["checkpoint.retry.max_attempts"]) for r in rows] == [
-        ("0.001", "1"),
-        ("0.001", "3"),
-        ("0.003", "1"),
-        ("0.003", "3"),
-    ]
-    assert {r["status"] for r in rows} == {"succeeded"}
-    assert all(float(r[M.VALIDATION_ACCURACY]) > 0 for r in rows)
-    assert (
-        len(
-            [
-                line
-                for line in (sweep_dir / SWEEP_MD).read_text().splitlines()
-                if line.startswith("| ")
-            ]
-        )
-        == 5
-    )
-    assert (sweep_dir / SWEEP_PNG).read_bytes()[:8] == PNG_MAGIC
-    assert (sweep_dir / "sweep_goodput.png").read_bytes()[:8] == PNG_MAGIC
-    assert all(0 < float(r["goodput/ettr"]) < 1 for r in rows)  # measured, not a placeholder
-    assert "sweep report:" in proc.stdout
-
-
-@pytest.mark.ray
-def test_real_sweep_jobs_do_not_share_runs_or_checkpoints(real_2x2) -> None:
-    sweep_dir, proc = real_2x2
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    summaries = {job: job_summary(sweep_dir, job) for job in ("0", "1", "2", "3")}
-    assert len({s["name"] for s in summaries.values()}) == 4
-    for job, s in summaries.items():
-        # Each job checkpoints under its own run dir and starts fresh (nothing restored).
-        assert s["checkpoints"]["committed"] >= 1
-        assert s["checkpoints"]["latest"].startswith(str(sweep_dir / job / "checkpoints") + os.sep)
-        assert s["metrics"][M.CHECKPOINT_RESTORATION_TIME] == 0
-        assert s["attempts"] == 1
-
-
-@pytest.mark.ray
-def test_report_command_rebuilds_a_real_sweeps_csv(real_2x2) -> None:
-    sweep_dir, _ = real_2x2
-    before = (sweep_dir / SWEEP_CSV).read_text()
-    (sweep_dir / SWEEP_CSV).unlink()
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "ftjob.report", str(sweep_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-    assert proc.returncode == 0, proc.stderr
-    assert (sweep_dir / SWEEP_CSV).read_text() == before
-
-
 @pytest.mark.ray
 def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) -> None:
     # Job 0's storage fails preflight (before Ray starts); job 1 must still run.
@@ -414,7 +333,12 @@ def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path
 
 
 @pytest.mark.ray
-def test_an_interrupted_sweep_resumes_without_running_finished_jobs_again(tmp_path: Path) -> None:
+def test_an_interrupted_sweep_resumes_without_running_finished_jobs_and_reports(
+    tmp_path: Path,
+) -> None:
+    """ftjob's launcher end to end: a sweep stopped with Ctrl-C, resumed (finished jobs kept,
+    the interrupted one resumed), its jobs in runs and checkpoints of their own, and its
+    report: CSV, Markdown, plots, rebuilt by the report command."""
     sweep_dir = tmp_path / "sweep"
     args = [
         sys.executable,
@@ -458,6 +382,34 @@ def test_an_interrupted_sweep_resumes_without_running_finished_jobs_again(tmp_pa
     assert "[sweep] job 0: succeeded before, kept" in resumed.stdout
     assert "[sweep] job 0 (" not in resumed.stdout  # never started again...
     assert (sweep_dir / "0" / "summary.json").read_text() == kept  # ...nor overwritten
-    with open(sweep_dir / SWEEP_CSV) as f:
-        rows = list(csv.DictReader(f))
-    assert len(rows) == 3 and all(r["status"] == "succeeded" for r in rows)
+
+    rows = read_csv(sweep_dir / SWEEP_CSV)
+    assert [r["trainer.lr"] for r in rows] == ["0.001", "0.002", "0.003"]
+    assert {r["status"] for r in rows} == {"succeeded"}
+    assert all(float(r[M.VALIDATION_ACCURACY]) > 0 for r in rows)
+    assert all(0 < float(r["goodput/ettr"]) < 1 for r in rows)  # measured, not a placeholder
+    table = (sweep_dir / SWEEP_MD).read_text().splitlines()
+    assert len([line for line in table if line.startswith("| ")]) == 4
+    assert (sweep_dir / SWEEP_PNG).read_bytes()[:8] == PNG_MAGIC
+    assert (sweep_dir / "sweep_goodput.png").read_bytes()[:8] == PNG_MAGIC
+    assert "sweep report:" in resumed.stdout
+
+    # Each job trained its own run, checkpointed under its own dir.
+    summaries = {job: job_summary(sweep_dir, job) for job in ("0", "1", "2")}
+    assert len({s["name"] for s in summaries.values()}) == 3
+    for job, s in summaries.items():
+        assert s["checkpoints"]["committed"] >= 1
+        assert s["checkpoints"]["latest"].startswith(str(sweep_dir / job / "checkpoints") + os.sep)
+    assert summaries["2"]["metrics"][M.CHECKPOINT_RESTORATION_TIME] == 0  # started fresh
+
+    # The report command rebuilds a deleted report from the job dirs alone.
+    before = (sweep_dir / SWEEP_CSV).read_text()
+    (sweep_dir / SWEEP_CSV).unlink()
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "ftjob.report", str(sweep_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert (sweep_dir / SWEEP_CSV).read_text() == before

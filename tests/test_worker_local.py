@@ -1,0 +1,177 @@
+"""The training worker in this process (no Ray): restores, exact-once, verdicts, notices.
+
+Each test runs a whole job with :func:`tests.local_run.run_locally` -- the driver's real
+preparation (storage, lease, resume checks), a real run ledger, real workers (world 2: two
+processes in a gloo group) restarted after a failure the way Ray Train restarts them -- and
+reads the summary that summary.json would hold. What only Ray can show stays in the ``ray``
+end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from ftjob import metrics as M
+from ftjob.reporting.summary import exactly_once
+from tests.conftest import compose_job
+from tests.local_run import run_locally
+
+DIGITS = ("+experiment=digits_ft",)  # 1408 training samples: 22 steps of 64 an epoch
+
+
+def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: Path):
+    # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 right after
+    # the checkpoint of step 40. Two ranks in a gloo group, restarted as a group.
+    job = compose_job(*DIGITS, "trainer.epochs=4", "chaos.fail_at_steps=[25,41]")
+    job.trainer.audit_samples = True
+    run = run_locally(job, tmp_path)
+    s, m = run.summary, run.summary["metrics"]
+    assert s["status"] == "succeeded" and s["error"] is None, run.errors
+    assert set(M.METRIC_KEYS) <= set(m)
+    assert m[M.TRAIN_STEPS_COMPLETED] == 4 * 22 and m[M.FAILURES_COUNT] == 2
+    assert m[M.VALIDATION_ACCURACY] >= 0.85
+    assert m[M.CHECKPOINT_DOWNLOAD] > 0 and m[M.CHECKPOINT_LOAD] > 0
+    first, second = s["failures"]
+    assert (first["kind"], first["restored_step"], first["lost_steps"]) == ("injected", 22, 3)
+    assert (second["restored_step"], second["lost_steps"]) == (40, 1)
+    for f in s["failures"]:  # each restore measured in its parts; skipping reads no data
+        assert f["recovered"] and f["time_to_recover_s"] > 0
+        assert f["download_s"] > 0 and f["load_s"] > 0 and 0 <= f["skip_s"] < 1.0
+    # Validation results after a restore replace the lost attempt's, never duplicate them.
+    steps = [v["step"] for v in s["validation"]]
+    assert steps == sorted(set(steps)) and 40 in steps and steps[-1] == 88
+    assert [a["epoch"] for a in s["audit"]] == [0, 1, 2, 3]
+    assert all(exactly_once(a) and a["unique"] == 1408 for a in s["audit"])
+
+
+def test_a_diverged_run_stops_as_failed_and_is_not_retried(tmp_path: Path):
+    job = compose_job(*DIGITS, "trainer.epochs=2", "optimizer=sgd", "trainer.lr=1e12")
+    run = run_locally(job, tmp_path)
+    s = run.summary
+    assert s["status"] == "failed"
+    assert s["error"].startswith("training diverged: the loss became non-finite (nan) by step 10")
+    assert s["metrics"][M.TRAIN_LOSS] is None  # null, never 0
+    assert s["metrics"][M.FAILURES_COUNT] == 0 and s["attempts"] == 1  # not retried
+    assert s["checkpoints"]["committed"] == 0  # no diverged weights were written
+
+
+def test_async_uploads_failing_past_the_budget_end_the_run_on_every_rank(tmp_path: Path):
+    job = compose_job(
+        *DIGITS,
+        "trainer.epochs=2",
+        "checkpoint.upload_mode=async",
+        "checkpoint.max_consecutive_upload_failures=1",
+        "chaos.storage.errors=[permanent]",  # denied checkpoint uploads, nothing else
+        "chaos.storage.failure_rate=0.5",
+        "checkpoint.retry.max_attempts=1",
+    )
+    run = run_locally(job, tmp_path)
+    s = run.summary
+    assert s["status"] == "failed", run.errors
+    assert "checkpoint upload(s) in a row failed" in s["error"]
+    assert "checkpoint.max_consecutive_upload_failures=1" in s["error"]
+    # Both ranks returned together (rank 0 broadcast the decision): no rank failed, no retry.
+    assert run.errors == [] and s["failures"] == [] and s["attempts"] == 1
+    assert s["checkpoints"]["failed"] >= 2
+    assert s["metrics"][M.CHECKPOINT_UPLOAD_FAILURES] >= 2
+
+
+def test_a_job_whose_every_attempt_fails_at_step_0_stops_as_a_restart_loop(tmp_path: Path):
+    # One input channel for three-channel images: the first forward fails, on every attempt.
+    job = compose_job(
+        *DIGITS,
+        "trainer.num_workers=1",
+        "+model.in_channels=1",
+        "failure.restart_loop_attempts=2",
+    )
+    run = run_locally(job, tmp_path)
+    s = run.summary
+    assert s["status"] == "failed"
+    assert s["error"].startswith("restart loop: 2 attempts in a row failed before training")
+    assert s["attempts"] == 3 and len(s["failures"]) == 2  # of a budget of 4
+    assert "expected input" in s["failures"][0]["error"]
+
+
+def test_more_failures_than_the_budget_fail_and_keep_the_last_good_checkpoint(tmp_path: Path):
+    job = compose_job(
+        *DIGITS,
+        "trainer.epochs=2",
+        "trainer.num_workers=1",
+        "chaos.fail_at_steps=[15,25]",
+        "failure.max_failures=1",
+    )
+    run = run_locally(job, tmp_path)
+    s = run.summary
+    assert s["status"] == "failed"
+    assert "failure.max_failures=1" in s["error"] and "2 failure(s)" in s["error"]
+    assert s["failures"][-1]["recovered"] is False
+    assert s["checkpoints"]["committed"] >= 1  # the last good checkpoint is still there
+
+
+def test_a_run_resumed_by_name_on_fewer_workers_continues_exactly(tmp_path: Path):
+    storage = tmp_path / "store"
+    common = ("trainer.epochs=2", "name=shared", f"checkpoint.storage_path={storage}")
+    first = run_locally(
+        compose_job(*DIGITS, *common, "chaos.fail_at_steps=[17]", "failure.max_failures=0"),
+        tmp_path / "a",
+    )
+    assert first.summary["status"] == "failed"
+    assert "failure.max_failures=0" in first.summary["error"]
+    # Same global batch (1 x 64 instead of 2 x 32): resumes right after sample 10 x 64.
+    resume = compose_job(
+        *DIGITS,
+        *common,
+        "resume=true",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "trainer.audit_samples=true",
+    )
+    run = run_locally(resume, tmp_path / "b")
+    s = run.summary
+    assert s["status"] == "succeeded", run.errors
+    epoch0, epoch1 = s["audit"]
+    assert epoch0["duplicates"] == 0 and epoch0["unexpected"] == 0
+    # The first 10 x 64 samples of epoch 0 were trained by the first run: not expected again.
+    assert epoch0["resumed_at"] == 10 * 64
+    assert epoch0["unique"] == 12 * 64 and epoch0["missing"] == 0
+    assert epoch1["unique"] == 1408 and epoch1["missing"] == 0 and epoch1["duplicates"] == 0
+
+
+def stop_when(condition: Any, reason: str = "SIGTERM") -> Any:
+    """A driver told to stop (SIGTERM) the moment ``condition(snapshot)`` holds."""
+
+    def during(ledger: Any) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if condition(ledger.snapshot.remote()):
+                ledger.request_stop.remote(reason, time.time())
+                return
+            time.sleep(0.05)
+
+    return during
+
+
+def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(tmp_path: Path):
+    # Every upload request takes 0.5 s (a checkpoint: seconds); the stop comes while the
+    # checkpoint of step 20 uploads.
+    job = compose_job(
+        *DIGITS,
+        "trainer.epochs=2",
+        "trainer.num_workers=1",
+        "chaos.storage.upload_delay=0.5",
+    )
+
+    def uploading_step_20(snap: dict[str, Any]) -> bool:
+        return any(a["max_step"] >= 20 for a in snap["attempts"])
+
+    run = run_locally(job, tmp_path, during=stop_when(uploading_step_20))
+    s = run.summary
+    assert s["status"] == "preempted", (s["error"], run.errors)
+    [attempt] = [a for a in run.snapshot["attempts"] if a.get("preemption")]
+    notice = attempt["preemption"]
+    assert notice["source"] == "driver" and notice["step"] == 20
+    assert notice["jit"]["reused"] and notice["jit"]["step"] == 20  # the upload in flight
+    assert s["checkpoints"]["latest"].endswith("step_000000020")
+    assert s["error"].endswith("after a just-in-time checkpoint of step 20")
