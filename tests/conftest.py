@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest_plugins = ["tests.s3_fixtures"]
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,123 +22,3 @@ def _schema() -> None:
     from ftjob.config import register_schema
 
     register_schema()
-
-
-def compose_job(*overrides: str) -> Any:
-    """The JobConfig ``python -m ftjob`` would run with these overrides (no Hydra run dir)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from ftjob.config import load_job
-    from ftjob.config.compose import Composer, Target
-
-    try:
-        return load_job(Composer().compose(Target("test"), overrides))
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def run_ftjob(
-    args: list[str], tmp_path: Path, timeout: float = 600, env: dict[str, str] | None = None
-) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
-    """Run ``python -m ftjob`` in a subprocess with its run dir under tmp_path; returns the
-    process and the parsed summary.json (None if it was not written)."""
-    run_dir = tmp_path / "run"
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return proc, summary
-
-
-def start_ftjob(args: list[str], run_dir: Path, cwd: Path) -> subprocess.Popen[str]:
-    """``python -m ftjob`` in the background, its console (stdout and stderr) unbuffered on
-    ``stdout``, to watch it and signal it mid-run."""
-    return subprocess.Popen(
-        [sys.executable, "-u", "-m", "ftjob", *args, f"hydra.run.dir={run_dir}"],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        preexec_fn=ctrl_c_reaches_it,
-    )
-
-
-def ctrl_c_reaches_it() -> None:
-    """In a child process, before it starts: SIGINT back to its default. A test suite run in
-    the background of a shell (nohup ... &) ignores SIGINT, its children inherit that, and
-    Python then never raises KeyboardInterrupt -- a test that sends Ctrl-C would test nothing."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def read_until(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float) -> None:
-    """Read ``proc``'s console into ``lines`` until a line holds ``pattern``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if pattern in line:
-            return
-    raise AssertionError(f"{pattern!r} never came:\n" + "".join(lines[-40:]))
-
-
-def make_image_tree(
-    root: Path, classes: int = 3, train_per_class: int = 24, val_per_class: int = 6, size: int = 20
-) -> Path:
-    """A real class-per-folder tree of PNG files: each class a colour, plus noise."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    colours = rng.integers(40, 215, size=(classes, 3))
-    for split, count in (("train", train_per_class), ("val", val_per_class)):
-        for c in range(classes):
-            folder = root / split / f"class_{c}"
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                pixels = np.clip(colours[c] + rng.normal(0, 25, (size, size, 3)), 0, 255).astype(
-                    np.uint8
-                )
-                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
-    return root
-
-
-def check_loggers(
-    run_dir: Path,
-    name: str,
-    monkeypatch: pytest.MonkeyPatch,
-    last_step: int,
-    epochs: int,
-    failures: int,
-) -> None:
-    """What the loggers wrote, read back with TensorBoard's and MLflow's own readers: one
-    point per logged step across the restores, params, and the failures as events."""
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    [events] = (run_dir / "logs" / "tensorboard" / name).glob("events.*")
-    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
-    acc.Reload()
-    steps = [e.step for e in acc.Scalars("train/loss")]
-    assert steps == sorted(set(steps)) and steps[-1] == last_step, steps
-    assert [e.step for e in acc.Scalars("validation/accuracy")][-1] == last_step
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient(tracking_uri=f"file:{run_dir / 'mlruns'}")
-    [run] = client.search_runs([client.get_experiment_by_name("ftjob").experiment_id])
-    assert run.info.run_name == name and run.info.status == "FINISHED"
-    assert run.data.params["trainer.epochs"] == str(epochs)
-    history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
-    assert sorted(history) == steps
-    noticed = [v for k, v in run.data.tags.items() if k.startswith("event.") and "failure" in v]
-    assert len(noticed) >= failures
-    assert (run_dir / "logs" / "metrics.csv").stat().st_size > 0

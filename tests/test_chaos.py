@@ -9,6 +9,7 @@ import pytest
 
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule, choose_target, eligible_targets
 from ftjob.config import ChaosConfig
+from tests.helpers import WORKERS, FakeLedger
 
 
 def test_schedule_same_seed_same_times_and_one_kill_per_window():
@@ -25,14 +26,6 @@ def test_schedule_without_jitter_kills_at_window_ends():
     assert KillSchedule.from_config(ChaosConfig(kind="node", interval=3, max_kills=0)).times() == []
 
 
-WORKERS = [
-    {"rank": 0, "node_id": "head", "pid": 10},
-    {"rank": 1, "node_id": "n1", "pid": 11},
-    {"rank": 2, "node_id": "n1", "pid": 12},
-    {"rank": 3, "node_id": "n2", "pid": 13},
-]
-
-
 def test_targets_never_include_protected_nodes():
     assert len(eligible_targets("worker", WORKERS, {"head"})) == 4  # processes, not nodes
     targets = eligible_targets("node", WORKERS, {"head"})
@@ -42,38 +35,6 @@ def test_targets_never_include_protected_nodes():
     assert node["ranks"] == ([1, 2] if node["node_id"] == "n1" else [3])
     worker = choose_target("worker", targets, random.Random(0))
     assert worker["node_id"] != "head" and worker["pid"] in {11, 12, 13}
-
-
-class FakeLedger:
-    """The ledger as the killer sees it, driven by the test."""
-
-    def __init__(self) -> None:
-        self.view: dict[str, Any] = {
-            "training_started": None,
-            "attempt": None,
-            "training": False,
-            "workers": [],
-            "step": 0,
-        }
-        self.recorded: list[dict[str, Any]] = []
-        self.confirmed: list[tuple[float, bool]] = []
-        self.skipped: list[dict[str, Any]] = []
-        self.errors: list[str] = []
-
-    def chaos_view(self) -> dict[str, Any]:
-        return dict(self.view)
-
-    def record_kill(self, record: dict[str, Any]) -> None:
-        self.recorded.append(record)
-
-    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
-        self.confirmed.append((time_of_kill, confirmed))
-
-    def record_skip(self, record: dict[str, Any]) -> None:
-        self.skipped.append(record)
-
-    def report_error(self, message: str) -> None:
-        self.errors.append(message)
 
 
 class FakeTime:

@@ -8,7 +8,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.conftest import run_ftjob
+from tests.helpers import run_ftjob
 
 pytestmark = pytest.mark.ray
 

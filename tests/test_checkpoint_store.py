@@ -18,38 +18,11 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.config import RetryConfig
 from ftjob.storage.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore, CorruptCheckpoint
 from ftjob.storage.fs import RetryingFileSystem
-from ftjob.storage.retry import RetryPolicy
-from ftjob.storage.wrapper import _DelegatingFileSystem
 from ftjob.worker.scratch import attempt_scratch_dir, run_scratch_dir, scratch_name
 from ftjob.worker.uploads import AsyncUploader, UploadOutcome, upload_checkpoint
-
-
-class RecordingFileSystem(_DelegatingFileSystem):
-    """Records every operation; ``fail`` decides, per (op, path), to raise instead."""
-
-    def __init__(
-        self, fs: AbstractFileSystem, fail: Callable[[str, str], BaseException | None] | None = None
-    ) -> None:
-        super().__init__(fs)
-        self.fail = fail or (lambda op, path: None)
-        self.calls: list[tuple[str, str]] = []
-
-    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
-        self.calls.append((op, path))
-        error = self.fail(op, path)
-        if error is not None:
-            raise error
-        return fn()
-
-
-def no_sleep_policy(max_attempts: int = 3) -> RetryPolicy:
-    return RetryPolicy(
-        RetryConfig(max_attempts=max_attempts, initial_backoff=0.0, jitter=0.0),
-        sleep=lambda s: None,
-    )
+from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy, remote
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -90,10 +63,6 @@ def committed_store(
     for step in steps:
         store.commit(write_checkpoint(tmp_path / "local", step), step)
     return store
-
-
-def remote(store: CheckpointStore, step: int, name: str) -> str:
-    return f"{store.path_for(step)}/{name}"
 
 
 # -- commit ---------------------------------------------------------------------------------
@@ -165,11 +134,6 @@ def _remove(store: CheckpointStore, step: int) -> None:
     store.fs.rm_file(remote(store, step, "optimizer.pt"))
 
 
-def _flip_bytes(store: CheckpointStore, step: int) -> None:
-    data = store.fs.cat_file(remote(store, step, "model.pt"))
-    store.fs.pipe_file(remote(store, step, "model.pt"), bytes(b ^ 0xFF for b in data))
-
-
 def _drop_manifest(store: CheckpointStore, step: int) -> None:
     store.fs.rm_file(remote(store, step, MANIFEST))
 
@@ -195,7 +159,7 @@ def _manifest_with_a_path(store: CheckpointStore, step: int) -> None:
     [
         (_truncate, "model.pt has 2050 bytes, manifest says 4100"),
         (_remove, "optimizer.pt is missing"),
-        (_flip_bytes, "model.pt does not match its checksum"),
+        (flip_bytes, "model.pt does not match its checksum"),
         (_drop_manifest, "no manifest"),
         (_garble_manifest, "unreadable manifest"),
         (_manifest_of_another_step, "manifest is for step 10, not 20"),
@@ -300,7 +264,7 @@ def test_restore_reports_what_did_not_verify_even_when_nothing_does(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path
 ) -> None:
     store = committed_store(storage, tmp_path, [10, 20])
-    _flip_bytes(store, 20)
+    flip_bytes(store, 20)
     _drop_manifest(store, 10)
     skipped: list[dict[str, Any]] = []
     assert store.restore_latest(str(tmp_path / "restore"), skipped) is None

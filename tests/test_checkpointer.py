@@ -19,7 +19,7 @@ from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
 from ftjob.worker.recorder import JobStopped, RunRecorder
-from tests.test_checkpoint_store import RecordingFileSystem, _flip_bytes, no_sleep_policy
+from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy
 
 
 class Call:
@@ -96,7 +96,7 @@ def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Pat
     checkpointer, _ = make(tmp_path)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=5), model, optimizer)
-    _flip_bytes(checkpointer.store, 5)
+    flip_bytes(checkpointer.store, 5)
     with pytest.raises(NoUsableCheckpoint, match="restart_if_unrecoverable=true") as err:
         checkpointer.restore(model, optimizer, "cpu")
     assert "step 5: model.pt does not match its checksum" in str(err.value)
@@ -109,7 +109,7 @@ def test_starting_over_is_allowed_only_when_asked(tmp_path: Path) -> None:
     checkpointer, _ = make(tmp_path, restart_if_unrecoverable=True)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=5), model, optimizer)
-    _flip_bytes(checkpointer.store, 5)
+    flip_bytes(checkpointer.store, 5)
     assert checkpointer.restore(model, optimizer, "cpu") is None
 
 

@@ -21,7 +21,7 @@ from ftjob.config import (
     TrainerConfig,
     register_schema,
 )
-from tests.conftest import compose_job, ctrl_c_reaches_it
+from tests.helpers import compose_job, ctrl_c_reaches_it
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))

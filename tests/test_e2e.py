@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ftjob import metrics as M
-from tests.conftest import make_image_tree, run_ftjob
+from tests.helpers import make_image_tree, run_ftjob
 
 pytestmark = pytest.mark.ray
 

@@ -15,7 +15,7 @@ from ftjob.policy.hang import restart_loop
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status, format_summary
 from ftjob.worker.loop import backward_in_micro_batches
 from ftjob.worker.preemption import RESIZE
-from tests.test_summary import make_ledger, restored, train
+from tests.helpers import make_ledger, restored, train
 
 GLOBAL, BATCH = 64, 16  # trainer.batch_size 16 x trainer.num_workers 4
 

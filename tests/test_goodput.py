@@ -12,7 +12,7 @@ from ftjob.config import ConfigError, FailureConfig, JobConfig, TrainerConfig
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.reporting.goodput import BUCKETS, goodput, predict_ettr
 from ftjob.reporting.summary import build_summary, declared_failures
-from tests.test_summary import make_ledger, restored, train
+from tests.helpers import make_ledger, restored, train
 
 
 def test_buckets_sum_to_the_wall_clock_and_name_each_cause():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ftjob import metrics as M
-from tests.conftest import run_ftjob
+from tests.helpers import run_ftjob
 
 pytestmark = pytest.mark.ray
 

@@ -13,9 +13,8 @@ from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.driver.drains import DrainRelay
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
 from ftjob.worker.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
-from tests.test_chaos import WORKERS
-from tests.test_chaos import FakeLedger as ChaosLedger
-from tests.test_summary import make_ledger, train
+from tests.helpers import WORKERS, make_ledger, train
+from tests.helpers import FakeLedger as ChaosLedger
 
 
 def test_a_drain_notice_carries_its_deadline_and_wins_over_nothing():

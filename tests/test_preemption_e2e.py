@@ -16,7 +16,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.conftest import read_until, run_ftjob, start_ftjob
+from tests.helpers import read_until, run_ftjob, start_ftjob
 
 pytestmark = pytest.mark.ray
 

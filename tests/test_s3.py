@@ -21,8 +21,8 @@ from ftjob.config import RetryConfig
 from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
 from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
 from ftjob.storage.wrapper import innermost
-from tests.conftest import check_loggers, run_ftjob
 from tests.fault_proxy import FaultProxy
+from tests.helpers import check_loggers, run_ftjob
 
 pytestmark = pytest.mark.s3
 

@@ -7,8 +7,6 @@ import json
 import pytest
 
 from ftjob import metrics as M
-from ftjob.data.order import EpochPlan
-from ftjob.driver.ledger import RunLedger
 from ftjob.reporting.failures import failure_records
 from ftjob.reporting.summary import (
     FitOutcome,
@@ -19,42 +17,7 @@ from ftjob.reporting.summary import (
     format_summary,
     write_summary,
 )
-
-PLAN = EpochPlan(num_samples=40, global_batch_size=8, seed=0)
-
-
-def make_ledger() -> RunLedger:
-    return RunLedger(
-        {
-            "num_samples": PLAN.num_samples,
-            "global_batch_size": 8,
-            "samples_per_epoch": PLAN.samples_per_epoch,
-            "steps_per_epoch": PLAN.steps_per_epoch,
-            "seed": 0,
-            "epochs": 1,
-        },
-        fail_at_steps=[3],
-    )
-
-
-def train(ledger: RunLedger, attempt: int, steps: range, audit: bool = True) -> None:
-    for step in steps:
-        ledger.step_done(attempt, step)
-        if audit:
-            ids = PLAN.shard(0, (step - 1) * 8, 0, 1)[:8]
-            ledger.audit_step(attempt, step, 0, ids.tolist())
-
-
-def restored(step: int) -> dict:
-    return {
-        "step": step,
-        "epoch": 0,
-        "position": step * 8,
-        "path": f"/ck/step_{step}",
-        "download": 0.5,
-        "load": 0.25,
-        "skip": 0.01,
-    }
+from tests.helpers import PLAN, make_ledger, restored, train
 
 
 def test_failure_records_measure_each_part_of_recovery():

@@ -26,7 +26,7 @@ from ftjob.reporting.sweep import (
     build_sweep_report,
     declared_sweep_keys,
 )
-from tests.conftest import ctrl_c_reaches_it
+from tests.helpers import ctrl_c_reaches_it
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

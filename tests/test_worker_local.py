@@ -15,7 +15,7 @@ from typing import Any
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.conftest import compose_job
+from tests.helpers import compose_job
 from tests.local_run import run_locally
 
 DIGITS = ("+experiment=digits_ft",)  # 1408 training samples: 22 steps of 64 an epoch
