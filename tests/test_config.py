@@ -9,14 +9,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
 from ftjob.cli.main import precheck
 from ftjob.config import (
+    RENAMED_FAILURE_KEYS,
     ChaosConfig,
+    CheckpointConfig,
     ConfigError,
+    FailureConfig,
+    LoggerConfig,
+    RayConfig,
     RetryConfig,
     TrainerConfig,
     register_schema,
@@ -366,3 +373,51 @@ def test_user_primary_config_in_config_dir(tmp_path):
     (tmp_path / "bad.yaml").write_text("defaults:\n  - config\n  - _self_\ntrainer:\n  epochs: 0\n")
     with pytest.raises(ConfigError, match="trainer.epochs"):
         precheck(["--config-dir", str(tmp_path), "--config-name", "bad"])
+
+
+# One home per default and per doc: the default option files hold what users choose, with the
+# schema's defaults; the tuning keys they leave out are documented in docs/config.md.
+DEFAULT_OPTIONS = {
+    "trainer": ("default", TrainerConfig),
+    "checkpoint": ("default", CheckpointConfig),
+    "failure": ("default", FailureConfig),
+    "ray": ("local", RayConfig),
+    "chaos": ("disabled", ChaosConfig),
+    "logger": ("none", LoggerConfig),
+}
+
+
+def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        found: dict[str, Any] = {}
+        for key, value in node.items():
+            found.update(leaves(value, f"{prefix}.{key}" if prefix else key))
+        return found
+    return {prefix: node}
+
+
+@pytest.mark.parametrize("group", sorted(DEFAULT_OPTIONS))
+def test_default_option_files_hold_the_schemas_defaults(group: str):
+    option, schema = DEFAULT_OPTIONS[group]
+    written = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / group / f"{option}.yaml"))
+    written.pop("defaults", None)
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema()))
+    wrong = {
+        key: (value, leaves(defaults).get(key, "not in the schema"))
+        for key, value in leaves(written).items()
+        if leaves(defaults).get(key, "not in the schema") != value
+    }
+    assert not wrong, f"conf/{group}/{option}.yaml disagrees with {schema.__name__}: {wrong}"
+
+
+def test_every_key_the_option_files_leave_out_is_documented_in_the_config_reference():
+    reference = (REPO / "docs" / "config.md").read_text()
+    renamed = {f"failure.{old}" for old in RENAMED_FAILURE_KEYS}
+    undocumented = []
+    for group, (option, schema) in DEFAULT_OPTIONS.items():
+        written = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / group / f"{option}.yaml"))
+        shown = {f"{group}.{key}" for key in leaves(written)}
+        for key in leaves(OmegaConf.to_container(OmegaConf.structured(schema())), group):
+            if key not in shown and key not in renamed and f"`{key}`" not in reference:
+                undocumented.append(key)
+    assert not undocumented, f"schema keys with no home for their doc: {undocumented}"

@@ -10,7 +10,14 @@ import time
 
 import pytest
 
-from ftjob.config import ChaosConfig, ConfigError, FailureConfig, JobConfig, RetryConfig
+from ftjob.config import (
+    ChaosConfig,
+    ConfigError,
+    FailureConfig,
+    HangConfig,
+    JobConfig,
+    RetryConfig,
+)
 from ftjob.driver.ledger import RunLedger
 from ftjob.driver.stacks import capture_and_kill, trim_stack
 from ftjob.policy.hang import (
@@ -46,14 +53,14 @@ def test_a_section_timeout_is_learned_from_its_own_times_within_floor_and_ceilin
 
 def test_io_sections_get_at_least_what_one_storage_request_may_take():
     retry = RetryConfig(deadline=120.0, max_backoff=20.0)
-    policy = HangPolicy.from_config(FailureConfig(hang_min_timeout=10.0), retry)
+    policy = HangPolicy.from_config(HangConfig(min_timeout=10.0), retry)
     times = SectionTimes(policy)
     times.observe("checkpoint", [0.5] * 5)
     times.observe("step", [0.5] * 5)
     assert times.timeout("checkpoint", io=True) == 140.0  # the retry deadline + one backoff
     assert times.timeout("checkpoint") == 10.0  # a rank that only waits for the writer
     assert times.timeout("step", io=True) == 10.0
-    explicit = SectionTimes(HangPolicy.from_config(FailureConfig(hang_timeout=7.0), retry))
+    explicit = SectionTimes(HangPolicy.from_config(HangConfig(timeout=7.0), retry))
     assert explicit.timeout("step") == 7.0
     assert explicit.table()["step"]["learned"] is False
 
@@ -237,13 +244,29 @@ def test_a_stopped_process_gives_its_stack_then_dies():
 
 
 def test_hang_chaos_needs_hang_detection():
-    with pytest.raises(ConfigError, match="failure.hang_detection"):
+    with pytest.raises(ConfigError, match="failure.hang.enabled"):
         JobConfig(
             model={"_target_": "ftjob.models.SmallCNN"},
             dataset={"_target_": "ftjob.datasets.DigitsDataset"},
             chaos=ChaosConfig(kind="hang", max_kills=1),
-            failure=FailureConfig(hang_detection=False),
+            failure=FailureConfig(hang=HangConfig(enabled=False)),
         )
+
+
+def test_failure_keys_spelled_the_old_way_still_work_and_say_their_new_name(capsys):
+    from tests.helpers import compose_job
+
+    job = compose_job(
+        "failure.hang_timeout=7", "failure.straggler_patience=4", "failure.restart_loop_attempts=2"
+    )
+    f = job.failure
+    assert (f.hang.timeout, f.straggler.patience, f.restart_loop.attempts) == (7.0, 4, 2)
+    assert f.hang_timeout is None  # read only through its new home
+    err = capsys.readouterr().err
+    assert "failure.hang_timeout is deprecated: it is failure.hang.timeout now" in err
+    assert "failure.restart_loop_attempts is deprecated" in err
+    with pytest.raises(ConfigError, match="failure.hang.timeout"):  # the rules apply to them too
+        compose_job("failure.hang_timeout=-1")
 
 
 def test_no_hang_is_declared_while_ray_train_restarts_a_failed_group():

@@ -52,9 +52,9 @@ def test_a_slow_rank_is_named_and_a_slow_upload_is_no_hang(tmp_path):
             "chaos=slow",
             "chaos.interval=2",
             "chaos.slowdown=1.0",  # the slow rank takes twice its own step time
-            "failure.straggler_patience=4",
+            "failure.straggler.patience=4",
             # Every section times out after 10 s without progress; a request may take 1.5 s.
-            "failure.hang_timeout=10",
+            "failure.hang.timeout=10",
             "checkpoint.retry.deadline=1",
             "checkpoint.retry.max_backoff=0.5",
             "chaos.storage.upload_delay=2.5",  # 5 requests: a checkpoint takes > 12 s

@@ -84,7 +84,7 @@ def test_a_job_whose_every_attempt_fails_at_step_0_stops_as_a_restart_loop(tmp_p
         *DIGITS,
         "trainer.num_workers=1",
         "+model.in_channels=1",
-        "failure.restart_loop_attempts=2",
+        "failure.restart_loop.attempts=2",
     )
     run = run_locally(job, tmp_path)
     s = run.summary

@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import math
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
@@ -269,70 +270,188 @@ STRAGGLER_ACTIONS = ("none", "restart")
 
 
 @dataclass
-class FailureConfig:
-    _group: ClassVar[str] = "failure"
-    max_failures: int = 3
-    health_check_interval: float = 0.5
-    preemption: bool = True
-    max_preemptions: int = -1
-    preemption_poll_interval: float = 1.0
-    preemption_grace_s: float = 0.0
-    relax_collectives_on_preemption: bool = False
-    hang_detection: bool = True
-    hang_timeout: float | None = None
-    hang_safety_factor: float = 5.0
-    hang_min_timeout: float = 20.0
-    hang_max_timeout: float = 600.0
-    hang_warmup: int = 3
+class HangConfig:
+    """Hangs (``failure.hang``): every rank sends the run ledger a heartbeat (its section and
+    when it last made progress); a rank that makes no progress for longer than its section's
+    timeout, while the whole group is quiet, is a hang -- its stack is captured (py-spy) and
+    the group restarted from the last checkpoint, spending one failure of
+    ``failure.max_failures``. See :mod:`ftjob.policy.hang`."""
+
+    _group: ClassVar[str] = "failure.hang"
+    enabled: bool = True
+    """Detect hangs at all."""
+    timeout: float | None = None
+    """Seconds without progress in any section; null = learned per section from the run."""
+    min_timeout: float = 20.0
+    """Learned timeouts are at least this many seconds (a stopped process is found at this)."""
+    max_timeout: float = 600.0
+    """Learned timeouts are at most this; also the timeout of a section not yet learned."""
+    safety_factor: float = 5.0
+    """Tuning: a learned timeout is this x the section's observed 99th percentile."""
+    warmup: int = 3
+    """Tuning: observations of a section before its timeout is learned."""
     heartbeat_interval: float = 1.0
-    restart_loop_attempts: int = 3
-    restart_loop_min_steps: int = 1
-    straggler_threshold: float = 1.3
-    straggler_patience: int = 10
-    straggler_action: str = "none"
-    expected_mtbf_s: float | None = None
+    """Tuning: seconds between a rank's heartbeats."""
 
     def __post_init__(self) -> None:
+        g = self._group
+        for key in ("heartbeat_interval", "min_timeout", "max_timeout"):
+            _require(getattr(self, key) > 0, g, key, getattr(self, key), "must be > 0 seconds")
+        _at_least(self, "warmup", 1)
+        _at_least(self, "safety_factor", 1, " (timeouts: this x the observed 99th percentile)")
+        _at_least(self, "max_timeout", self.min_timeout, " (failure.hang.min_timeout)")
+        _require(
+            self.timeout is None or self.timeout > 0,
+            g,
+            "timeout",
+            self.timeout,
+            "must be > 0 seconds, or null to learn each section's timeout from the run",
+        )
+
+
+@dataclass
+class StragglerConfig:
+    """Stragglers (``failure.straggler``): a rank whose local step time (batch wait and compute,
+    not waiting for others) is at least ``threshold`` x the fastest rank's, for ``patience``
+    checks (about seconds) in a row, is named in the progress output and summary.json."""
+
+    _group: ClassVar[str] = "failure.straggler"
+    threshold: float = 1.3
+    """The slowdown against the fastest rank that counts as straggling."""
+    patience: int = 10
+    """Checks in a row at or above the threshold before a rank is a straggler."""
+    action: str = "none"
+    """none | restart (a persistent straggler ends the attempt like a failed worker)."""
+
+    def __post_init__(self) -> None:
+        g = self._group
+        _at_least(self, "patience", 1)
+        _require(
+            self.threshold > 1,
+            g,
+            "threshold",
+            self.threshold,
+            "must be > 1 (a slowdown against the fastest rank, e.g. 1.3)",
+        )
+        _require(
+            self.action in STRAGGLER_ACTIONS,
+            g,
+            "action",
+            self.action,
+            f"must be one of {list(STRAGGLER_ACTIONS)}",
+        )
+
+
+@dataclass
+class RestartLoopConfig:
+    """Restart loops (``failure.restart_loop``): stop, instead of spending the whole failure
+    budget, when ``attempts`` attempts in a row failed before training ``min_steps`` steps past
+    the furthest step the run reached."""
+
+    _group: ClassVar[str] = "failure.restart_loop"
+    attempts: int = 3
+    """Attempts in a row without progress that stop the run; 0 = no guard."""
+    min_steps: int = 1
+    """Steps past the furthest step reached that count as progress."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "attempts", 0, " (0 = no restart-loop guard)")
+        _at_least(self, "min_steps", 1)
+
+
+# Flat failure.* keys of earlier versions -> where they live now. They still work, with one
+# line that says so.
+RENAMED_FAILURE_KEYS = {
+    "hang_detection": "hang.enabled",
+    "hang_timeout": "hang.timeout",
+    "hang_safety_factor": "hang.safety_factor",
+    "hang_min_timeout": "hang.min_timeout",
+    "hang_max_timeout": "hang.max_timeout",
+    "hang_warmup": "hang.warmup",
+    "heartbeat_interval": "hang.heartbeat_interval",
+    "straggler_threshold": "straggler.threshold",
+    "straggler_patience": "straggler.patience",
+    "straggler_action": "straggler.action",
+    "restart_loop_attempts": "restart_loop.attempts",
+    "restart_loop_min_steps": "restart_loop.min_steps",
+}
+_said: set[str] = set()
+
+
+def say_deprecated(old: str, new: str) -> None:
+    """One line on stderr, once per process, for a key spelled the old way."""
+    if old not in _said:
+        _said.add(old)
+        print(f"ftjob: {old} is deprecated: it is {new} now", file=sys.stderr)
+
+
+@dataclass
+class FailureConfig:
+    """Failures: Ray Train's budget, preemption notices, hangs, stragglers, restart loops."""
+
+    _group: ClassVar[str] = "failure"
+    max_failures: int = 3
+    """Worker-group failures to recover from; -1 = unlimited."""
+    preemption: bool = True
+    """A preemption notice (a node drain, SIGTERM to the driver or a worker) commits a
+    just-in-time checkpoint of the current step: 0 lost steps."""
+    max_preemptions: int = -1
+    """Preemptions to recover from, counted apart from max_failures; -1 = unlimited."""
+    expected_mtbf_s: float | None = None
+    """Seconds between failures you expect: trainer.checkpoint_every_n_steps=auto checkpoints at
+    the interval that wastes least for it; the summary's predicted ETTR uses it."""
+    hang: HangConfig = field(default_factory=HangConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    restart_loop: RestartLoopConfig = field(default_factory=RestartLoopConfig)
+    health_check_interval: float = 0.5
+    """Tuning: seconds between Ray Train's polls of its workers -- how soon a failure is
+    noticed and a report taken (Ray's default: 2.0)."""
+    preemption_poll_interval: float = 1.0
+    """Tuning: seconds between polls of node drains (Ray Train's own watcher: 5.0)."""
+    preemption_grace_s: float = 0.0
+    """Tuning: Ray Train keeps surviving workers this long past a preemption deadline."""
+    relax_collectives_on_preemption: bool = False
+    """Tuning: Ray Train's report and preemption barriers may complete without preempted ranks."""
+    # The keys of RENAMED_FAILURE_KEYS, as earlier versions spelled them (null: not given).
+    hang_detection: bool | None = None
+    hang_timeout: float | None = None
+    hang_safety_factor: float | None = None
+    hang_min_timeout: float | None = None
+    hang_max_timeout: float | None = None
+    hang_warmup: int | None = None
+    heartbeat_interval: float | None = None
+    straggler_threshold: float | None = None
+    straggler_patience: int | None = None
+    straggler_action: str | None = None
+    restart_loop_attempts: int | None = None
+    restart_loop_min_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        renamed = set()
+        for old, new in RENAMED_FAILURE_KEYS.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            section, key = new.split(".")
+            setattr(getattr(self, section), key, value)
+            setattr(self, old, None)
+            renamed.add(section)
+            say_deprecated(f"{self._group}.{old}", f"{self._group}.{new}")
+        for section in renamed:  # the value rules, on the values given the old way
+            getattr(self, section).__post_init__()
         g = self._group
         for key in ("max_failures", "max_preemptions"):
             value = getattr(self, key)
             _require(value >= -1, g, key, value, "must be >= 0, or -1 for unlimited")
-        seconds = ("preemption_poll_interval", "health_check_interval", "heartbeat_interval")
-        for key in (*seconds, "hang_min_timeout", "hang_max_timeout"):
+        for key in ("preemption_poll_interval", "health_check_interval"):
             _require(getattr(self, key) > 0, g, key, getattr(self, key), "must be > 0 seconds")
-        for key in ("hang_warmup", "straggler_patience", "restart_loop_min_steps"):
-            _at_least(self, key, 1)
         _at_least(self, "preemption_grace_s", 0, " seconds")
-        _at_least(self, "restart_loop_attempts", 0, " (0 = no restart-loop guard)")
-        _at_least(self, "hang_safety_factor", 1, " (timeouts: this x the observed 99th percentile)")
-        _at_least(self, "hang_max_timeout", self.hang_min_timeout, " (failure.hang_min_timeout)")
         _require(
             self.expected_mtbf_s is None or self.expected_mtbf_s > 0,
             g,
             "expected_mtbf_s",
             self.expected_mtbf_s,
             "must be > 0 seconds (the mean time between failures you expect), or null",
-        )
-        _require(
-            self.hang_timeout is None or self.hang_timeout > 0,
-            g,
-            "hang_timeout",
-            self.hang_timeout,
-            "must be > 0 seconds, or null to learn each section's timeout from the run",
-        )
-        _require(
-            self.straggler_threshold > 1,
-            g,
-            "straggler_threshold",
-            self.straggler_threshold,
-            "must be > 1 (a slowdown against the fastest rank, e.g. 1.3)",
-        )
-        _require(
-            self.straggler_action in STRAGGLER_ACTIONS,
-            g,
-            "straggler_action",
-            self.straggler_action,
-            f"must be one of {list(STRAGGLER_ACTIONS)}",
         )
 
 
@@ -692,12 +811,12 @@ class JobConfig:
             "it, e.g. failure.expected_mtbf_s=3600 (seconds between failures you expect)",
         )
         _require(
-            self.chaos.kind != "hang" or not self.chaos.enabled or self.failure.hang_detection,
-            "failure",
-            "hang_detection",
-            self.failure.hang_detection,
+            self.chaos.kind != "hang" or not self.chaos.enabled or self.failure.hang.enabled,
+            "failure.hang",
+            "enabled",
+            self.failure.hang.enabled,
             "chaos.kind=hang stops a worker that nothing resumes: only hang detection ends it; "
-            "set failure.hang_detection=true",
+            "set failure.hang.enabled=true",
         )
         self._check_storage_on_cluster()
         if self.checkpoint.storage_path:

@@ -7,7 +7,7 @@ tests drive it with their own clock):
 
 - :class:`SectionTimes` learns each section's timeout from the run's own observed times -- a
   safety factor over a high percentile, clamped to a floor and a ceiling -- after a few
-  observations; an explicit ``failure.hang_timeout`` overrides it. A rank doing storage I/O
+  observations; an explicit ``failure.hang.timeout`` overrides it. A rank doing storage I/O
   (every rank restoring, rank 0 writing a checkpoint) is never timed out sooner than one storage
   request may take under the retry policy, and a completed request is progress: a long upload
   that moves is never a hang.
@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.config import HangConfig, RestartLoopConfig, StragglerConfig
+
 # "data": a rank waiting for its next batch (its own learned timeout: decode start-up is slow);
 # "step": its compute, until its gradients are ready.
 SECTIONS = ("setup", "restore", "warmup", "data", "step", "validation", "checkpoint")
@@ -33,34 +35,40 @@ IO_SECTIONS = ("restore", "checkpoint")  # storage requests in flight: each comp
 UNTIMED = ("preempted", "done")  # waiting to be torn down after a notice, or finished
 
 
+_HANG, _STRAGGLER, _LOOP = HangConfig(), StragglerConfig(), RestartLoopConfig()  # the defaults
+
+
 @dataclass(frozen=True)
 class HangPolicy:
-    enabled: bool = True
-    timeout: float | None = None  # every section, when set; None = learned
-    safety_factor: float = 5.0
-    min_timeout: float = 20.0
+    """``failure.hang`` (:class:`~ftjob.config.HangConfig`: its defaults and docs), with what
+    the detector derives from the rest of the config."""
+
+    enabled: bool = _HANG.enabled
+    timeout: float | None = _HANG.timeout  # every section, when set; None = learned
+    safety_factor: float = _HANG.safety_factor
+    min_timeout: float = _HANG.min_timeout
     # A rank waiting for its batch: the first window of a stream starts decode processes,
     # seconds to minutes on a loaded node. A stopped process is found at min_timeout anyway
     # (its heartbeats stop); a stuck input pipeline after this floor, or its learned wait.
     data_min_timeout: float = 120.0
-    max_timeout: float = 600.0
-    warmup: int = 3  # observations of a section before its timeout is learned
+    max_timeout: float = _HANG.max_timeout
+    warmup: int = _HANG.warmup  # observations of a section before its timeout is learned
     io_timeout: float = 0.0  # what one storage request may take under the retry policy
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = _HANG.heartbeat_interval
     percentile: float = 0.99
 
     @classmethod
-    def from_config(cls, failure: Any, retry: Any) -> HangPolicy:
-        deadline = retry.deadline if retry.deadline is not None else failure.hang_max_timeout
+    def from_config(cls, hang: HangConfig, retry: Any) -> HangPolicy:
+        deadline = retry.deadline if retry.deadline is not None else hang.max_timeout
         return cls(
-            enabled=failure.hang_detection,
-            timeout=failure.hang_timeout,
-            safety_factor=failure.hang_safety_factor,
-            min_timeout=failure.hang_min_timeout,
-            max_timeout=failure.hang_max_timeout,
-            warmup=failure.hang_warmup,
+            enabled=hang.enabled,
+            timeout=hang.timeout,
+            safety_factor=hang.safety_factor,
+            min_timeout=hang.min_timeout,
+            max_timeout=hang.max_timeout,
+            warmup=hang.warmup,
             io_timeout=deadline + retry.max_backoff,
-            heartbeat_interval=failure.heartbeat_interval,
+            heartbeat_interval=hang.heartbeat_interval,
         )
 
 
@@ -293,29 +301,29 @@ def restart_loop(attempts: list[dict[str, Any]], loop_attempts: int, min_steps: 
     return (
         f"restart loop: {loop_attempts} attempts in a row failed before training {min_steps} "
         f"step(s) past step {high}, the furthest the run got; stopped instead of spending the "
-        "failure budget (failure.restart_loop_attempts, failure.restart_loop_min_steps)"
+        "failure budget (failure.restart_loop.attempts, failure.restart_loop.min_steps)"
     )
 
 
 @dataclass(frozen=True)
 class WatchConfig:
     hang: HangPolicy
-    straggler_threshold: float = 1.3
-    straggler_patience: int = 10
-    straggler_action: str = "none"  # none | restart
-    restart_loop_attempts: int = 3
-    restart_loop_min_steps: int = 1
+    straggler_threshold: float = _STRAGGLER.threshold
+    straggler_patience: int = _STRAGGLER.patience
+    straggler_action: str = _STRAGGLER.action  # none | restart
+    restart_loop_attempts: int = _LOOP.attempts
+    restart_loop_min_steps: int = _LOOP.min_steps
 
     @classmethod
     def from_job(cls, job: Any) -> WatchConfig:
         f = job.failure
         return cls(
-            HangPolicy.from_config(f, job.checkpoint.retry),
-            f.straggler_threshold,
-            f.straggler_patience,
-            f.straggler_action,
-            f.restart_loop_attempts,
-            f.restart_loop_min_steps,
+            HangPolicy.from_config(f.hang, job.checkpoint.retry),
+            f.straggler.threshold,
+            f.straggler.patience,
+            f.straggler.action,
+            f.restart_loop.attempts,
+            f.restart_loop.min_steps,
         )
 
 
@@ -350,7 +358,7 @@ class RunWatch:
 
     def check(self, now: float) -> tuple[list[dict[str, Any]], list[str]]:
         """What the driver must act on now -- a hang, or a straggler to restart (with
-        failure.straggler_action=restart) -- and the progress lines to print. New stragglers
+        failure.straggler.action=restart) -- and the progress lines to print. New stragglers
         are recorded either way."""
         actions, lines = [], []
         hang = self.detector.check(now)
@@ -374,7 +382,7 @@ class RunWatch:
                 pid = self.detector.ranks[record["rank"]].pid
                 self.detector.declared = True  # the attempt ends: no hang on top of it
                 actions.append({"action": "straggler", **record, "pid": pid})
-                line += "; restarting the worker group (failure.straggler_action=restart)"
+                line += "; restarting the worker group (failure.straggler.action=restart)"
             lines.append(line)
         return actions, lines
 

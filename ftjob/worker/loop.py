@@ -168,7 +168,7 @@ class Worker:
         set_fault_stream(self.spec.fs, f"attempt {self.record.attempt} rank {self.rank}")
         self.record.register(self.ctx.where)
         self.beat = Heartbeat(
-            self.record, self.spec.fs.completed_requests, self.job.failure.heartbeat_interval
+            self.record, self.spec.fs.completed_requests, self.job.failure.hang.heartbeat_interval
         )
         self.checkpointer = Checkpointer(
             fs=self.spec.fs,
