@@ -18,15 +18,19 @@ from ftjob.reporting.summary import exactly_once
 from tests.helpers import compose_job
 from tests.local_run import run_locally
 
-DIGITS = ("+experiment=digits_ft",)  # 1408 training samples: 22 steps of 64 an epoch
+
+def run_digits(tmp_path: Path, *overrides: str, during: Any = None) -> Any:
+    """digits_ft (1408 training samples: 22 steps of 64 an epoch) with ``overrides``, run
+    in-process to its end: the :class:`~tests.local_run.LocalRun`."""
+    return run_locally(compose_job("+experiment=digits_ft", *overrides), tmp_path, during=during)
 
 
 def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: Path):
     # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 right after
     # the checkpoint of step 40. Two ranks in a gloo group, restarted as a group.
-    job = compose_job(*DIGITS, "trainer.epochs=4", "chaos.fail_at_steps=[25,41]")
-    job.trainer.audit_samples = True
-    run = run_locally(job, tmp_path)
+    run = run_digits(
+        tmp_path, "trainer.epochs=4", "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"
+    )
     s, m = run.summary, run.summary["metrics"]
     assert s["status"] == "succeeded" and s["error"] is None, run.errors
     assert set(M.METRIC_KEYS) <= set(m)
@@ -47,8 +51,7 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
 
 
 def test_a_diverged_run_stops_as_failed_and_is_not_retried(tmp_path: Path):
-    job = compose_job(*DIGITS, "trainer.epochs=2", "optimizer=sgd", "trainer.lr=1e12")
-    run = run_locally(job, tmp_path)
+    run = run_digits(tmp_path, "trainer.epochs=2", "optimizer=sgd", "trainer.lr=1e12")
     s = run.summary
     assert s["status"] == "failed"
     assert s["error"].startswith("training diverged: the loss became non-finite (nan) by step 10")
@@ -58,8 +61,8 @@ def test_a_diverged_run_stops_as_failed_and_is_not_retried(tmp_path: Path):
 
 
 def test_async_uploads_failing_past_the_budget_end_the_run_on_every_rank(tmp_path: Path):
-    job = compose_job(
-        *DIGITS,
+    run = run_digits(
+        tmp_path,
         "trainer.epochs=2",
         "checkpoint.upload_mode=async",
         "checkpoint.max_consecutive_upload_failures=1",
@@ -67,7 +70,6 @@ def test_async_uploads_failing_past_the_budget_end_the_run_on_every_rank(tmp_pat
         "chaos.storage.failure_rate=0.5",
         "checkpoint.retry.max_attempts=1",
     )
-    run = run_locally(job, tmp_path)
     s = run.summary
     assert s["status"] == "failed", run.errors
     assert "checkpoint upload(s) in a row failed" in s["error"]
@@ -80,13 +82,9 @@ def test_async_uploads_failing_past_the_budget_end_the_run_on_every_rank(tmp_pat
 
 def test_a_job_whose_every_attempt_fails_at_step_0_stops_as_a_restart_loop(tmp_path: Path):
     # One input channel for three-channel images: the first forward fails, on every attempt.
-    job = compose_job(
-        *DIGITS,
-        "trainer.num_workers=1",
-        "+model.in_channels=1",
-        "failure.restart_loop.attempts=2",
+    run = run_digits(
+        tmp_path, "trainer.num_workers=1", "+model.in_channels=1", "failure.restart_loop.attempts=2"
     )
-    run = run_locally(job, tmp_path)
     s = run.summary
     assert s["status"] == "failed"
     assert s["error"].startswith("restart loop: 2 attempts in a row failed before training")
@@ -95,14 +93,13 @@ def test_a_job_whose_every_attempt_fails_at_step_0_stops_as_a_restart_loop(tmp_p
 
 
 def test_more_failures_than_the_budget_fail_and_keep_the_last_good_checkpoint(tmp_path: Path):
-    job = compose_job(
-        *DIGITS,
+    run = run_digits(
+        tmp_path,
         "trainer.epochs=2",
         "trainer.num_workers=1",
         "chaos.fail_at_steps=[15,25]",
         "failure.max_failures=1",
     )
-    run = run_locally(job, tmp_path)
     s = run.summary
     assert s["status"] == "failed"
     assert "failure.max_failures=1" in s["error"] and "2 failure(s)" in s["error"]
@@ -113,22 +110,20 @@ def test_more_failures_than_the_budget_fail_and_keep_the_last_good_checkpoint(tm
 def test_a_run_resumed_by_name_on_fewer_workers_continues_exactly(tmp_path: Path):
     storage = tmp_path / "store"
     common = ("trainer.epochs=2", "name=shared", f"checkpoint.storage_path={storage}")
-    first = run_locally(
-        compose_job(*DIGITS, *common, "chaos.fail_at_steps=[17]", "failure.max_failures=0"),
-        tmp_path / "a",
+    first = run_digits(
+        tmp_path / "a", *common, "chaos.fail_at_steps=[17]", "failure.max_failures=0"
     )
     assert first.summary["status"] == "failed"
     assert "failure.max_failures=0" in first.summary["error"]
     # Same global batch (1 x 64 instead of 2 x 32): resumes right after sample 10 x 64.
-    resume = compose_job(
-        *DIGITS,
+    run = run_digits(
+        tmp_path / "b",
         *common,
         "resume=true",
         "trainer.num_workers=1",
         "trainer.batch_size=64",
         "trainer.audit_samples=true",
     )
-    run = run_locally(resume, tmp_path / "b")
     s = run.summary
     assert s["status"] == "succeeded", run.errors
     epoch0, epoch1 = s["audit"]
@@ -156,17 +151,12 @@ def stop_when(condition: Any, reason: str = "SIGTERM") -> Any:
 def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(tmp_path: Path):
     # Every upload request takes 0.5 s (a checkpoint: seconds); the stop comes while the
     # checkpoint of step 20 uploads.
-    job = compose_job(
-        *DIGITS,
-        "trainer.epochs=2",
-        "trainer.num_workers=1",
-        "chaos.storage.upload_delay=0.5",
-    )
+    overrides = ("trainer.epochs=2", "trainer.num_workers=1", "chaos.storage.upload_delay=0.5")
 
     def uploading_step_20(snap: dict[str, Any]) -> bool:
         return any(a["max_step"] >= 20 for a in snap["attempts"])
 
-    run = run_locally(job, tmp_path, during=stop_when(uploading_step_20))
+    run = run_digits(tmp_path, *overrides, during=stop_when(uploading_step_20))
     s = run.summary
     assert s["status"] == "preempted", (s["error"], run.errors)
     [attempt] = [a for a in run.snapshot["attempts"] if a.get("preemption")]
