@@ -41,6 +41,7 @@ class LocalRun:
     snapshot: dict[str, Any]
     prep: Prepared
     errors: list[str] = field(default_factory=list)
+    watch_actions: list[dict[str, Any]] = field(default_factory=list)  # hangs, stragglers
 
 
 class _LockedLedger:
@@ -152,7 +153,8 @@ def run_locally(
     """Run ``job`` to its end in this process (``trainer.num_workers`` is the local world
     size, 1 or 2), restarting failed attempts up to ``failure.max_failures`` and preempted
     ones up to ``failure.max_preemptions``, as Ray Train would. ``during(ledger)`` runs on a
-    thread while the attempts train (a test's stop request, say)."""
+    thread while the attempts train (a test's stop request, say); the ledger is watched for
+    hangs and stragglers as the driver watches it."""
     world = job.trainer.num_workers
     started = time.time()
     prep = prepare(job, str(run_dir))
@@ -167,6 +169,16 @@ def run_locally(
     spec = worker_spec(job, prep, handle, dict(prep.catalogs))
     if during is not None:
         threading.Thread(target=during, args=(handle,), daemon=True).start()
+    # The driver's poll of the ledger for hangs and stragglers (ftjob.driver.monitor); here
+    # they are recorded, not acted on.
+    actions: list[dict[str, Any]] = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.wait(0.5):
+            actions.extend(handle.check_watch.remote(time.time()))
+
+    threading.Thread(target=watch, daemon=True).start()
     failures = preemptions = 0
     fit, errors = FitOutcome(), []
     try:
@@ -185,8 +197,10 @@ def run_locally(
             if preempted and 0 <= job.failure.max_preemptions < preemptions:
                 fit = FitOutcome(first, preemption_budget_exhausted=True)
                 break
+        watching.set()
         snapshot = handle.snapshot.remote()
     finally:
+        watching.set()
         prep.lease.release()
         if manager is not None:
             manager.shutdown()
@@ -202,4 +216,4 @@ def run_locally(
         driver_storage=prep.fs.snapshot_stats(),
         run_started=started,
     )
-    return LocalRun(summary, snapshot, prep, errors)
+    return LocalRun(summary, snapshot, prep, errors, actions)

@@ -208,3 +208,32 @@ def test_a_broken_killer_reports_instead_of_dying_silently():
     )
     assert killer.run() == []
     assert ledger.errors and "chaos killer stopped" in ledger.errors[0]
+
+
+def test_slow_chaos_picks_a_rank_and_the_ledger_steers_its_heartbeat_to_sleep():
+    from ftjob.driver.ledger import RunLedger
+
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    clock = iter(range(0, 10_000)).__next__
+    signals: list[str] = []
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "slow",
+        ledger,
+        set(),
+        slowdown=1.0,
+        execute=lambda kind, target: signals.append(kind) or 0,
+        clock=lambda: float(clock()),
+        wait=lambda s: False,
+    )
+    [record] = killer.run()
+    assert record["kind"] == "slow" and record["slowdown"] == 1.0 and signals == ["slow"]
+    rank = record["target"]["rank"]
+    run = RunLedger({})
+    run.start_attempt(0.0)
+    run.kill(record)  # the rank's heartbeat answer tells it to sleep; no other rank's does
+    assert run.heartbeat(0, rank, {"section": "step", "age": 0.0, "step": 1}) == {"slow": 1.0}
+    other = next(w["rank"] for w in WORKERS if w["rank"] != rank)
+    assert run.heartbeat(0, other, {"section": "step", "age": 0.0, "step": 1}) == {"slow": 0.0}
+    assert [k["kind"] for k in run.snapshot_kills()] == ["slow"]

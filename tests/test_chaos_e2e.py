@@ -14,10 +14,10 @@ from tests.helpers import run_ftjob
 
 pytestmark = pytest.mark.ray
 
-JOB = ["+experiment=digits_ft", "trainer.epochs=6"]
-# Kills at training steps (132 in all), not at times: every kill lands while there is training
+JOB = ["+experiment=digits_ft", "trainer.epochs=4"]
+# Kills at training steps (88 in all), not at times: every kill lands while there is training
 # left to interrupt, however fast or slow this machine is.
-EARLY_KILLS = ["chaos.at_steps=[20,70]"]
+EARLY_KILLS = ["chaos.at_steps=[20,50]"]
 
 
 def test_node_kills_recover_within_budget_and_every_sample_is_trained_once(tmp_path):
@@ -43,10 +43,10 @@ def test_node_kills_recover_within_budget_and_every_sample_is_trained_once(tmp_p
         assert all(f["phases"][p] > 0 for p in parts), f["phases"]
         assert sum(f["phases"][p] for p in parts) < f["time_to_recover_s"] - f["restart_s"]
     assert m[M.RECOVERY_TIME_TO_RECOVER] > 0 and m[M.CHECKPOINT_RESTORATION_TIME] > 0
-    assert m[M.VALIDATION_ACCURACY] >= 0.9
+    assert m[M.VALIDATION_ACCURACY] >= 0.85
     assert "chaos: kill 2" in proc.stdout and "[state-dump]" not in proc.stdout
     # Every step trained its global batch of the data order, each sample once.
-    assert len(s["audit"]) == 6 and all(exactly_once(a) for a in s["audit"])
+    assert len(s["audit"]) == 4 and all(exactly_once(a) for a in s["audit"])
 
 
 def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_same_batches(

@@ -62,12 +62,8 @@ class RetryingS3Fixtures(abstract.AbstractFixtures):
     the retrying wrapper as the filesystem."""
 
     @pytest.fixture
-    def s3_options(self, s3_endpoint: str) -> Iterator[dict[str, Any]]:
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-        yield {"endpoint_url": s3_endpoint}
-        s3fs.S3FileSystem.clear_instance_cache()
+    def s3_options(self, s3_endpoint: str) -> dict[str, Any]:
+        return {"endpoint_url": s3_endpoint}
 
     @pytest.fixture
     def fs_join(self) -> Callable[..., str]:
@@ -83,7 +79,10 @@ class RetryingS3Fixtures(abstract.AbstractFixtures):
 
     @pytest.fixture
     def fs(self, s3_options: dict[str, Any], s3_bucket: str) -> AbstractFileSystem:
+        # s3fs keeps one instance (and its client) per option set: reused across these tests,
+        # each in a bucket of its own, with listings cached by none of them.
         fs, _ = build_filesystem(f"s3://{s3_bucket}", s3_options, RetryConfig())
+        fs.invalidate_cache()
         return fs
 
 

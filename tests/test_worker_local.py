@@ -13,10 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
 from tests.helpers import compose_job
 from tests.local_run import run_locally
+
+pytestmark = pytest.mark.worker
 
 
 def run_digits(tmp_path: Path, *overrides: str, during: Any = None) -> Any:
@@ -165,3 +169,41 @@ def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(t
     assert notice["jit"]["reused"] and notice["jit"]["step"] == 20  # the upload in flight
     assert s["checkpoints"]["latest"].endswith("step_000000020")
     assert s["error"].endswith("after a just-in-time checkpoint of step 20")
+
+
+def test_a_slow_rank_is_named_a_straggler_and_a_slow_upload_is_no_hang(tmp_path: Path):
+    # From step 5 rank 1 sleeps its own step time in every step (chaos=slow's doing, steered
+    # through its heartbeat). Every section times out after 10 s without progress, and each
+    # checkpoint upload takes > 12 s (5 requests of 2.5 s): only the requests' progress keeps
+    # the upload from being a hang.
+    def slow_rank_1(ledger: Any) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            snap = ledger.snapshot.remote()
+            if any(a["max_step"] >= 5 for a in snap["attempts"]):
+                target = {"rank": 1, "node_id": "local", "pid": 0}
+                record = {"kind": "slow", "target": target, "slowdown": 1.0, "attempt": 0}
+                ledger.kill.remote({**record, "time": time.time()})
+                return
+            time.sleep(0.1)
+
+    run = run_digits(
+        tmp_path,
+        "trainer.epochs=2",
+        "trainer.checkpoint_every_n_steps=0",  # one checkpoint per epoch
+        "failure.straggler.patience=4",
+        "failure.hang.timeout=10",
+        "checkpoint.retry.deadline=1",
+        "checkpoint.retry.max_backoff=0.5",
+        "chaos.storage.upload_delay=2.5",
+        during=slow_rank_1,
+    )
+    s = run.summary
+    assert s["status"] == "succeeded" and s["hangs"] == [] and s["failures"] == [], run.errors
+    [straggler] = s["stragglers"]["flagged"]
+    assert straggler["rank"] == 1 and 1.5 < straggler["slowdown"] < 2.7, straggler  # 2.0
+    assert 1.5 < s["metrics"][M.STRAGGLER_MAX_SLOWDOWN] < 2.7
+    assert not any(a["action"] == "hang" for a in run.watch_actions)
+    # The checkpoints took longer than the timeout; each upload request moved them on.
+    checkpoint = s["section_timeouts"]["checkpoint"]
+    assert checkpoint["p99_s"] > 10.0 and checkpoint["timeout_s"] == 10.0
