@@ -9,7 +9,9 @@ what the workers decide is tested here, in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import pickle
 import queue
 import socket
 import threading
@@ -107,12 +109,20 @@ def _rank_main(spec: WorkerSpec, rank: int, world: int, port: int, out: Any) -> 
         out.put((rank, f"{_error(exc)}\n{traceback.format_exc()}"))
 
 
-def _attempt(spec: WorkerSpec, world: int) -> str | None:
+class AttemptTimedOut(AssertionError):
+    """The ranks of a local attempt neither ended nor failed in time (a collective only some
+    ranks entered, say): a bug to see, not a failure to restart from."""
+
+
+def _attempt(spec: WorkerSpec, world: int, timeout: float = 300.0) -> str | None:
     """One attempt on every rank: the first error (one line and its traceback), or None."""
     if world == 1:
+        # As a Ray Train worker unpickles its own: the storage's counters and fault stream
+        # are the attempt's, not the driver's.
+        spec = dataclasses.replace(spec, fs=pickle.loads(pickle.dumps(spec.fs)))
         try:
             Worker(spec, local_context(spec.ledger)).train()
-        except (TornDown, Exception) as exc:
+        except Exception as exc:
             return f"{_error(exc)}\n{traceback.format_exc()}"
         return None
     ctx = multiprocessing.get_context("spawn")
@@ -124,8 +134,12 @@ def _attempt(spec: WorkerSpec, world: int) -> str | None:
     for p in procs:
         p.start()
     results: dict[int, str | None] = {}
-    deadline = time.monotonic() + 300
-    while len(results) < world and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise AttemptTimedOut(f"ranks {sorted(set(range(world)) - set(results))} hung")
         try:
             rank, error = out.get(timeout=1.0)
             results[rank] = error
@@ -173,10 +187,14 @@ def run_locally(
     # they are recorded, not acted on.
     actions: list[dict[str, Any]] = []
     watching = threading.Event()
+    broken: list[BaseException] = []
 
     def watch() -> None:
-        while not watching.wait(0.5):
-            actions.extend(handle.check_watch.remote(time.time()))
+        try:
+            while not watching.wait(0.5):
+                actions.extend(handle.check_watch.remote(time.time()))
+        except BaseException as exc:  # said by run_locally: a silent watch would prove nothing
+            broken.append(exc)
 
     threading.Thread(target=watch, daemon=True).start()
     failures = preemptions = 0
@@ -191,7 +209,7 @@ def run_locally(
                 fit = FitOutcome(preempted=True)
                 break
             preemptions, failures = preemptions + preempted, failures + (not preempted)
-            if failures > job.failure.max_failures:
+            if 0 <= job.failure.max_failures < failures:
                 fit = FitOutcome(first, budget_exhausted=True)
                 break
             if preempted and 0 <= job.failure.max_preemptions < preemptions:
@@ -199,6 +217,8 @@ def run_locally(
                 break
         watching.set()
         snapshot = handle.snapshot.remote()
+        if broken:
+            raise AssertionError("the hang and straggler watch failed") from broken[0]
     finally:
         watching.set()
         prep.lease.release()

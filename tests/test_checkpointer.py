@@ -243,3 +243,27 @@ def test_a_checkpoint_file_planted_in_storage_cannot_run_code_at_restore(tmp_pat
     with pytest.raises(pickle.UnpicklingError):
         checkpointer.restore(model, optimizer, torch.device("cpu"))
     assert not marker.exists()
+
+
+def test_the_checkpoint_section_is_entered_only_when_a_checkpoint_is_written(tmp_path: Path):
+    # The heartbeat learns the section's timeout from its durations: steps without a
+    # checkpoint must not teach it that checkpoints take no time.
+    from contextlib import contextmanager
+
+    from ftjob.policy.cadence import CheckpointSchedule
+
+    checkpointer, _ = make(tmp_path)
+    checkpointer.schedule = CheckpointSchedule(10, None)
+    model, optimizer = model_and_optimizer(0)
+    entered: list[tuple[str, int]] = []
+
+    @contextmanager
+    def section(name: str):
+        entered.append((name, state.step))
+        yield
+
+    for step in range(1, 23):
+        state = TrainState(step=step, position=step * 32)
+        checkpointer.maybe_save(state, model, optimizer, epoch_end=step == 22, section=section)
+    assert entered == [("checkpoint", 10), ("checkpoint", 20), ("checkpoint", 22)]
+    assert checkpointer.store.steps() == [22, 20]

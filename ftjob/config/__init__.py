@@ -1019,7 +1019,10 @@ def load_job(cfg: DictConfig) -> JobConfig:
 def to_plain(obj: Any) -> Any:
     """A dataclass tree as plain dicts/lists (JSON-safe): what workers and checkpoints carry."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        renamed = RENAMED_FAILURE_KEYS if isinstance(obj, FailureConfig) else {}
+        return {
+            f.name: to_plain(getattr(obj, f.name)) for f in fields(obj) if f.name not in renamed
+        }
     if isinstance(obj, dict):
         return {str(k): to_plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -223,13 +224,17 @@ class Checkpointer:
         optimizer: Any,
         epoch_end: bool,
         guard: Callable[[], None] = lambda: None,
+        section: Callable[[str], AbstractContextManager[Any]] = lambda name: nullcontext(),
     ) -> None:
         """Every rank, after every step: a checkpoint when one is due (the cadence, or the
-        end of an epoch); ``guard`` runs first (it raises when diverged weights must never be
-        written). Raises :class:`JobStopped` on every rank when the job must stop."""
+        end of an epoch), inside ``section("checkpoint")`` (the heartbeat's: entered only
+        when a checkpoint is written, so the section's learned timeout is a checkpoint's);
+        ``guard`` runs first (it raises when diverged weights must never be written). Raises
+        :class:`JobStopped` on every rank when the job must stop."""
         if epoch_end or self.schedule.due(state.step):
-            guard()
-            self.save(state, module, optimizer)
+            with section("checkpoint"):
+                guard()
+                self.save(state, module, optimizer)
 
     def save(self, state: TrainState, module: Any, optimizer: Any) -> None:
         """Save and upload (rank 0), agree on the outcome, report (every rank)."""

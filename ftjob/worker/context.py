@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ftjob.worker.collective import broadcast
@@ -47,7 +47,6 @@ class WorkerContext:
     drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None
     ray_signals: bool = False  # SIGTERM to this process arrives through Ray's handler
     teardown: Callable[[], None] = wait_to_be_torn_down
-    sleep: Callable[[float], None] = field(default=time.sleep)
 
     def broadcast(self, obj: Any) -> Any:
         """``obj`` from rank 0, on every rank."""

@@ -9,9 +9,12 @@ valid checkpoint after a failure. :meth:`Worker.train` is one attempt and reads 
 Everything it needs from the world comes from its :class:`~ftjob.worker.context.WorkerContext`
 (Ray Train in production, this process in tests) and every record goes through its
 :class:`~ftjob.worker.recorder.RunRecorder`. A job that must stop (divergence, the upload
-budget spent, no checkpoint that verifies, the run taken over, a file that cannot be decoded)
-raises :class:`~ftjob.worker.recorder.JobStopped` on every rank together; the attempt then
-returns, and the driver reports the ledger's reason.
+budget spent, no checkpoint that verifies, the run taken over) raises
+:class:`~ftjob.worker.recorder.JobStopped` on every rank together; the attempt then returns,
+and the driver reports the ledger's reason. A file that cannot be decoded is recorded as the
+run's fatal error by the rank that met it (:func:`end_on_data_error`): with one worker the
+attempt returns, with several it fails, so that Ray Train ends the group, and the restart stops
+at its start.
 """
 
 from __future__ import annotations
@@ -287,10 +290,14 @@ class Worker:
         if epoch_end or (t.validate_every_n_steps and s.step % t.validate_every_n_steps == 0):
             self.validator.run(self.module, s.step, epoch)
         s.validated = self.validator.done(s.step)
-        with self.beat.section("checkpoint"):
-            self.checkpointer.maybe_save(
-                s, self.module, self.optimizer, epoch_end, guard=self._refuse_diverged
-            )
+        self.checkpointer.maybe_save(
+            s,
+            self.module,
+            self.optimizer,
+            epoch_end,
+            guard=self._refuse_diverged,
+            section=self.beat.section,
+        )
         self._preempted()
         self._wait_start = time.perf_counter()
 
