@@ -133,7 +133,7 @@ def test_drain_notices_during_an_upload_or_a_validation_lose_no_step_nor_failure
 ):
     # Nodes drained with notice (Ray's drain API, as a spot reclaim). Every checkpoint upload
     # request takes 1 s (5 files: ~5 s a checkpoint), and validation (at epoch ends only)
-    # decodes 8000 images each time: both outlast the time a notice takes to arrive (the
+    # decodes 4000 images each time (~10 s here): both outlast the time a notice takes to arrive (the
     # killer's poll, then the drain relay's poll, ~1.5 s). The first notice comes during the
     # checkpoint of step 30, the second during the validation of step 44 (the end of epoch 2).
     proc, s = run_ftjob(
@@ -141,7 +141,7 @@ def test_drain_notices_during_an_upload_or_a_validation_lose_no_step_nor_failure
             "+experiment=digits_ft",
             "dataset=synthetic",
             "dataset.num_samples=1408",  # 22 steps an epoch, as digits
-            "dataset.num_val_samples=8000",
+            "dataset.num_val_samples=4000",
             "dataset.image_size=64",
             "dataset.num_classes=10",
             "trainer.validation_cache_mb=0",
