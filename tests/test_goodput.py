@@ -59,6 +59,31 @@ def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     assert g["ettr"] == pytest.approx(5.0 / 40.0) == summary["metrics"][M.GOODPUT_ETTR]
 
 
+def test_a_just_in_time_checkpoint_inside_a_notice_window_is_counted_once():
+    # Notice at 20 s, deadline at 30 s; the checkpoint of the step (4 s, in the checkpoint
+    # timers) runs inside that window: the preemption bucket holds the other 6 s.
+    failure = {
+        "notice": {"received": 20.0, "deadline": 30.0},
+        "jit": {"step": 12, "seconds": 4.0},
+        "recovered": True,
+        "time_to_recover_s": 8.0,
+        "restart_s": 3.0,
+        "first_step_s": 1.0,
+    }
+    timers = {M.TRAIN_STEP: 20.0, M.TRAIN_STEPS_COMPLETED: 20, M.CHECKPOINT_UPLOAD: 4.0}
+    g = goodput(
+        wall_s=60.0,
+        run_started=0.0,
+        first_step=5.0,
+        finished=58.0,
+        metrics=timers,
+        failures=[failure],
+    )
+    b = g["buckets"]
+    assert b["preemption"] == 6.0 and b["checkpoint"] == 4.0
+    assert b["other"] >= 0 and sum(b.values()) == pytest.approx(60.0)
+
+
 def test_a_run_that_never_trained_is_all_startup():
     g = goodput(
         wall_s=9.0, run_started=0.0, first_step=None, finished=None, metrics={}, failures=[]

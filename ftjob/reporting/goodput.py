@@ -91,8 +91,15 @@ def goodput(
         "restore": restore,
         "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
         "redone": sum(f.get("lost_steps", 0) for f in failures) * per_step,
+        # Notice to deadline: the workers wait to be torn down; their just-in-time checkpoint
+        # in that window is in "checkpoint" already.
         "preemption": sum(
-            max(0.0, finite(f["notice"].get("deadline")) - f["notice"]["received"])
+            max(
+                0.0,
+                finite(f["notice"].get("deadline"))
+                - f["notice"]["received"]
+                - finite((f.get("jit") or {}).get("seconds")),
+            )
             for f in preempted
             if f["notice"].get("deadline")
         ),
