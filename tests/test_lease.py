@@ -180,7 +180,7 @@ def _simultaneous_drivers(url: str, options: dict[str, Any], count: int) -> list
     return outputs
 
 
-def _exactly_one_takes_it(outputs: list[str]) -> None:
+def check_exactly_one_takes_it(outputs: list[str]) -> None:
     took = [o for o in outputs if o.startswith("took")]
     refused = [o for o in outputs if o.startswith("refused")]
     assert len(took) == 1 and len(refused) == len(outputs) - 1, outputs
@@ -190,7 +190,7 @@ def _exactly_one_takes_it(outputs: list[str]) -> None:
 
 
 def test_drivers_started_at_the_same_instant_exactly_one_takes_the_run(tmp_path: Path) -> None:
-    _exactly_one_takes_it(_simultaneous_drivers(str(tmp_path / "storage" / "run"), {}, 4))
+    check_exactly_one_takes_it(_simultaneous_drivers(str(tmp_path / "storage" / "run"), {}, 4))
 
 
 @pytest.mark.s3
@@ -198,7 +198,7 @@ def test_drivers_started_at_the_same_instant_on_s3_exactly_one_takes_the_run(
     s3_endpoint: str, s3_bucket: str
 ) -> None:
     url = f"s3://{s3_bucket}/runs/run"
-    _exactly_one_takes_it(_simultaneous_drivers(url, {"endpoint_url": s3_endpoint}, 4))
+    check_exactly_one_takes_it(_simultaneous_drivers(url, {"endpoint_url": s3_endpoint}, 4))
 
 
 HOLDER = textwrap.dedent(
@@ -233,7 +233,7 @@ HOLDER = textwrap.dedent(
 )
 
 
-def _paused_driver_is_fenced(url: str, options: dict[str, Any], tmp_path: Path) -> None:
+def check_paused_driver_is_fenced(url: str, options: dict[str, Any], tmp_path: Path) -> None:
     fs, run = build_filesystem(url, options, RetryConfig())
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, url, repr(options), str(tmp_path / "a")],
@@ -272,14 +272,14 @@ def _paused_driver_is_fenced(url: str, options: dict[str, Any], tmp_path: Path) 
 
 
 def test_a_paused_driver_cannot_commit_or_prune_after_another_took_over(tmp_path: Path) -> None:
-    _paused_driver_is_fenced(str(tmp_path / "storage" / "run"), {}, tmp_path)
+    check_paused_driver_is_fenced(str(tmp_path / "storage" / "run"), {}, tmp_path)
 
 
 @pytest.mark.s3
 def test_a_paused_driver_on_s3_cannot_commit_or_prune_after_another_took_over(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path
 ) -> None:
-    _paused_driver_is_fenced(f"s3://{s3_bucket}/run", {"endpoint_url": s3_endpoint}, tmp_path)
+    check_paused_driver_is_fenced(f"s3://{s3_bucket}/run", {"endpoint_url": s3_endpoint}, tmp_path)
 
 
 # -- renewal ----------------------------------------------------------------------------------
