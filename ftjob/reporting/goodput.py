@@ -48,6 +48,21 @@ def _planned_resizes(resizes: list[dict[str, Any]]) -> float:
     )
 
 
+def _notice_waits(failures: list[dict[str, Any]]) -> float:
+    """Seconds from each preemption notice to its deadline, while the workers wait to be torn
+    down; the just-in-time checkpoint in that window is in "checkpoint" already."""
+    return sum(
+        max(
+            0.0,
+            finite(f["notice"]["deadline"])
+            - f["notice"]["received"]
+            - finite((f.get("jit") or {}).get("seconds")),
+        )
+        for f in failures
+        if (f.get("notice") or {}).get("deadline")
+    )
+
+
 def goodput(
     *,
     wall_s: float,
@@ -75,7 +90,6 @@ def goodput(
         + restore
         + _sum(recovered, "first_step_s")
     )
-    preempted = [f for f in failures if f.get("notice")]
     buckets = {
         # The first step's own batch wait and step are in data_wait and training.
         "startup": (first_step - run_started - first_step_took) if first_step else wall_s,
@@ -91,18 +105,7 @@ def goodput(
         "restore": restore,
         "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
         "redone": sum(f.get("lost_steps", 0) for f in failures) * per_step,
-        # Notice to deadline: the workers wait to be torn down; their just-in-time checkpoint
-        # in that window is in "checkpoint" already.
-        "preemption": sum(
-            max(
-                0.0,
-                finite(f["notice"].get("deadline"))
-                - f["notice"]["received"]
-                - finite((f.get("jit") or {}).get("seconds")),
-            )
-            for f in preempted
-            if f["notice"].get("deadline")
-        ),
+        "preemption": _notice_waits(failures),
         "resize": _planned_resizes(resizes or []),
         "shutdown": max(0.0, run_started + wall_s - finished) if finished else 0.0,
     }
