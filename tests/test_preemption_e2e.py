@@ -1,8 +1,7 @@
-"""End-to-end preemption: nodes drained with notice (Ray's drain API, as a spot reclaim) during
-an upload and a validation, SIGTERM to the driver and SIGTERM to a training worker. Each
-notice becomes a just-in-time checkpoint of the current step: no step is lost, every sample is
-trained once, and the failure budget is not spent. Also: one driver per run, and a resume past
-a damaged checkpoint."""
+"""End-to-end preemption: SIGTERM to the driver and SIGTERM to a training worker. Each notice
+becomes a just-in-time checkpoint of the current step: no step is lost, every sample is trained
+once. Also: one driver per run, and a resume past a damaged checkpoint. (A node drained with
+notice, Ray's drain API, is in the S3 run: test_s3.py.)"""
 
 from __future__ import annotations
 
@@ -126,58 +125,3 @@ def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_and_a_wor
     steps_per_epoch = 22
     assert s2["audit"][0]["resumed_at"] == (before % steps_per_epoch) * 64  # nothing re-trained
     assert s2["audit"][-1]["epoch"] == 3 and all(exactly_once(a) for a in s2["audit"])
-
-
-def test_drain_notices_during_an_upload_or_a_validation_lose_no_step_nor_failure_budget(
-    tmp_path,
-):
-    # Nodes drained with notice (Ray's drain API, as a spot reclaim). Every checkpoint upload
-    # request takes 1 s (5 files: ~5 s a checkpoint), and validation (at epoch ends only)
-    # decodes 4000 images each time (~10 s here): both outlast the time a notice takes to arrive (the
-    # killer's poll, then the drain relay's poll, ~1.5 s). The first notice comes during the
-    # checkpoint of step 30, the second during the validation of step 44 (the end of epoch 2).
-    proc, s = run_ftjob(
-        [
-            "+experiment=digits_ft",
-            "dataset=synthetic",
-            "dataset.num_samples=1408",  # 22 steps an epoch, as digits
-            "dataset.num_val_samples=4000",
-            "dataset.image_size=64",
-            "dataset.num_classes=10",
-            "trainer.validation_cache_mb=0",
-            "trainer.validate_every_n_steps=0",
-            "trainer.checkpoint_every_n_steps=30",
-            "trainer.epochs=3",
-            "ray.local_nodes=3",
-            "chaos=preempt",
-            "chaos.at_steps=[30,44]",
-            "chaos.notice=10",
-            "chaos.storage.upload_delay=1.0",
-            "failure.max_failures=0",  # a preemption must not need it
-            "trainer.audit_samples=true",
-        ],
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-    assert s["status"] == "succeeded"
-    m = s["metrics"]
-    assert (m[M.PREEMPTION_COUNT], m[M.PREEMPTION_LOST_STEPS], m[M.FAILURES_COUNT]) == (2, 0, 0)
-    assert m[M.PREEMPTION_JIT_CHECKPOINT_TIME] > 0
-    # Both preemptions happened; the last node may still await Ray's death notice at the end.
-    preempts = s["chaos"]["kills"] + s["chaos"]["skipped"]
-    assert [k["kind"] for k in preempts] == ["preempt", "preempt"]
-    assert all(k.get("confirmed") or "before the run ended" in k["reason"] for k in preempts)
-    during_upload, during_validation = s["failures"]
-    for record in (during_upload, during_validation):
-        assert record["kind"] == "preemption" and record["recovered"]
-        assert record["lost_steps"] == 0 and record["notice"]["source"] == "drain"
-        # The periodic checkpoint of the step in flight became the just-in-time one.
-        assert record["jit"]["reused"] and record["restored_step"] == record["notice"]["step"]
-        assert record["restored_step"] == record["jit"]["step"]
-        assert record["notice"]["deadline"] > record["notice"]["received"]
-        assert record["time"] == record["notice"]["deadline"] and record["time_to_recover_s"] > 0
-    assert during_upload["notice"]["step"] == 30
-    assert during_validation["notice"]["validation_cut"] == 44
-    assert [v["step"] for v in s["validation"]] == [22, 44, 66]  # 44 again after the restart
-    assert len(s["audit"]) == 3 and all(exactly_once(a) for a in s["audit"])
-    assert "preemption notice (drain)" in proc.stdout

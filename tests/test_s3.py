@@ -1,5 +1,6 @@
 """Checkpoint storage on a real S3 API (moto's server on loopback, see s3_fixtures.py), directly
-and through a fault-injecting HTTP proxy (fault_proxy.py); one end-to-end training run."""
+and through a fault-injecting HTTP proxy (fault_proxy.py); one end-to-end training run (a
+failure and a drain notice on a simulated cluster)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import boto3
 import pytest
 import s3fs
 
+from ftjob import metrics as M
 from ftjob.config import RetryConfig
+from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
 from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
 from ftjob.storage.wrapper import innermost
@@ -250,21 +253,34 @@ def test_missing_bucket_stops_the_cli_before_ray_starts(s3_endpoint: str, tmp_pa
 
 
 @pytest.mark.ray
-def test_training_on_s3_through_faults_restores_after_a_failure(
+def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
     s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One run for four requirements: checkpoints on S3 with a restore from S3 after a forced
-    failure, every checkpoint committed although the network throttles and drops, no secret
-    (in storage_options, or from the environment) in anything the run wrote, and every
-    logger's record of the run (one point per step across the restore), read back."""
+    """One run on a simulated 3-node cluster, checkpoints on S3 through a network that
+    throttles and drops: a failure restored from S3; a node drained with notice (Ray's drain
+    API, as a spot reclaim) during an upload, whose checkpoint becomes the just-in-time one (no
+    step lost, no failure budget spent); every checkpoint committed; no secret (in
+    storage_options, or from the environment) in anything the run wrote; every logger's record
+    of the run (one point per step across the restores), read back; each sample trained once."""
     faults = {"throttle_rate": 0.12, "drop_rate": 0.06, "truncate_rate": 0.06}
     secret, from_env = "s3-secret-6f1c9d2a", "env-token-0b7e44c1"
     with FaultProxy(s3_endpoint, seed=3, **faults) as proxy:
         proc, summary = run_ftjob(
             [
                 "+experiment=digits_ft",
-                "trainer.epochs=2",  # 22 steps an epoch: checkpoints at 10, 20, 22, 30, 40, 44
+                "trainer.epochs=2",  # 22 steps an epoch: checkpoints at 22, 30, 44
+                "trainer.checkpoint_every_n_steps=30",
+                "trainer.audit_samples=true",
                 "chaos.fail_at_steps=[25]",
+                "failure.max_failures=1",  # the failure's; the notice must not need one
+                # The notice comes while step 30's checkpoint uploads: every upload request
+                # takes 1 s more (5 files), longer than a notice takes to arrive (the killer's
+                # poll, then the drain relay's, ~1.5 s).
+                "ray.local_nodes=3",
+                "chaos=preempt",
+                "chaos.at_steps=[30]",
+                "chaos.notice=10",
+                "chaos.storage.upload_delay=1.0",
                 f"checkpoint.storage_path=s3://{s3_bucket}/runs",
                 f"+checkpoint.storage_options.endpoint_url={proxy.url}",
                 "checkpoint.retry.max_attempts=12",
@@ -281,24 +297,40 @@ def test_training_on_s3_through_faults_restores_after_a_failure(
             env={"FTJOB_SECRET_FROM_ENV": from_env},
         )
         served = proxy.snapshot()
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert summary is not None and summary["status"] == "succeeded", summary and summary["error"]
     metrics = summary["metrics"]
     assert metrics["checkpoint/upload_failures"] == 0
     assert metrics["checkpoint/upload_retries"] > 0
-    assert summary["checkpoints"]["committed"] == 6 and summary["checkpoints"]["failed"] == 0
+    assert summary["checkpoints"]["committed"] == 3 and summary["checkpoints"]["failed"] == 0
     assert served["throttle"] > 0 and served["drop"] > 0, served
+    failure, preemption = summary["failures"]
     # The failure at step 25 was recovered from the checkpoint of step 22, read from S3.
-    [failure] = summary["failures"]
     assert failure["recovered"] and failure["restored_step"] == 22
     assert failure["download_s"] > 0
     assert failure["checkpoint"] == f"{s3_bucket}/runs/s3-e2e/checkpoints/step_000000022"
+    # The drain notice came during the upload of step 30: that upload became the JIT one.
+    assert preemption["kind"] == "preemption" and preemption["recovered"]
+    notice = preemption["notice"]
+    assert notice["source"] == "drain" and notice["step"] == 30
+    assert notice["deadline"] > notice["received"] and preemption["time"] == notice["deadline"]
+    assert preemption["lost_steps"] == 0 and preemption["jit"]["reused"]
+    assert preemption["restored_step"] == preemption["jit"]["step"] == 30
+    assert preemption["time_to_recover_s"] > 0
+    assert (metrics[M.PREEMPTION_COUNT], metrics[M.FAILURES_COUNT]) == (1, 1)
+    assert metrics[M.PREEMPTION_LOST_STEPS] == 0 and metrics[M.PREEMPTION_JIT_CHECKPOINT_TIME] > 0
+    # The node went; it may still await Ray's death notice when the run ends.
+    [drained] = summary["chaos"]["kills"] + summary["chaos"]["skipped"]
+    assert drained["kind"] == "preempt"
+    assert drained.get("confirmed") or "before the run ended" in drained["reason"]
+    assert "preemption notice (drain)" in proc.stdout
+    assert len(summary["audit"]) == 2 and all(exactly_once(a) for a in summary["audit"])
     # The bucket holds the newest committed checkpoints (checkpoint.num_to_keep=2), complete.
     keys = s3_keys(s3_endpoint, s3_bucket, "runs/s3-e2e/checkpoints/")
     kept = sorted({k.split("/")[3] for k in keys})
-    assert kept == ["step_000000040", "step_000000044"]
+    assert kept == ["step_000000030", "step_000000044"]
     direct = s3_store(f"s3://{s3_bucket}/runs/s3-e2e", s3_endpoint)
-    for step in (40, 44):
+    for step in (30, 44):
         assert direct.download(step, str(tmp_path / "verify" / str(step)))["step"] == step
     # Secrets: in nothing under the run dir (summary, .hydra/, loggers), the checkpoint dir,
     # or the console.
