@@ -26,6 +26,7 @@ CHECKPOINT_DOWNLOAD = "checkpoint/download"
 CHECKPOINT_LOAD = "checkpoint/load"
 CHECKPOINT_RESTORATION_TIME = "checkpoint/restoration_time"
 CHECKPOINT_RETRY_WAIT = "checkpoint/retry_wait_s"
+CHECKPOINT_MEMORY_SNAPSHOT_TIME = "checkpoint/memory_snapshot_time"  # training stalled copying
 # Rates, counts and last values.
 TRAIN_GLOBAL_THROUGHPUT = "train/global_throughput"
 TRAIN_ROWS_PROCESSED = "train/rows_processed"
@@ -36,6 +37,8 @@ VALIDATION_ACCURACY = "validation/accuracy"
 CHECKPOINT_UPLOAD_ATTEMPTS = "checkpoint/upload_attempts"
 CHECKPOINT_UPLOAD_RETRIES = "checkpoint/upload_retries"
 CHECKPOINT_UPLOAD_FAILURES = "checkpoint/upload_failures"
+CHECKPOINT_MEMORY_SNAPSHOTS = "checkpoint/memory_snapshots"  # held by the memory tier
+CHECKPOINT_MEMORY_RESTORES = "checkpoint/memory_restores"  # restores from the memory tier
 CHAOS_KILLS = "chaos/kills"
 FAILURES_COUNT = "failures/count"
 RECOVERY_TIME_TO_RECOVER = "recovery/time_to_recover"
@@ -74,6 +77,9 @@ METRIC_KEYS: tuple[str, ...] = (
     CHECKPOINT_UPLOAD_RETRIES,
     CHECKPOINT_UPLOAD_FAILURES,
     CHECKPOINT_RETRY_WAIT,
+    CHECKPOINT_MEMORY_SNAPSHOTS,
+    CHECKPOINT_MEMORY_SNAPSHOT_TIME,
+    CHECKPOINT_MEMORY_RESTORES,
     CHAOS_KILLS,
     FAILURES_COUNT,
     RECOVERY_TIME_TO_RECOVER,

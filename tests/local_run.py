@@ -28,6 +28,7 @@ from ftjob.driver.ledger import RunLedger
 from ftjob.driver.runner import Prepared, prepare, run_plan, worker_spec
 from ftjob.policy.hang import WatchConfig
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
+from ftjob.storage.memory import SnapshotHolder
 from ftjob.worker.context import DirectHandle, TornDown, local_context
 from ftjob.worker.loop import Worker, WorkerSpec
 
@@ -46,26 +47,27 @@ class LocalRun:
     watch_actions: list[dict[str, Any]] = field(default_factory=list)  # hangs, stragglers
 
 
-class _LockedLedger:
-    """The ledger a manager serves: one call at a time, as a Ray actor takes them."""
+class _Locked:
+    """An actor a manager serves (the ledger, the snapshot holder): one call at a time, as a
+    Ray actor takes them."""
 
-    def __init__(self, *args: Any) -> None:
-        self._ledger, self._lock = RunLedger(*args), threading.Lock()
+    def __init__(self, cls: type, *args: Any) -> None:
+        self._target, self._lock = cls(*args), threading.Lock()
 
     def call(self, name: str, *args: Any) -> Any:
         with self._lock:
-            return getattr(self._ledger, name)(*args)
+            return getattr(self._target, name)(*args)
 
 
-class _Ledgers(BaseManager):
+class _Actors(BaseManager):
     pass
 
 
-_Ledgers.register("Ledger", _LockedLedger)
+_Actors.register("Actor", _Locked)
 
 
 class ProxyHandle:
-    """``handle.method.remote(*args)`` over a manager's proxy of :class:`_LockedLedger`."""
+    """``handle.method.remote(*args)`` over a manager's proxy of :class:`_Locked`."""
 
     def __init__(self, proxy: Any) -> None:
         self._proxy = proxy
@@ -173,14 +175,19 @@ def run_locally(
     started = time.time()
     prep = prepare(job, str(run_dir))
     args = (run_plan(job, prep), list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
-    manager = None
+    memory = job.checkpoint.memory
+    holder_args = (int(memory.max_mb * 2**20), memory.keep)
+    manager, holder = None, None
     if world == 1:
         handle: Any = DirectHandle(RunLedger(*args))
+        holder = DirectHandle(SnapshotHolder(*holder_args)) if memory.enabled else None
     else:
-        manager = _Ledgers(ctx=multiprocessing.get_context("fork"))
+        manager = _Actors(ctx=multiprocessing.get_context("fork"))
         manager.start()
-        handle = ProxyHandle(manager.Ledger(*args))  # type: ignore[attr-defined]
-    spec = worker_spec(job, prep, handle, dict(prep.catalogs))
+        handle = ProxyHandle(manager.Actor(RunLedger, *args))  # type: ignore[attr-defined]
+        if memory.enabled:
+            holder = ProxyHandle(manager.Actor(SnapshotHolder, *holder_args))  # type: ignore[attr-defined]
+    spec = worker_spec(job, prep, handle, dict(prep.catalogs), holder)
     if during is not None:
         threading.Thread(target=during, args=(handle,), daemon=True).start()
     # The driver's poll of the ledger for hangs and stragglers (ftjob.driver.monitor); here

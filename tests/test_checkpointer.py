@@ -14,11 +14,14 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from ftjob import metrics as M
-from ftjob.config import CheckpointConfig
+from ftjob.config import CheckpointConfig, MemoryConfig
 from ftjob.storage.fs import RetryingFileSystem
+from ftjob.storage.memory import Snapshot, SnapshotHolder
 from ftjob.storage.retry import RetryPolicy
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
+from ftjob.worker.context import DirectHandle
 from ftjob.worker.recorder import JobStopped, RunRecorder
+from ftjob.worker.snapshots import MemoryTier
 from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy
 
 
@@ -44,22 +47,28 @@ class FakeLedger:
 
 
 def make(
-    tmp_path: Path, fs: Any = None, global_batch: int = 32, **config: Any
+    tmp_path: Path, fs: Any = None, global_batch: int = 32, holder: Any = None, **config: Any
 ) -> tuple[Checkpointer, FakeLedger]:
     ledger = FakeLedger()
     policy: RetryPolicy = no_sleep_policy()
+    metrics = M.MetricSet()
+    recorder = RunRecorder(ledger, 0, lambda value, timeout=None: value, attempt=0)
+    answer = lambda value: value  # noqa: E731 -- a DirectHandle answers at once
+    tier = MemoryConfig(enabled=True, max_mb=64.0)
+    memory = MemoryTier(holder, tier, 0, metrics, answer, recorder.log) if holder else None
     checkpointer = Checkpointer(
         fs=fs or RetryingFileSystem(LocalFileSystem(), policy),
         run_path=str(tmp_path / "storage" / "run"),
         config=CheckpointConfig(**config),
         job_config={"job": "config"},
-        recorder=RunRecorder(ledger, 0, lambda value, timeout=None: value, attempt=0),
+        recorder=recorder,
         world=1,
         broadcast=lambda obj: obj,
         report=lambda metrics: None,  # Ray Train's barrier
-        metrics=M.MetricSet(),
+        metrics=metrics,
         local_root=str(tmp_path / "scratch"),
         global_batch=global_batch,
+        memory=memory,
     )
     return checkpointer, ledger
 
@@ -267,3 +276,88 @@ def test_the_checkpoint_section_is_entered_only_when_a_checkpoint_is_written(tmp
         checkpointer.maybe_save(state, model, optimizer, epoch_end=step == 22, section=section)
     assert entered == [("checkpoint", 10), ("checkpoint", 20), ("checkpoint", 22)]
     assert checkpointer.store.steps() == [22, 20]
+
+
+def weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: Path) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
+    for step in (11, 12, 13):  # each a step on: the newest two are held
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        checkpointer.maybe_save(TrainState(step=step, position=32 * step), model, optimizer, False)
+        checkpointer.memory.wait()
+    assert holder.steps() == [13, 12]
+    assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOTS) == 3
+    assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) > 0
+    expected = weights(model)
+
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.tier == "memory"
+    assert (restored.state.step, restored.state.position) == (13, 13 * 32)
+    assert restored.path == "memory:step_000000013" and restored.record()["tier"] == "memory"
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), expected, strict=True))
+    assert (
+        fresh_optimizer.state_dict()["state"][0]["step"]
+        == optimizer.state_dict()["state"][0]["step"]
+    )
+
+
+def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoint(
+    tmp_path: Path,
+) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
+    saved = weights(model)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    checkpointer.maybe_save(TrainState(step=11, position=352), model, optimizer, False)
+    checkpointer.memory.wait()
+    good = holder.get(11)
+    damaged = dict(good.files)
+    damaged["model.pt"] = bytes(b ^ 0xFF for b in damaged["model.pt"])
+    holder.snapshots[11] = Snapshot(11, damaged, good.digests)  # a bit flipped in memory
+
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.tier == "storage" and restored.state.step == 10
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), saved, strict=True))
+    assert holder.steps() == []  # dropped: never offered again
+    said = [args[0] for name, args in ledger.calls if name == "log"]
+    assert any("memory snapshot of step 11 is not usable (model.pt" in line for line in said)
+
+
+def test_a_durable_checkpoint_as_new_as_the_snapshot_wins_and_no_snapshot_is_taken_with_it(
+    tmp_path: Path,
+) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.maybe_save(TrainState(step=4, position=128), model, optimizer, False)
+    checkpointer.memory.wait()
+    checkpointer.maybe_save(TrainState(step=5, epoch=1), model, optimizer, True)  # epoch end
+    assert holder.steps() == [4]  # the durable checkpoint of step 5 needs no snapshot
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.tier == "storage" and restored.state.step == 5
+
+
+def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: Path) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
+    checkpointer.memory.cap_mb = 1e-4  # 100 bytes: the Linear(4, 3) and AdamW's state exceed it
+    model, optimizer = model_and_optimizer(0)
+    for step in (1, 2):
+        checkpointer.maybe_save(TrainState(step=step), model, optimizer, False)
+    assert holder.steps() == [] and not checkpointer.memory.enabled
+    said = [args[0] for name, args in ledger.calls if name == "log"]
+    assert len([line for line in said if line.startswith("memory tier off")]) == 1
+    assert "checkpoint.memory.max_mb" in said[0]

@@ -219,6 +219,30 @@ def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
     assert hb._beat()["local"][-1] == pytest.approx(0.2)
 
 
+def test_a_slow_start_does_not_stretch_the_step_timeout(monkeypatch):
+    # An attempt's first steps share the process with its start-up (the first decode window):
+    # 6.5 s each here, then 0.1 s. Learned from every step, the step timeout would be
+    # 5 x 6.5 = 32.5 s (a stopped worker found past 30 s); from steady state it is the floor.
+    clock = {"now": 0.0}
+    fake = type("FakeTime", (), {})()
+    fake.perf_counter = lambda: clock["now"]
+    monkeypatch.setattr("ftjob.worker.heartbeat.time", fake)
+
+    def learned_step_timeout(settle_steps: int) -> float | None:
+        hb = Heartbeat(recorder=None, enabled=False, settle_steps=settle_steps)
+        hb.enter("warmup")
+        for step, compute in enumerate([6.5] * 6 + [0.1] * 60, start=1):
+            hb.step_started(0.0)
+            clock["now"] += compute
+            hb.step_done(step)
+        times = SectionTimes(HangPolicy.from_config(HangConfig(), RetryConfig()))
+        times.observe("step", hb._beat()["durations"]["step"])
+        return times.timeout("step")
+
+    assert learned_step_timeout(settle_steps=0) == pytest.approx(32.5)
+    assert learned_step_timeout(settle_steps=HangConfig().settle_steps) == HangConfig().min_timeout
+
+
 def test_trimmed_stacks_put_the_training_thread_first():
     dump = "Process 1: python\nPython v3.11\n\nThread 1 (idle)\n    wait (threading.py:1)\n\n"
     dump += "Thread 2 (idle)\n    _train (ftjob/train_loop.py:9)\n"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
@@ -33,12 +34,12 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 right after
     # the checkpoint of step 40. Two ranks in a gloo group, restarted as a group.
     run = run_digits(
-        tmp_path, "trainer.epochs=4", "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"
+        tmp_path, "trainer.epochs=2", "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"
     )
     s, m = run.summary, run.summary["metrics"]
     assert s["status"] == "succeeded" and s["error"] is None, run.errors
     assert set(M.METRIC_KEYS) <= set(m)
-    assert m[M.TRAIN_STEPS_COMPLETED] == 4 * 22 and m[M.FAILURES_COUNT] == 2
+    assert m[M.TRAIN_STEPS_COMPLETED] == 2 * 22 and m[M.FAILURES_COUNT] == 2
     assert m[M.VALIDATION_ACCURACY] >= 0.85
     assert m[M.CHECKPOINT_DOWNLOAD] > 0 and m[M.CHECKPOINT_LOAD] > 0
     first, second = s["failures"]
@@ -47,11 +48,43 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     for f in s["failures"]:  # each restore measured in its parts; skipping reads no data
         assert f["recovered"] and f["time_to_recover_s"] > 0
         assert f["download_s"] > 0 and f["load_s"] > 0 and 0 <= f["skip_s"] < 1.0
+        assert f["tier"] == "storage"
     # Validation results after a restore replace the lost attempt's, never duplicate them.
     steps = [v["step"] for v in s["validation"]]
-    assert steps == sorted(set(steps)) and 40 in steps and steps[-1] == 88
-    assert [a["epoch"] for a in s["audit"]] == [0, 1, 2, 3]
+    assert steps == sorted(set(steps)) and 40 in steps and steps[-1] == 44
+    assert [a["epoch"] for a in s["audit"]] == [0, 1]
     assert all(exactly_once(a) and a["unique"] == 1408 for a in s["audit"])
+
+
+def final_weights(run: Any) -> dict[str, torch.Tensor]:
+    latest = run.summary["checkpoints"]["latest"].removeprefix("file://")
+    return torch.load(Path(latest, "model.pt"), weights_only=True)
+
+
+def test_with_the_memory_tier_a_failure_loses_one_step_and_the_weights_match_an_unkilled_run(
+    tmp_path: Path,
+):
+    # A snapshot after every step, in memory; durable checkpoints every 10 steps. Steps 15
+    # and 37 fail: restored from the snapshots of 14 and 36 (storage has 10 and 30).
+    common = ("trainer.epochs=2", "checkpoint.memory.enabled=true", "trainer.audit_samples=true")
+    run = run_digits(tmp_path / "failed", *common, "chaos.fail_at_steps=[15,37]")
+    s, m = run.summary, run.summary["metrics"]
+    assert s["status"] == "succeeded", (s["error"], run.errors)
+    first, second = s["failures"]
+    assert (first["restored_step"], first["tier"], first["lost_steps"]) == (14, "memory", 1)
+    assert (second["restored_step"], second["tier"], second["lost_steps"]) == (36, "memory", 1)
+    assert first["checkpoint"] == "memory:step_000000014" and first["load_s"] > 0
+    assert m[M.CHECKPOINT_MEMORY_RESTORES] == 2 and m[M.CHECKPOINT_MEMORY_SNAPSHOTS] > 30
+    assert m[M.CHECKPOINT_MEMORY_SNAPSHOT_TIME] > 0
+    assert all(exactly_once(a) for a in s["audit"])
+    # The final checkpoint is a durable one, as always; its weights are bit for bit those of
+    # the same job without failures.
+    assert s["checkpoints"]["latest"].endswith("step_000000044")
+    clean = run_digits(tmp_path / "clean", *common)
+    assert clean.summary["metrics"][M.CHECKPOINT_MEMORY_RESTORES] == 0
+    expected, got = final_weights(clean), final_weights(run)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 def test_a_diverged_run_stops_as_failed_and_is_not_retried(tmp_path: Path):
@@ -169,6 +202,44 @@ def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(t
     assert notice["jit"]["reused"] and notice["jit"]["step"] == 20  # the upload in flight
     assert s["checkpoints"]["latest"].endswith("step_000000020")
     assert s["error"].endswith("after a just-in-time checkpoint of step 20")
+
+
+def test_a_validation_cut_short_by_a_stop_runs_again_after_the_resume(tmp_path: Path):
+    # Validation decodes 1500 images at every epoch end (~4 s in this process); the stop comes
+    # once step 22 (the end of epoch 1) is trained: during its validation, which the notice
+    # cuts short. The just-in-time checkpoint says so, and the resume validates step 22 before
+    # it trains on.
+    storage = tmp_path / "store"
+    common = (
+        "dataset=synthetic",
+        "dataset.num_samples=1408",  # 22 steps of 64 an epoch, as digits
+        "dataset.num_val_samples=1500",
+        "dataset.image_size=64",
+        "dataset.num_classes=10",
+        "trainer.validation_cache_mb=0",
+        "trainer.validate_every_n_steps=0",  # at epoch ends only
+        "trainer.epochs=2",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "name=cut",
+        f"checkpoint.storage_path={storage}",
+    )
+
+    def validating_step_22(snap: dict[str, Any]) -> bool:
+        return any(a["max_step"] >= 22 for a in snap["attempts"])
+
+    first = run_digits(tmp_path / "a", *common, during=stop_when(validating_step_22))
+    assert first.summary["status"] == "preempted", (first.summary["error"], first.errors)
+    [attempt] = [a for a in first.snapshot["attempts"] if a.get("preemption")]
+    notice = attempt["preemption"]
+    assert notice["step"] == 22 and notice["validation_cut"] == 22, notice
+    assert notice["jit"]["step"] == 22 and notice["jit"]["path"]
+    assert first.summary["validation"] == []  # nothing half-done is reported
+
+    run = run_digits(tmp_path / "b", *common, "resume=true")
+    s = run.summary
+    assert s["status"] == "succeeded", (s["error"], run.errors)
+    assert [v["step"] for v in s["validation"]] == [22, 44]  # 22 again, first
 
 
 def test_a_slow_rank_is_named_a_straggler_and_a_slow_upload_is_no_hang(tmp_path: Path):

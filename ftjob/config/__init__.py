@@ -123,6 +123,30 @@ UPLOAD_MODES = ("sync", "async")
 
 
 @dataclass
+class MemoryConfig:
+    """The memory tier (``checkpoint.memory``): snapshots of the training state held in memory
+    by a process that outlives the workers (on the driver's node), restored after a failure,
+    preemption or resize when newer than the newest durable checkpoint. Durable checkpoints are
+    unchanged; a run's final checkpoint is always durable. See :mod:`ftjob.storage.memory`."""
+
+    _group: ClassVar[str] = "checkpoint.memory"
+    enabled: bool = False
+    """Take snapshots and restore from them."""
+    every_n_steps: int = 1
+    """A snapshot every this many steps (the most steps a worker failure loses)."""
+    keep: int = 2
+    """Snapshots held; older ones are dropped."""
+    max_mb: float = 2048.0
+    """Memory the held snapshots may take; a state bigger than this turns the tier off for
+    the run, with one line."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "every_n_steps", 1)
+        _at_least(self, "keep", 1)
+        _require(self.max_mb > 0, self._group, "max_mb", self.max_mb, "must be > 0 MB")
+
+
+@dataclass
 class CheckpointConfig:
     _group: ClassVar[str] = "checkpoint"
     storage_path: str | None = None
@@ -134,6 +158,7 @@ class CheckpointConfig:
     restart_if_unrecoverable: bool = False
     lease_timeout: float = 60.0
     retry: RetryConfig = field(default_factory=RetryConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         g = self._group
@@ -290,6 +315,10 @@ class HangConfig:
     """Tuning: a learned timeout is this x the section's observed 99th percentile."""
     warmup: int = 3
     """Tuning: observations of a section before its timeout is learned."""
+    settle_steps: int = 10
+    """Tuning: the first steps of every attempt (start-up: the first decode window, allocator
+    and kernel warm-up) are progress but not learned from -- step timeouts come from steady
+    state, so a slow start does not stretch them."""
     heartbeat_interval: float = 1.0
     """Tuning: seconds between a rank's heartbeats."""
 
@@ -298,6 +327,7 @@ class HangConfig:
         for key in ("heartbeat_interval", "min_timeout", "max_timeout"):
             _require(getattr(self, key) > 0, g, key, getattr(self, key), "must be > 0 seconds")
         _at_least(self, "warmup", 1)
+        _at_least(self, "settle_steps", 0)
         _at_least(self, "safety_factor", 1, " (timeouts: this x the observed 99th percentile)")
         _at_least(self, "max_timeout", self.min_timeout, " (failure.hang.min_timeout)")
         _require(

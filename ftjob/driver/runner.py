@@ -432,8 +432,11 @@ def run_plan(job: JobConfig, prep: Prepared) -> dict[str, Any]:
     }
 
 
-def worker_spec(job: JobConfig, prep: Prepared, ledger: Any, catalogs: dict[str, Any]) -> Any:
-    """What every worker is handed (``catalogs``: the tables, or references to them)."""
+def worker_spec(
+    job: JobConfig, prep: Prepared, ledger: Any, catalogs: dict[str, Any], memory: Any = None
+) -> Any:
+    """What every worker is handed (``catalogs``: the tables, or references to them;
+    ``memory``: the memory tier's snapshot holder, when checkpoint.memory.enabled)."""
     from ftjob.worker.loop import WorkerSpec
 
     return WorkerSpec(
@@ -448,6 +451,7 @@ def worker_spec(job: JobConfig, prep: Prepared, ledger: Any, catalogs: dict[str,
         scratch=prep.scratch,
         fence=prep.lease.fence(),
         public_config=prep.public_config,
+        memory=memory,
     )
 
 
@@ -491,11 +495,16 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     from ftjob.driver.drains import drain_relay
     from ftjob.driver.ledger import failure_watch
     from ftjob.driver.scaling import elastic_policy
+    from ftjob.storage.memory import start_holder
     from ftjob.worker.loop import train_loop
 
-    t = job.trainer
+    t, memory = job.trainer, job.checkpoint.memory
     spec = worker_spec(
-        job, prep, ledger, {split: ray.put(table) for split, table in prep.catalogs.items()}
+        job,
+        prep,
+        ledger,
+        {split: ray.put(table) for split, table in prep.catalogs.items()},
+        start_holder(memory.max_mb, memory.keep) if memory.enabled else None,
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.

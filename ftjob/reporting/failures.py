@@ -86,22 +86,22 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
             restored = nxt["restored"] or {}
             first = nxt["first_step"]
             restored_step = restored.get("step", 0)
+            parts = {f"{part}_s": restored.get(part, 0.0) for part in ("download", "load", "skip")}
             record.update(
                 {
                     "restart_s": nxt["started"] - notice if notice is not None else None,
                     "restored_step": restored_step,
                     "checkpoint": restored.get("path"),
+                    "tier": restored.get("tier", "storage") if restored else None,  # or "memory"
                     "fallbacks": restored.get("skipped", []),
-                    "download_s": restored.get("download", 0.0),
-                    "load_s": restored.get("load", 0.0),
-                    "skip_s": restored.get("skip", 0.0),
+                    **parts,
+                    "restoration_s": sum(parts.values()),
                     "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
                     "recovered": first is not None,
                     "first_step_s": (first or {}).get("took", 0.0),
                     "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
                 }
             )
-            record["restoration_s"] = record["download_s"] + record["load_s"] + record["skip_s"]
             record["phases"] = _start_phases(snap, i + 1, first)
         if attempt is not None and attempt.get("preemption"):
             _as_preemption(record, attempt["preemption"], nxt)

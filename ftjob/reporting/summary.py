@@ -207,6 +207,7 @@ def summary_metrics(
             M.CHECKPOINT_LOAD: load,
             M.TRAIN_ITER_SKIP_BATCH: skip,
             M.CHECKPOINT_RESTORATION_TIME: download + load + skip,
+            M.CHECKPOINT_MEMORY_RESTORES: sum(1 for r in restores if r.get("tier") == "memory"),
             M.TRAIN_GLOBAL_THROUGHPUT: finite(metrics[M.TRAIN_ROWS_PROCESSED]) / busy
             if busy
             else 0.0,

@@ -18,6 +18,7 @@ download, load).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -34,6 +35,7 @@ from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.lease import LeaseLost
 from ftjob.worker.recorder import JobStopped, RunRecorder
+from ftjob.worker.snapshots import MEMORY_PREFIX, MemoryTier
 from ftjob.worker.uploads import (
     CONFIG_FILE,
     AsyncUploader,
@@ -82,6 +84,7 @@ class Restored:
     download_s: float
     load_s: float
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    tier: str = "storage"  # or "memory": a snapshot of the memory tier
 
     def record(self) -> dict[str, Any]:
         """The ledger's restore record (the loop adds the iterator's skip time)."""
@@ -93,6 +96,7 @@ class Restored:
             "download": self.download_s,
             "load": self.load_s,
             "skipped": self.skipped,
+            "tier": self.tier,
         }
 
 
@@ -123,6 +127,17 @@ def choose_checkpoint(
     )
 
 
+def load_state(read: Callable[[str], Any], module: Any, optimizer: Any, device: Any) -> None:
+    """Load a checkpoint's model and optimizer files (``read(name)``: the file, open)."""
+    import torch
+
+    for target, name in ((module, MODEL_FILE), (optimizer, OPTIMIZER_FILE)):
+        # weights_only: tensors and plain containers, never pickled code -- a file planted in
+        # shared storage must not run at resume (torch < 2.6 unpickles anything).
+        with read(name) as f:
+            target.load_state_dict(torch.load(f, map_location=device, weights_only=True))
+
+
 class Checkpointer:
     """One worker's side of saving, agreeing on, reporting and restoring checkpoints. It decides
     its own cadence (:meth:`maybe_save`). ``fs`` is the run's retrying filesystem as the driver
@@ -145,6 +160,7 @@ class Checkpointer:
         data: dict[str, Any] | None = None,
         schedule: CheckpointSchedule | None = None,
         fence: Callable[[], None] | None = None,
+        memory: MemoryTier | None = None,
     ) -> None:
         self.fs, self.config, self.job_config = fs, config, job_config
         self.store = CheckpointStore(fs, run_path, fence)
@@ -152,7 +168,7 @@ class Checkpointer:
         self.broadcast, self.report = broadcast, report
         self.metrics, self.local_root, self.global_batch = metrics, local_root, global_batch
         self.data = data or {}
-        self.schedule = schedule or CheckpointSchedule(0, None)
+        self.schedule, self.memory = schedule or CheckpointSchedule(0, None), memory
         self.source = f"attempt {recorder.attempt} rank {self.rank}"
         self.failed_uploads = 0
         self.last_error: str | None = None
@@ -168,52 +184,51 @@ class Checkpointer:
     # -- restore --------------------------------------------------------------------------
 
     def restore(self, module: Any, optimizer: Any, device: Any) -> Restored | None:
-        """Every rank: the newest checkpoint that verifies (rank 0 picks it, quarantining any
-        newer one that does not, and broadcasts the choice), downloaded and loaded into
-        ``module`` and ``optimizer``, its metrics into this worker's; None to start at step 0.
-        Raises :class:`NoUsableCheckpoint` on every rank when committed checkpoints exist but
-        none verifies (unless checkpoint.restart_if_unrecoverable)."""
+        """Every rank: the newest state that verifies, whichever tier holds it -- a memory
+        snapshot newer than every committed checkpoint, else the newest checkpoint that
+        verifies (rank 0 picks, quarantining any newer one that does not, and broadcasts the
+        choice) -- loaded into ``module`` and ``optimizer``, its metrics into this worker's;
+        None to start at step 0. Raises :class:`NoUsableCheckpoint` on every rank when
+        committed checkpoints exist but none verifies (unless
+        checkpoint.restart_if_unrecoverable)."""
         start = time.perf_counter()
-        chosen = (
-            choose_checkpoint(self.store, self.local_root, self.config) if not self.rank else None
-        )
-        chosen = self.broadcast(chosen)
+        newest = self.memory.newest if self.memory is not None and not self.rank else None
+        snapshot = newest(self.store.committed_steps) if newest is not None else None
+        if snapshot is not None:
+            chosen: Any = (snapshot.step, f"{MEMORY_PREFIX}step_{snapshot.step:09d}", None, [])
+        elif not self.rank:
+            chosen = choose_checkpoint(self.store, self.local_root, self.config)
+        chosen = self.broadcast(chosen if not self.rank else None)
         if isinstance(chosen, str):
             raise NoUsableCheckpoint(chosen)
         if chosen is None:
             return None
         step, path, local_dir, skipped = chosen
-        if self.rank != 0:
-            local_dir = os.path.join(self.local_root, self.store.dir_name(step))
-            self.store.download(step, local_dir)
-        with open(os.path.join(local_dir, STATE_FILE)) as f:
+        if path.startswith(MEMORY_PREFIX):  # rank 0 verified it; the others verify their copy
+            files, tier = (snapshot or self.memory.chosen(step)).files, "memory"
+            read: Callable[[str], Any] = lambda name: io.BytesIO(files[name])  # noqa: E731
+        else:
+            if self.rank != 0:
+                local_dir = os.path.join(self.local_root, self.store.dir_name(step))
+                self.store.download(step, local_dir)
+            read, tier = lambda name: open(os.path.join(local_dir, name), "rb"), "storage"
+        with read(STATE_FILE) as f:
             state = TrainState.from_json(json.load(f))
         if state.global_batch_size != self.global_batch:
             raise RuntimeError(
                 f"checkpoint {path} was trained with global batch {state.global_batch_size}, "
                 f"this run uses {self.global_batch}: resuming would break exact-once data order"
             )
-        restored = Restored(state, path, time.perf_counter() - start, 0.0, skipped)
+        restored = Restored(state, path, time.perf_counter() - start, 0.0, skipped, tier)
         self.metrics.load_state_dict(state.metrics)
         self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
-        self._load(local_dir, module, optimizer, device, restored)
-        return restored
-
-    def _load(
-        self, local: str, module: Any, optimizer: Any, device: Any, restored: Restored
-    ) -> None:
-        import torch
-
+        loading = time.perf_counter()
         with self.metrics.timer(M.CHECKPOINT_LOAD):
-            start = time.perf_counter()
-            # weights_only: tensors and plain containers, never pickled code -- a file planted
-            # in shared storage must not run at resume (torch < 2.6 unpickles anything).
-            for target, name in ((module, MODEL_FILE), (optimizer, OPTIMIZER_FILE)):
-                target.load_state_dict(
-                    torch.load(os.path.join(local, name), map_location=device, weights_only=True)
-                )
-            restored.load_s = time.perf_counter() - start
-        shutil.rmtree(local, ignore_errors=True)
+            load_state(read, module, optimizer, device)
+        restored.load_s = time.perf_counter() - loading
+        if local_dir is not None:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        return restored
 
     # -- save -----------------------------------------------------------------------------
 
@@ -235,6 +250,9 @@ class Checkpointer:
             with section("checkpoint"):
                 guard()
                 self.save(state, module, optimizer)
+        elif self.memory is not None and self.memory.due(state.step):
+            tensors = {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()}
+            self.memory.take(state.step, tensors, lambda: self._records(state))
 
     def save(self, state: TrainState, module: Any, optimizer: Any) -> None:
         """Save and upload (rank 0), agree on the outcome, report (every rank)."""
@@ -256,6 +274,21 @@ class Checkpointer:
     def _write_or_fail(self, state: TrainState, module: Any, optimizer: Any) -> str | UploadOutcome:
         """The local copy of this step's checkpoint, or (scratch full or unwritable) the
         failed outcome, recorded: a failed checkpoint like a failed upload, not a crash."""
+        start = time.perf_counter()
+        try:
+            with self.metrics.timer(M.CHECKPOINT_SAVE):
+                local_dir = write_local_checkpoint(
+                    os.path.join(self.local_root, f"out_{state.step:09d}"),
+                    {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()},
+                    self._records(state),
+                )
+        except OSError as exc:
+            return self._record(UploadOutcome(state.step, None, f"OSError: {exc}", 0.0))
+        self.write_seconds = time.perf_counter() - start
+        return local_dir
+
+    def _records(self, state: TrainState) -> dict[str, Any]:
+        """A checkpoint's JSON files: the training state as of now, and the run's config."""
         record = replace(
             state,
             global_batch_size=self.global_batch,
@@ -264,18 +297,7 @@ class Checkpointer:
             data=self.data,  # what resume=true checks the train data against
             time=time.time(),
         )
-        start = time.perf_counter()
-        try:
-            with self.metrics.timer(M.CHECKPOINT_SAVE):
-                local_dir = write_local_checkpoint(
-                    os.path.join(self.local_root, f"out_{state.step:09d}"),
-                    {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()},
-                    {STATE_FILE: record.to_json(), CONFIG_FILE: self.job_config},
-                )
-        except OSError as exc:
-            return self._record(UploadOutcome(state.step, None, f"OSError: {exc}", 0.0))
-        self.write_seconds = time.perf_counter() - start
-        return local_dir
+        return {STATE_FILE: record.to_json(), CONFIG_FILE: self.job_config}
 
     def _upload(self, local_dir: str, step: int) -> UploadOutcome:
         """Upload and record the outcome at once (any thread), so a worker dying right after

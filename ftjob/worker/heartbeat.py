@@ -35,10 +35,14 @@ class Heartbeat:
         interval: float = 1.0,
         enabled: bool = True,
         sleep: Callable[[float], None] = time.sleep,
+        settle_steps: int = 0,
     ) -> None:
         self.recorder, self.sleep = recorder, sleep  # a RunRecorder: where beats go
         self.io_count = io_count or (lambda: -1)  # storage requests completed so far
         self.interval = interval
+        # The attempt's first steps share the process with start-up (the stream's first decode
+        # window, allocator and kernel warm-up): progress, but not what a step takes.
+        self.settle_steps, self._steps = settle_steps, 0
         self._lock = threading.Lock()
         now = time.perf_counter()
         self.current, self.entered, self.progress = "setup", now, now
@@ -101,10 +105,12 @@ class Heartbeat:
         ready = self._ready if self._ready > self._step_start else now
         local = self._waited + ready - self._step_start
         with self._lock:
+            self._steps += 1
             if self.current == "step":
-                # Its own compute, until its gradients were ready: not the wait for a slower
-                # rank in the all-reduce (that rank is timed in its own section).
-                self.durations["step"].append(ready - self._step_start)
+                if self._steps > self.settle_steps:
+                    # Its own compute, until its gradients were ready: not the wait for a
+                    # slower rank in the all-reduce (that rank is timed in its own section).
+                    self.durations["step"].append(ready - self._step_start)
                 self.local.append(local)
                 self._pace.append(local - self._slept)  # the rank's own pace: chaos=slow scales it
             else:  # the first step of an attempt ends its warm-up (its wait is no pace)

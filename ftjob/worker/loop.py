@@ -56,6 +56,7 @@ from ftjob.worker.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.worker.preemption import PreemptionNotices
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.scratch import attempt_scratch_dir
+from ftjob.worker.snapshots import MemoryTier
 from ftjob.worker.validation import Validator
 
 
@@ -74,6 +75,7 @@ class WorkerSpec:
     scratch: str  # this driver's checkpoint scratch (ftjob.worker.scratch.scratch_name)
     fence: LeaseFence  # raises once another driver holds the run: before every commit, prune
     public_config: dict[str, Any]  # the resolved config, secrets redacted: kept in checkpoints
+    memory: Any = None  # the memory tier's snapshot holder (checkpoint.memory), if on
 
 
 def train_loop(spec: WorkerSpec) -> None:
@@ -170,26 +172,26 @@ class Worker:
         torch.set_num_threads(max(1, int(self.trainer.worker_cpus)))
         set_fault_stream(self.spec.fs, f"attempt {self.record.attempt} rank {self.rank}")
         self.record.register(self.ctx.where)
-        self.beat = Heartbeat(
-            self.record, self.spec.fs.completed_requests, self.job.failure.hang.heartbeat_interval
-        )
+        job, spec, t, h = self.job, self.spec, self.trainer, self.job.failure.hang
+        io, tier_io = spec.fs.completed_requests, (self.ctx.fetch, self.record.log)
+        self.beat = Heartbeat(self.record, io, h.heartbeat_interval, settle_steps=h.settle_steps)
+        tier = MemoryTier(spec.memory, job.checkpoint.memory, self.rank, self.metrics, *tier_io)
         self.checkpointer = Checkpointer(
-            fs=self.spec.fs,
-            run_path=self.spec.run_path,
-            config=self.job.checkpoint,
-            job_config=self.spec.public_config,
+            fs=spec.fs,
+            run_path=spec.run_path,
+            config=job.checkpoint,
+            job_config=spec.public_config,
             recorder=self.record,
             world=self.world,
             broadcast=self.ctx.broadcast,
             report=self.ctx.report,
             metrics=self.metrics,
-            local_root=attempt_scratch_dir(self.spec.scratch, self.record.attempt, self.rank),
+            local_root=attempt_scratch_dir(spec.scratch, self.record.attempt, self.rank),
             global_batch=self.plan.global_batch_size,
-            data=self.spec.data,
-            schedule=CheckpointSchedule(
-                self.trainer.checkpoint_every_n_steps, self.job.failure.expected_mtbf_s
-            ),
-            fence=self.spec.fence,
+            data=spec.data,
+            schedule=CheckpointSchedule(t.checkpoint_every_n_steps, job.failure.expected_mtbf_s),
+            fence=spec.fence,
+            memory=tier,  # checkpoint.memory
         )
         self.started["registered"] = time.perf_counter()
 
