@@ -21,13 +21,18 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     """digits_elastic: a node (one of the two workers) is killed at step 20 (a training step,
     not a time: it lands while there is training left, however fast this machine is); training
     goes on at world size 1 until the node is back, then grows to 2 after a checkpoint of its
-    step. The kill's recovery is measured in its parts."""
+    step. The kill's recovery is measured in its parts; with the memory tier on, every
+    failure restores from the newest state whichever tier holds it."""
     proc, s = run_ftjob(
         [
             "+experiment=digits_elastic",
             "trainer.epochs=6",
             "trainer.audit_samples=true",
             "ray.replace_delay=15",
+            # The memory tier on: a snapshot after every step, on the driver's node (the
+            # killed node's loss leaves it), and a worker failure late in the run.
+            "checkpoint.memory.enabled=true",
+            "chaos.fail_at_steps=[115]",
         ],
         tmp_path,
     )
@@ -42,11 +47,19 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     assert grow["checkpoint"] and grow["time_to_recover_s"] > 0
     m = s["metrics"]
     assert m[M.ELASTIC_RESIZES] >= 2 and m[M.ELASTIC_TIME_BELOW_FULL] > 0
-    assert m[M.FAILURES_COUNT] == 1  # the node kill; the grow is no failure
+    assert m[M.FAILURES_COUNT] == 2  # the node kill, the worker failure; the grow is none
     [kill] = s["chaos"]["kills"]
     assert kill["kind"] == "node" and kill["target"]["node_id"] and "chaos: kill 1" in proc.stdout
-    [failure] = s["failures"]
+    failure, injected = s["failures"]
     assert failure["recovered"] and failure["kind"] == "node_kill"
+    # Restored from the newest state, whichever tier held it: at most one step trained again.
+    assert all(f["lost_steps"] <= 1 for f in s["failures"]), s["failures"]
+    assert (injected["restored_step"], injected["tier"], injected["lost_steps"]) == (
+        114,
+        "memory",
+        1,
+    )
+    assert m[M.CHECKPOINT_MEMORY_RESTORES] >= 1 and m[M.CHECKPOINT_MEMORY_SNAPSHOTS] > 0
     assert failure["detection_s"] >= 0 and failure["restart_s"] > 0
     # Inside the new workers: every part of their start, within the time to recover.
     parts = ("process_group", "model", "first_batch", "first_step")
