@@ -15,7 +15,9 @@ hand-written Ray Train loop on the same job (benchmarks/raytrain_recovery.py, ki
 worker kill``), time-to-recover side by side and their ratio.
 
 Also, with one training worker per node, node kills on a fixed-size group and on an elastic
-one (``trainer.min_workers=1``), for their time-to-recover ratio.
+one (``trainer.min_workers=1``), for their time-to-recover ratio; and node and worker kills
+with the memory tier on (``<kind> +tier``) against off: ``back-to-step <kind> tier/no-tier``,
+the time from a kill until the run is back at the step it had reached.
 
     python benchmarks/recovery.py [--repeats 1] [--kinds "node fixed,node elastic"]
 """
@@ -57,6 +59,10 @@ KINDS = {
     "node elastic": [*ONE_PER_NODE, "trainer.min_workers=1"],
     "raytrain worker kill": [],  # the hand-written Ray Train loop (raytrain_recovery.py)
 }
+# The same kills with the memory tier (a snapshot every step): "<kind> +tier".
+TIER = ["checkpoint.memory.enabled=true"]
+for _kind in ("node kill", "worker kill"):
+    KINDS[f"{_kind} +tier"] = [*KINDS[_kind], *TIER]
 RAYTRAIN = "raytrain worker kill"
 COMMON = [
     "+experiment=digits_ft",
@@ -265,6 +271,18 @@ def main() -> None:
             lost_steps = statistics.median(f["lost_steps"] for f in failures)
             lost_s = statistics.median(f["lost_s"] for f in failures)
             print(f"{kind:<12} lost steps {lost_steps:>5.1f}   lost seconds {lost_s:>6.2f}")
+    # Back to the step it had reached: from the kill, recovery plus the steps done again.
+    for kind in ("worker kill", "node kill"):
+        tier, plain = records.get(f"{kind} +tier"), records.get(kind)
+        if tier and plain:
+            ratio = statistics.median(f["lost_s"] for f in tier) / statistics.median(
+                f["lost_s"] for f in plain
+            )
+            restored = sum(1 for f in tier if f.get("tier") == "memory")
+            print(
+                f"back-to-step {kind.replace(' ', '-')} tier/no-tier = {ratio:.2f} "
+                f"({restored} of {len(tier)} restores from memory)"
+            )
 
 
 if __name__ == "__main__":

@@ -126,6 +126,52 @@ def test_the_model_charges_each_expected_failure_its_recovery_and_half_an_interv
     assert exact["expected_failures"] == 3.0
 
 
+def test_with_the_memory_tier_a_failure_loses_half_a_snapshot_interval_not_a_checkpoints():
+    # As above, and 80 snapshots (one a second of training) that stalled training 0.8 s in
+    # all: the checkpoint bucket holds both tiers' stalls; a failure loses 0.5 s, not 5 s.
+    run = buckets(
+        startup=10.0,
+        training=80.0,
+        checkpoint=8.8,
+        detection=2.0,
+        restart=4.0,
+        setup=2.0,
+        redone=0.4,
+    )
+    run["memory_snapshot_s"] = 0.8
+    predicted = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0, snapshots=80)
+    modeled = 80.0 + 8.8 + 2.0 + 4.0 + 2.0 + 0.4
+    expected = modeled / 50.0
+    useful = (modeled - expected * (8.0 + 1.0 / 2)) / (1 + 8.8 / 80.0)
+    assert predicted["checkpoint_cost_s"] == pytest.approx(1.0)  # the durable ones alone
+    assert predicted["restorable_every_s"] == pytest.approx(1.0)
+    assert predicted["ettr"] == pytest.approx(useful / (modeled + 10.0))
+    # The cadence that loses least is the snapshots': for their cost, 0.01 s each.
+    assert predicted["optimal_interval_s"] == pytest.approx(
+        math.sqrt(2 * 0.01 * modeled / expected)
+    )
+    without = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0)
+    assert without["ettr"] < predicted["ettr"]
+
+
+def test_memory_snapshots_stall_training_in_the_checkpoint_bucket():
+    run = goodput(
+        wall_s=100.0,
+        run_started=0.0,
+        first_step=10.0,
+        finished=100.0,
+        metrics={
+            M.TRAIN_STEPS_COMPLETED: 90,
+            M.TRAIN_STEP: 80.0,
+            M.CHECKPOINT_UPLOAD: 5.0,
+            M.CHECKPOINT_MEMORY_SNAPSHOT_TIME: 2.0,
+        },
+        failures=[],
+    )
+    assert run["buckets"]["checkpoint"] == pytest.approx(7.0)
+    assert run["memory_snapshot_s"] == pytest.approx(2.0)
+
+
 def test_declared_failures_come_from_the_kill_schedule_or_the_expected_mtbf():
     kills = {"chaos": {"kind": "worker", "interval": 10.0, "max_kills": 2, "at_steps": []}}
     assert declared_failures(kills) == (10.0, 2)

@@ -21,7 +21,7 @@ BUCKETS = (
     "training",  # training steps that count
     "data_wait",  # steps waiting for their batch
     "validation",
-    "checkpoint",  # training waiting for checkpoint save, upload, report
+    "checkpoint",  # training waiting for checkpoint save, upload, report; memory snapshots
     "detection",  # failure -> Ray Train noticed it
     "restart",  # noticed -> new worker group in the train function
     "restore",  # checkpoint download, load, data position
@@ -98,7 +98,12 @@ def goodput(
         "validation": finite(metrics.get(M.VALIDATION_STEP)),
         "checkpoint": sum(
             finite(metrics.get(k))
-            for k in (M.CHECKPOINT_SAVE, M.CHECKPOINT_UPLOAD, M.CHECKPOINT_REPORT)
+            for k in (
+                M.CHECKPOINT_SAVE,
+                M.CHECKPOINT_UPLOAD,
+                M.CHECKPOINT_REPORT,
+                M.CHECKPOINT_MEMORY_SNAPSHOT_TIME,  # the memory tier's copies
+            )
         ),
         "detection": _sum(failures, "detection_s"),
         "restart": _sum(recovered, "restart_s"),
@@ -114,6 +119,7 @@ def goodput(
         "wall_s": wall_s,
         "ettr": busy / wall_s if wall_s > 0 else 0.0,
         "buckets": {name: buckets[name] for name in BUCKETS},
+        "memory_snapshot_s": finite(metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME)),
     }
 
 
@@ -169,31 +175,44 @@ def predict_ettr(
     failures: int,
     mtbf_s: float | None,
     max_failures: int | None = None,
+    snapshots: int = 0,
 ) -> dict[str, Any] | None:
     """The first-order model's ETTR for a run, from the run's own measurements: checkpoint
     cost C (stall per checkpoint), the interval τ (training and batch wait per checkpoint),
     recovery R (detection + restart + restore + set-up per failure) and the declared mean time
     between failures (expected failures over the modeled time, at most ``max_failures``: a kill
-    schedule's cap; without a rate, exactly ``max_failures``). Every τ of training pays C; every failure costs R and, on average, τ/2 of
-    work done again. Start-up, validation and shutdown are taken as measured. None without a
-    checkpoint."""
+    schedule's cap; without a rate, exactly ``max_failures``). Every τ of training pays C; every
+    failure costs R and, on average, half the interval between the states it can restore of
+    work done again: τ/2, or with the memory tier (``snapshots`` taken) half the snapshot
+    interval -- then the optimum is the snapshot cadence's, for the snapshot's cost. Start-up,
+    validation and shutdown are taken as measured. None without a checkpoint."""
     b, wall = goodput.get("buckets") or {}, goodput.get("wall_s") or 0.0
     step_time = b.get("training", 0.0) + b.get("data_wait", 0.0)
     if checkpoints <= 0 or wall <= 0 or step_time <= 0:
         return None
-    cost, interval = b.get("checkpoint", 0.0) / checkpoints, step_time / checkpoints
+    stall = finite(goodput.get("memory_snapshot_s"))  # the memory tier's, in "checkpoint"
+    cost = (b.get("checkpoint", 0.0) - stall) / checkpoints
+    interval = step_time / checkpoints
     recovery = sum(b.get(k, 0.0) for k in ("detection", "restart", "restore", "setup"))
     recovery = recovery / failures if failures else 0.0
     modeled = sum(b.get(k, 0.0) for k in MODELED)
     expected = modeled / mtbf_s if mtbf_s else float(max_failures or 0)
     if max_failures is not None:
         expected = min(expected, max_failures)
-    useful = max(0.0, modeled - expected * (recovery + interval / 2)) / (1 + cost / interval)
+    # What a failure loses: back to the newest checkpoint, or the newest memory snapshot.
+    lost_every, lost_cost = interval, cost
+    if snapshots > 0:
+        lost_every, lost_cost = step_time / snapshots, stall / snapshots
+    overhead = b.get("checkpoint", 0.0) / step_time  # every tier's stalls per second trained
+    useful = max(0.0, modeled - expected * (recovery + lost_every / 2)) / (1 + overhead)
     return {
         "ettr": useful * (b.get("training", 0.0) / step_time) / wall,
         "checkpoint_cost_s": cost,
         "interval_s": interval,
+        "restorable_every_s": lost_every,
         "recovery_s": recovery,
         "expected_failures": expected,
-        "optimal_interval_s": optimal_interval_s(cost, modeled / expected) if expected else None,
+        "optimal_interval_s": optimal_interval_s(lost_cost, modeled / expected)
+        if expected
+        else None,
     }
