@@ -2,7 +2,8 @@
 
 A sweep dir (finished, partial or failed) gets its sweep_summary.csv/.md/.png rebuilt from the
 job dirs' own files (:func:`ftjob.reporting.sweep.build_sweep_report`); a run dir (one holding
-summary.json) is printed as the run printed it at its end (:func:`ftjob.reporting.summary.format_summary`).
+summary.json) is printed as the run printed it at its end (:func:`ftjob.reporting.summary.format_summary`)
+and its ``timeline.png`` drawn again (:mod:`ftjob.reporting.timeline`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ftjob.reporting.sweep import (
     read_yaml_list,
     report_text,
 )
+from ftjob.reporting.timeline import draw_timeline
 
 
 def summarise_run(run_dir: str) -> int:
@@ -34,6 +36,7 @@ def summarise_run(run_dir: str) -> int:
     if overrides:
         print("overrides: " + " ".join(overrides))
     print(format_summary(summary))
+    print(draw_timeline(summary, run_dir))
     return 0
 
 

@@ -194,6 +194,7 @@ class RunLedger(ChaosRecords, ElasticRecords):
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.lines: list[str] = []
         self.step_records: list[dict[str, Any]] = []  # for the experiment loggers, append-only
+        self.history: dict[int, dict[str, Any]] = {}  # step -> its progress point that survived
         self.drains: DrainRelay | None = (
             None  # in this process for the whole run (ftjob.driver.drains)
         )
@@ -305,6 +306,9 @@ class RunLedger(ChaosRecords, ElasticRecords):
         self.step_records.append(
             {"kind": "train", "attempt": attempt, "step": progress["step"], "values": values}
         )
+        world = self.attempts[attempt].get("world_size")
+        point = {"step": progress["step"], "time": progress.get("time"), "attempt": attempt}
+        self.history[progress["step"]] = {**point, **values, "world_size": world}
         self.attempts[attempt]["max_step"] = max(
             self.attempts[attempt]["max_step"], progress["step"]
         )
@@ -448,6 +452,7 @@ class RunLedger(ChaosRecords, ElasticRecords):
                 ],
                 "metrics": self.metrics,
                 "progress": self.progress,
+                "history": [self.history[s] for s in sorted(self.history)],
                 "fatal": self.fatal,
                 "stop_request": self.stop_request,
                 "executed_resizes": self.executed_resizes,

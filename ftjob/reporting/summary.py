@@ -278,7 +278,9 @@ def build_summary(
     metrics[M.GOODPUT_ETTR] = accounted["ettr"]
     steps = {c["step"] for c in snap["checkpoints"]}  # each checkpointed step once
     recovered = sum(1 for f in failures if f.get("recovered"))
-    predicted = predict_ettr(accounted, len(steps), recovered, *declared_failures(config))
+    snapshots = int(metrics[M.CHECKPOINT_MEMORY_SNAPSHOTS])  # the memory tier's, if on
+    failures_declared = declared_failures(config)
+    predicted = predict_ettr(accounted, len(steps), recovered, *failures_declared, snapshots)
     accounted["predicted"] = predicted
     if predicted is not None:
         metrics[M.GOODPUT_PREDICTED_ETTR] = predicted["ettr"]
@@ -317,6 +319,7 @@ def _records(
         all_ops.kind("all").merge(stats)
     summary: dict[str, Any] = {
         "progress": snap["progress"],
+        "history": snap.get("history", []),  # progress points, each step's surviving version
         "failures": failures,
         "chaos": {
             "kills": snap["kills"],

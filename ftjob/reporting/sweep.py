@@ -26,6 +26,7 @@ from ftjob import metrics as M
 from ftjob.config.compose import parse_overrides, sweep_values
 from ftjob.reporting.goodput import write_goodput_plot
 from ftjob.reporting.summary import SUMMARY_FILE
+from ftjob.reporting.timeline import TIMELINE_FILE
 
 logger = logging.getLogger("ftjob")
 
@@ -96,6 +97,7 @@ class JobRow:
     # empty when incomplete; None for a figure written as null
     outcomes: dict[str, float | None] = field(default_factory=dict)
     goodput: dict[str, float] = field(default_factory=dict)  # seconds per goodput bucket
+    timeline: str | None = None  # its timeline.png, relative to the sweep dir, if drawn
 
     @property
     def finished(self) -> bool:
@@ -173,7 +175,10 @@ def read_job(sweep_dir: str, job: str) -> JobRow:
             summary = json.load(f)
     except (OSError, ValueError) as exc:
         return JobRow(job, overrides, INCOMPLETE, error=f"unreadable summary.json ({exc})")
-    return summary_row(job, overrides, summary)
+    row = summary_row(job, overrides, summary)
+    if os.path.isfile(os.path.join(path, TIMELINE_FILE)):
+        row.timeline = f"{job}/{TIMELINE_FILE}"
+    return row
 
 
 def summary_row(job: str, overrides: dict[str, str], summary: dict[str, Any]) -> JobRow:
@@ -279,7 +284,7 @@ def _md_cell(text: str, limit: int = 120) -> str:
 
 
 def markdown_table(rows: Sequence[JobRow], keys: Sequence[str]) -> str:
-    headers = ["job", *keys, "status", *(o.header for o in OUTCOMES), "error"]
+    headers = ["job", *keys, "status", *(o.header for o in OUTCOMES), "error", "timeline"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         outcomes = [
@@ -288,7 +293,8 @@ def markdown_table(rows: Sequence[JobRow], keys: Sequence[str]) -> str:
         ]
         cells = [row.job, *(row.overrides.get(k, "") for k in keys), row.status, *outcomes]
         cells.append(row.error or "")
-        lines.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
+        picture = f"[png]({row.timeline})" if row.timeline else ""
+        lines.append("| " + " | ".join([*map(_md_cell, cells), picture]) + " |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,191 @@
+"""``timeline.png``: a run as a story in time, drawn from its summary.json alone.
+
+Three rows on one wall clock (seconds since the driver started): what the run was doing --
+start-up, each failure's detection, restart, restore and set-up at their real lengths, each
+preemption notice's window, each planned resize, the shutdown -- with the kills, hangs and
+notices marked where they happened; the world size and images/s; train loss and validation
+accuracy. The title carries the status and ETTR, the legend the goodput buckets' totals.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ftjob.metrics import finite
+
+TIMELINE_FILE = "timeline.png"
+
+# Phase colours: one per kind of time that is not training.
+PHASES = {
+    "startup": "#9e9e9e",
+    "detection": "#e53935",
+    "restart": "#fb8c00",
+    "restore": "#8e24aa",
+    "setup": "#fdd835",
+    "preemption": "#1e88e5",
+    "resize": "#00897b",
+    "shutdown": "#616161",
+}
+MARKS = {"kill": "#b71c1c", "hang": "#4a148c", "notice": "#0d47a1", "failure": "#e65100"}
+
+
+def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in seconds since the run started, for every phase the summary
+    measured; a failure's are its detection, restart, restore and set-up, in that order."""
+    t0 = summary["timing"]["started"]
+    spans: list[tuple[str, float, float]] = []
+    first, finished = summary["timing"].get("first_step"), summary["timing"].get("finished")
+    if first:
+        spans.append(("startup", 0.0, first - t0))
+    for f in summary.get("failures", []):
+        if f.get("time") is None:
+            continue
+        at = f["time"] - t0
+        parts = [
+            ("detection", finite(f.get("detection_s"))),
+            ("restart", finite(f.get("restart_s"))),
+            ("restore", finite(f.get("restoration_s"))),
+        ]
+        ttr = f.get("time_to_recover_s")
+        if ttr is not None:
+            parts.append(("setup", max(0.0, finite(ttr) - sum(s for _, s in parts))))
+        notice = f.get("notice") or {}
+        if notice.get("received") and notice.get("deadline"):  # the notice's window came first
+            spans.append(("preemption", notice["received"] - t0, notice["deadline"] - t0))
+        for name, seconds in parts:
+            if seconds > 0:
+                spans.append((name, at, at + seconds))
+                at += seconds
+    for r in summary.get("resizes", []):
+        if r.get("cause") == "planned" and r.get("time") and r.get("time_to_recover_s"):
+            spans.append(("resize", r["time"] - t0, r["time"] - t0 + r["time_to_recover_s"]))
+    if finished:
+        spans.append(("shutdown", finished - t0, finite(summary.get("wall_time_s"))))
+    return spans
+
+
+def marks(summary: dict[str, Any]) -> list[tuple[str, float, str]]:
+    """(kind, seconds since the start, label): kills, hangs, preemption notices."""
+    t0, out = summary["timing"]["started"], []
+    for i, k in enumerate(summary.get("chaos", {}).get("kills", []), start=1):
+        out.append(("kill", k["time"] - t0, f"kill {i} ({k.get('kind')})"))
+    for h in summary.get("hangs", []):
+        out.append(("hang", h["time"] - t0, f"hang rank {h.get('rank')}"))
+    for f in summary.get("failures", []):
+        notice = f.get("notice") or {}
+        if notice.get("received"):
+            out.append(("notice", notice["received"] - t0, f"notice ({notice.get('source')})"))
+        elif f.get("kind") in ("injected", "error") and f.get("time"):
+            out.append(("failure", f["time"] - t0, f"failure ({f['kind']})"))
+    return out
+
+
+def write_timeline(path: str, summary: dict[str, Any]) -> None:
+    """Draw ``summary`` (summary.json) to ``path`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not (summary.get("timing") or {}).get("started"):
+        raise ValueError("summary.json has no timing (written by an older ftjob?)")
+    t0, wall = summary["timing"]["started"], finite(summary.get("wall_time_s"))
+    fig = Figure(figsize=(13, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    phases_ax, rate_ax, loss_ax = fig.subplots(3, 1, sharex=True, height_ratios=[1.1, 1, 1])
+    fig.suptitle(
+        f"{summary.get('name')}: {summary.get('status')}, wall {wall:.0f} s, "
+        f"ETTR {finite((summary.get('goodput') or {}).get('ettr')):.2f}",
+        fontsize=12,
+    )
+    found = marks(summary)
+    _phases(phases_ax, summary, found)
+    history = [h for h in summary.get("history", []) if h.get("time")]
+    times = [h["time"] - t0 for h in history]
+    _throughput(rate_ax, times, history)
+    _quality(loss_ax, times, history, summary.get("validation", []), t0)
+    for ax in (rate_ax, loss_ax):
+        for kind, at, _ in found:
+            ax.axvline(at, color=MARKS[kind], lw=1, ls="--", alpha=0.6)
+    loss_ax.set_xlim(0, max(wall, 1.0))
+    loss_ax.set_xlabel("seconds since the run started")
+    fig.savefig(path, dpi=100)
+
+
+def draw_timeline(summary: dict[str, Any], run_dir: str) -> str:
+    """timeline.png in ``run_dir``; the line that says where, or why it was not drawn (a
+    picture is never worth failing a run or a report over)."""
+    path = os.path.join(run_dir, TIMELINE_FILE)
+    try:
+        write_timeline(path, summary)
+    except Exception as exc:
+        return f"timeline not drawn ({type(exc).__name__}: {exc})"
+    return f"timeline: {path}"
+
+
+def _phases(ax: Any, summary: dict[str, Any], found: list[tuple[str, float, str]]) -> None:
+    """What the run was doing: training, unless a phase says other; marks where things
+    happened, labelled (staggered, so marks close in time do not overlap)."""
+    from matplotlib.patches import Patch
+
+    ax.axhspan(0, 1, color="#c8e6c9", zorder=0)
+    spans = phase_spans(summary)
+    for name, start, end in spans:
+        ax.axvspan(start, end, ymin=0.0, ymax=1.0, color=PHASES[name], alpha=0.85, lw=0)
+    for i, (kind, at, label) in enumerate(found):
+        ax.axvline(at, color=MARKS[kind], lw=1.5, ls="--")
+        ax.annotate(
+            label,
+            (at, 1.0 - 0.16 * (i % 4)),
+            xytext=(3, -3),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            color=MARKS[kind],
+            bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+        )
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    buckets = (summary.get("goodput") or {}).get("buckets") or {}
+    handles = [Patch(color="#c8e6c9", label=f"training ({finite(buckets.get('training')):.1f} s)")]
+    drawn = {name for name, _, _ in spans}
+    for name, colour in PHASES.items():
+        seconds = finite(buckets.get(name))
+        if seconds > 0 or name in drawn:
+            handles.append(Patch(color=colour, label=f"{name} ({seconds:.1f} s)"))
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title("phases (goodput buckets, seconds in the legend)", fontsize=9, loc="left")
+
+
+def _throughput(ax: Any, times: list[float], history: list[dict[str, Any]]) -> None:
+    """Images/s, and the world size on the right axis."""
+    ax.plot(times, [finite(h.get("throughput")) for h in history], "o-", ms=3, color="#3949ab")
+    ax.set_ylabel("images/s", color="#3949ab")
+    world_ax = ax.twinx()
+    sizes = [h.get("world_size") or 0 for h in history]
+    world_ax.step(times, sizes, where="post", color="#00897b", lw=2)
+    world_ax.set_ylabel("workers", color="#00897b")
+    most = max(sizes, default=1)
+    world_ax.set_ylim(0, most + 1)
+    world_ax.set_yticks(range(0, most + 2))
+
+
+def _quality(
+    ax: Any,
+    times: list[float],
+    history: list[dict[str, Any]],
+    validations: list[dict[str, Any]],
+    t0: float,
+) -> None:
+    """Train loss, and validation accuracy on the right axis."""
+    ax.plot(times, [h.get("loss") for h in history], "o-", ms=3, color="#d81b60")
+    ax.set_ylabel("train loss", color="#d81b60")
+    acc_ax = ax.twinx()
+    val = [v for v in validations if v.get("time")]
+    acc_ax.plot(
+        [v["time"] - t0 for v in val], [v["accuracy"] for v in val], "s-", ms=4, color="#43a047"
+    )
+    acc_ax.set_ylabel("validation accuracy", color="#43a047")
+    acc_ax.set_ylim(0, 1)
+
+
+__all__ = ["TIMELINE_FILE", "draw_timeline", "marks", "phase_spans", "write_timeline"]

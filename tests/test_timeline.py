@@ -1,0 +1,104 @@
+"""timeline.png: a run drawn from its summary.json -- every measured phase at its real length,
+every kill, hang and notice marked -- at the end of a run and by ``python -m ftjob.report``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ftjob import metrics as M
+from ftjob.cli.report import main as report
+from ftjob.reporting.timeline import marks, phase_spans, write_timeline
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+T0 = 1_000_000.0
+
+
+def story() -> dict[str, Any]:
+    """A run of 100 s: start-up 20 s, a worker kill at 40 s recovered in 12 s, a drain notice
+    at 70 s with a 10 s window, then a hang found at 85 s."""
+    parts = {"download_s": 0.2, "load_s": 0.2, "skip_s": 0.1, "restoration_s": 0.5}
+    failure = {
+        **parts,
+        "attempt": 1,
+        "kind": "worker_kill",
+        "time": T0 + 40.0,
+        "detection_s": 1.0,
+        "restart_s": 5.0,
+        "time_to_recover_s": 12.0,
+        "lost_steps": 3,
+    }
+    preemption = {
+        **parts,
+        "attempt": 2,
+        "lost_steps": 0,
+        "kind": "preemption",
+        "time": T0 + 80.0,
+        "notice": {"source": "drain", "received": T0 + 70.0, "deadline": T0 + 80.0},
+        "detection_s": 0.5,
+        "restart_s": 4.0,
+        "time_to_recover_s": 9.0,
+    }
+    history = [
+        {"step": s, "time": T0 + 20.0 + s, "loss": 2.0 / s, "throughput": 500.0, "world_size": 2}
+        for s in range(10, 80, 10)
+    ]
+    return {
+        "name": "story",
+        "status": "succeeded",
+        "wall_time_s": 100.0,
+        "timing": {"started": T0, "first_step": T0 + 20.0, "finished": T0 + 97.0},
+        "failures": [failure, preemption],
+        "chaos": {"kills": [{"time": T0 + 40.0, "kind": "worker"}]},
+        "hangs": [
+            {
+                "time": T0 + 85.0,
+                "rank": 1,
+                "section": "step",
+                "step": 75,
+                "stalled_for_s": 21.0,
+                "timeout_s": 20.0,
+            }
+        ],
+        "resizes": [],
+        "history": history,
+        "validation": [{"time": T0 + 45.0, "accuracy": 0.8}, {"time": T0 + 95.0, "accuracy": 0.9}],
+        "goodput": {"ettr": 0.5, "buckets": {"training": 50.0, "startup": 20.0, "restart": 9.0}},
+    }
+
+
+def test_every_phase_is_drawn_at_its_real_length_after_its_cause() -> None:
+    spans = phase_spans(story())
+    assert spans[0] == ("startup", 0.0, 20.0)
+    kill = [(n, round(a, 3), round(b, 3)) for n, a, b in spans[1:5]]
+    assert kill == [
+        ("detection", 40.0, 41.0),
+        ("restart", 41.0, 46.0),
+        ("restore", 46.0, 46.5),
+        ("setup", 46.5, 52.0),  # the rest of the 12 s to the first step
+    ]
+    assert spans[5] == ("preemption", 70.0, 80.0)  # the notice's window, before its restart
+    assert [n for n, _, _ in spans[6:10]] == ["detection", "restart", "restore", "setup"]
+    assert spans[-1] == ("shutdown", 97.0, 100.0)
+    assert [(kind, at) for kind, at, _ in marks(story())] == [
+        ("kill", 40.0),
+        ("hang", 85.0),
+        ("notice", 70.0),
+    ]
+
+
+def test_the_picture_is_written_and_the_report_command_draws_it_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_timeline(str(tmp_path / "direct.png"), story())
+    assert (tmp_path / "direct.png").read_bytes()[:8] == PNG_MAGIC
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    summary = story() | {"metrics": dict.fromkeys(M.METRIC_KEYS, 0.0), "checkpoints": {}}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    assert report([str(run_dir)]) == 0
+    assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+    assert f"timeline: {run_dir / 'timeline.png'}" in capsys.readouterr().out
