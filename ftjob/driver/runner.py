@@ -41,6 +41,7 @@ from ftjob.reporting.summary import (
     format_summary,
     write_summary,
 )
+from ftjob.reporting.timeline import draw_timeline
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.fs import (
     RetryingFileSystem,
@@ -294,6 +295,7 @@ def _finish(
     if status != "succeeded" and prep is not None and not trained.lease_lost:
         _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
     path = write_summary(summary, run_dir)
+    picture = draw_timeline(summary, run_dir)
     if trained.feed is not None:
         trained.feed.finish(summary)
     for line in format_summary(summary).splitlines():
@@ -301,6 +303,7 @@ def _finish(
     if "resume_command" in summary:
         echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
     echo(f"summary: {path}")
+    echo(picture)
     return RunResult(name, status, error, summary, path)
 
 
@@ -513,6 +516,9 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     # Node drains reach the workers through the run ledger's process, not through a watcher
     # process Ray Train would start with every attempt (ftjob.driver.drains).
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    # Ray's dashboard (ray[default]) lists the run, its attempts and workers in its Train view
+    # only with Ray Train's state tracking on; RAY_TRAIN_ENABLE_STATE_TRACKING=0 turns it off.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     trainer = _torch_trainer()(
         train_loop,
         train_loop_config=spec,  # type: ignore[arg-type]
