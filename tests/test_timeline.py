@@ -18,8 +18,8 @@ T0 = 1_000_000.0
 
 
 def story() -> dict[str, Any]:
-    """A run of 100 s: start-up 20 s, a worker kill at 40 s recovered in 12 s, a drain notice
-    at 70 s with a 10 s window, then a hang found at 85 s."""
+    """A run of 100 s: start-up 20 s, a worker kill at 40 s recovered in 12 s, a planned grow
+    at 60 s, a drain notice at 70 s with a 10 s window, then a hang found at 85 s."""
     parts = {"download_s": 0.2, "load_s": 0.2, "skip_s": 0.1, "restoration_s": 0.5}
     failure = {
         **parts,
@@ -63,7 +63,19 @@ def story() -> dict[str, Any]:
                 "timeout_s": 20.0,
             }
         ],
-        "resizes": [],
+        "resizes": [
+            {
+                "attempt": 2,
+                "kind": "grow",
+                "from": 1,
+                "to": 2,
+                "cause": "planned",
+                "lost_steps": 0,
+                "time": T0 + 60.0,
+                "time_to_recover_s": 8.0,
+                "first_step_s": 1.0,
+            }
+        ],
         "history": history,
         "validation": [{"time": T0 + 45.0, "accuracy": 0.8}, {"time": T0 + 95.0, "accuracy": 0.9}],
         "goodput": {"ettr": 0.5, "buckets": {"training": 50.0, "startup": 20.0, "restart": 9.0}},
@@ -82,6 +94,7 @@ def test_every_phase_is_drawn_at_its_real_length_after_its_cause() -> None:
     ]
     assert spans[5] == ("preemption", 70.0, 80.0)  # the notice's window, before its restart
     assert [n for n, _, _ in spans[6:10]] == ["detection", "restart", "restore", "setup"]
+    assert spans[-2] == ("resize", 60.0, 67.0)  # a planned grow, to its first step
     assert spans[-1] == ("shutdown", 97.0, 100.0)
     assert [(kind, at) for kind, at, _ in marks(story())] == [
         ("kill", 40.0),

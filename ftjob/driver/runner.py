@@ -10,6 +10,7 @@ an existing cluster at ``ray.address``; whatever the runner starts, it stops.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import posixpath
@@ -520,8 +521,8 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     # only with Ray Train's state tracking on; RAY_TRAIN_ENABLE_STATE_TRACKING=0 turns it off.
     os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     trainer = _torch_trainer()(
-        train_loop,
-        train_loop_config=spec,  # type: ignore[arg-type]
+        functools.partial(train_loop, spec),
+        train_loop_config=prep.public_config,  # what Ray's dashboard shows: secrets redacted
         scaling_config=ray.train.ScalingConfig(
             num_workers=(t.min_workers, t.num_workers) if t.elastic else t.num_workers,
             elastic_resize_monitor_interval_s=t.resize_interval,

@@ -72,6 +72,7 @@ def resize_records(snap: dict[str, Any], failures: list[dict[str, Any]]) -> list
         else:
             t0 = (by_attempt.get(prev["index"] + 1) or {}).get("time")
         first = nxt.get("first_step")
+        record["time"] = t0  # when it began: the notice to resize, or the failure
         record["time_to_recover_s"] = first["time"] - t0 if first and t0 is not None else None
         record["first_step_s"] = (first or {}).get("took", 0.0)
         records.append(record)

@@ -57,9 +57,10 @@ def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
             if seconds > 0:
                 spans.append((name, at, at + seconds))
                 at += seconds
-    for r in summary.get("resizes", []):
+    for r in summary.get("resizes", []):  # a planned one; its first step is training's
         if r.get("cause") == "planned" and r.get("time") and r.get("time_to_recover_s"):
-            spans.append(("resize", r["time"] - t0, r["time"] - t0 + r["time_to_recover_s"]))
+            took = max(0.0, r["time_to_recover_s"] - finite(r.get("first_step_s")))
+            spans.append(("resize", r["time"] - t0, r["time"] - t0 + took))
     if finished:
         spans.append(("shutdown", finished - t0, finite(summary.get("wall_time_s"))))
     return spans
@@ -156,13 +157,26 @@ def _phases(ax: Any, summary: dict[str, Any], found: list[tuple[str, float, str]
     ax.set_title("phases (goodput buckets, seconds in the legend)", fontsize=9, loc="left")
 
 
+def _by_attempt(times: list[float], values: list[Any], history: list[dict[str, Any]]) -> Any:
+    """(times, values) per attempt: a line is never drawn across a recovery."""
+    segments: dict[Any, tuple[list[float], list[Any]]] = {}
+    for t, v, h in zip(times, values, history, strict=True):
+        ts, vs = segments.setdefault(h.get("attempt"), ([], []))
+        ts.append(t)
+        vs.append(v)
+    return segments.values()
+
+
 def _throughput(ax: Any, times: list[float], history: list[dict[str, Any]]) -> None:
     """Images/s, and the world size on the right axis."""
-    ax.plot(times, [finite(h.get("throughput")) for h in history], "o-", ms=3, color="#3949ab")
+    rates = [finite(h.get("throughput")) for h in history]
+    for ts, vs in _by_attempt(times, rates, history):
+        ax.plot(ts, vs, "o-", ms=3, color="#3949ab")
     ax.set_ylabel("images/s", color="#3949ab")
     world_ax = ax.twinx()
     sizes = [h.get("world_size") or 0 for h in history]
-    world_ax.step(times, sizes, where="post", color="#00897b", lw=2)
+    for ts, vs in _by_attempt(times, sizes, history):
+        world_ax.step(ts, vs, where="post", color="#00897b", lw=2)
     world_ax.set_ylabel("workers", color="#00897b")
     most = max(sizes, default=1)
     world_ax.set_ylim(0, most + 1)
@@ -177,13 +191,14 @@ def _quality(
     t0: float,
 ) -> None:
     """Train loss, and validation accuracy on the right axis."""
-    ax.plot(times, [h.get("loss") for h in history], "o-", ms=3, color="#d81b60")
+    for ts, vs in _by_attempt(times, [h.get("loss") for h in history], history):
+        ax.plot(ts, vs, "o-", ms=3, color="#d81b60")
     ax.set_ylabel("train loss", color="#d81b60")
     acc_ax = ax.twinx()
     val = [v for v in validations if v.get("time")]
-    acc_ax.plot(
-        [v["time"] - t0 for v in val], [v["accuracy"] for v in val], "s-", ms=4, color="#43a047"
-    )
+    when, accuracy = [v["time"] - t0 for v in val], [v["accuracy"] for v in val]
+    for ts, vs in _by_attempt(when, accuracy, val):
+        acc_ax.plot(ts, vs, "s-", ms=4, color="#43a047")
     acc_ax.set_ylabel("validation accuracy", color="#43a047")
     acc_ax.set_ylim(0, 1)
 

@@ -78,8 +78,11 @@ class WorkerSpec:
     memory: Any = None  # the memory tier's snapshot holder (checkpoint.memory), if on
 
 
-def train_loop(spec: WorkerSpec) -> None:
-    """Entry point handed to TorchTrainer (train_loop_config is the WorkerSpec)."""
+def train_loop(spec: WorkerSpec, config: dict[str, Any] | None = None) -> None:
+    """Entry point handed to TorchTrainer as ``functools.partial(train_loop, spec)``. Its
+    ``train_loop_config`` (``config``) is the job's config with secrets redacted, for what
+    Ray shows of the run (its dashboard's Train view, Ray Train's state export); the spec
+    travels with the function, never into that view."""
     Worker(spec, ray_context(spec.ledger)).train()
 
 
