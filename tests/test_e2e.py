@@ -1,16 +1,21 @@
-"""End-to-end runs on a real Ray: an existing cluster started with `ray start --head`, and a
+"""End-to-end runs on a real Ray: jobs submitted to, stopped on and shown by an existing
+cluster started with `ray start --head` (the cluster extra: dashboard and job server), and a
 GPU job on a cluster without GPUs. (Restores, mid-epoch resumption, exact-once and
 resume=true are tested in-process: test_worker_local.py.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,17 +47,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_existing_cluster_started_with_ray_start_cli(tmp_path):
-    port = _free_port()
-    ray_cli = str(Path(sys.executable).parent / "ray")
+def ray_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """The ``ray`` command, as a user of a cluster with token authentication runs it."""
+    ray = str(Path(sys.executable).parent / "ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # find the token `ray start` wrote
+    return subprocess.run([ray, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def dashboard_get(port: int, path: str) -> Any:
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return json.load(answer)
+
+
+def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
+    """`ray start --head --block` with its dashboard and job server on loopback, in a process
+    group of its own (ended by the caller, by pid); returns once the dashboard answers."""
+    ray = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen(
         [
-            ray_cli,
+            ray,
             "start",
             "--head",
             f"--port={port}",
             "--num-cpus=4",
-            "--include-dashboard=false",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard}",
             "--disable-usage-stats",
             "--block",
         ],
@@ -60,19 +84,49 @@ def test_existing_cluster_started_with_ray_start_cli(tmp_path):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    try:
-        address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with socket.socket() as probe:
-                if (
-                    probe.connect_ex(("127.0.0.1", port)) == 0
-                    or probe.connect_ex((address.split(":")[0], port)) == 0
-                ):
-                    break
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2)
+            return head
+        except urllib.error.HTTPError:  # it answers (401 without the token): up
+            return head
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline, "the head did not start"
             time.sleep(0.5)
-        # Real image files, read and decoded by Ray Data on the cluster's workers.
+
+
+def ray_train_workers() -> list[int]:
+    """Live Ray Train worker processes on this machine."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"RayTrainWorker" in f.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dashboard(tmp_path):
+    """As on a user's cluster: `ray start --head` with its dashboard and job server;
+    `ray job submit --working-dir` runs a job on real image files, decoded by Ray Data on the
+    cluster, that succeeds and leaves the cluster up; the dashboard's Train view lists the run,
+    its attempt and its workers; `ray job stop` on a second job is a preemption notice: a
+    just-in-time checkpoint, status preempted, the resume command, no training worker left."""
+    port, dashboard = _free_port(), _free_port()
+    address = f"http://127.0.0.1:{dashboard}"
+    head = head_node(port, dashboard)
+    try:
+        working_dir = tmp_path / "wd"
+        working_dir.mkdir()
+        (working_dir / "NOTES").write_text("the job's working dir, shipped by ray job submit\n")
         images = make_image_tree(tmp_path / "images")
+        storage = [
+            f"checkpoint.storage_path={tmp_path / 'ckpt'}",
+            "checkpoint.shared_filesystem=true",
+        ]
         job = [
             "dataset=imagefolder",
             f"dataset.path={images}",
@@ -81,18 +135,61 @@ def test_existing_cluster_started_with_ray_start_cli(tmp_path):
             "trainer.epochs=3",
             "trainer.batch_size=8",
             "trainer.lr=0.01",
-            f"ray.address=127.0.0.1:{port}",
-            # One machine: every node of this cluster mounts the same disk.
-            f"checkpoint.storage_path={tmp_path / 'ckpt'}",
-            "checkpoint.shared_filesystem=true",
+            "ray.address=auto",  # the cluster the job's driver runs on
+            *storage,  # one machine: every node of this cluster mounts the same disk
+            "name=images",
         ]
-        proc, s = run_ftjob(job, tmp_path)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        entry = [sys.executable, "-m", "ftjob", *job, f"hydra.run.dir={tmp_path / 'run1'}"]
+        submit = ["job", "submit", "--address", address, "--working-dir", str(working_dir)]
+        done = ray_cli(*submit, "--submission-id", "ftjob-images", "--", *entry)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        s = json.loads((tmp_path / "run1" / "summary.json").read_text())
         assert s["status"] == "succeeded"
         assert s["metrics"][M.TRAIN_STEPS_COMPLETED] == 3 * (72 // 16)
         assert s["metrics"][M.VALIDATION_ACCURACY] >= 0.9  # three colours: easy, if decoded right
-        # The driver only disconnected: the cluster it joined is still up.
-        assert head.poll() is None
+        assert head.poll() is None  # the driver only disconnected: the cluster is still up
+        # The dashboard's Train view (Ray Train's state tracking, on for ftjob's runs).
+        [run] = [
+            r
+            for r in dashboard_get(dashboard, "/api/train/v2/runs/v1")["train_runs"]
+            if r["name"] == "images"
+        ]
+        assert run["status"] == "FINISHED" and run["job_id"]
+        [attempt] = run["attempts"]
+        assert len(attempt["workers"]) == 2 and all(w["pid"] for w in attempt["workers"])
+        assert run["run_settings"]["train_loop_config"]["trainer"]["epochs"] == 3
+
+        # A second job, stopped with `ray job stop` once it committed a checkpoint.
+        long = ["+experiment=digits_ft", "trainer.epochs=30", "ray.address=auto", *storage]
+        entry = [
+            sys.executable,
+            "-m",
+            "ftjob",
+            *long,
+            "name=stopped",
+            f"hydra.run.dir={tmp_path / 'run2'}",
+        ]
+        started = ray_cli(*submit, "--no-wait", "--submission-id", "ftjob-stopped", "--", *entry)
+        assert started.returncode == 0, started.stderr[-3000:]
+        deadline = time.monotonic() + 240
+        while (
+            "checkpoint step 10 committed"
+            not in ray_cli("job", "logs", "--address", address, "ftjob-stopped").stdout
+        ):
+            assert time.monotonic() < deadline, "the second job never committed a checkpoint"
+            time.sleep(1)
+        stopped = ray_cli("job", "stop", "--address", address, "ftjob-stopped")
+        assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+        s = json.loads((tmp_path / "run2" / "summary.json").read_text())
+        assert s["status"] == "preempted", s["error"]
+        assert "after a just-in-time checkpoint of step" in s["error"]
+        jit_step = int(s["error"].rsplit(" ", 1)[-1])
+        assert jit_step >= 10 and s["checkpoints"]["latest"].endswith(f"step_{jit_step:09d}")
+        assert "resume=true" in s["resume_command"] and "name=stopped" in s["resume_command"]
+        deadline = time.monotonic() + 60
+        while ray_train_workers():  # torn down with the job's driver
+            assert time.monotonic() < deadline, "training workers outlived the stopped job"
+            time.sleep(1)
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
         head.wait(timeout=30)
