@@ -57,11 +57,11 @@ def checkpointer(storage: str, options: dict[str, Any], holder: Any, scratch: st
 
     metrics = M.MetricSet()
     recorder = RunRecorder(Quiet(), 0, lambda value, timeout=None: value, attempt=0)
-    fs = build_filesystem(storage, options, RetryConfig())
+    fs, path = build_filesystem(storage, options, RetryConfig())
     tier = MemoryConfig(enabled=True, max_mb=4096)
     return Checkpointer(
         fs=fs,
-        run_path=storage,
+        run_path=path,
         config=CheckpointConfig(num_to_keep=1),
         job_config={},
         recorder=recorder,
@@ -93,7 +93,7 @@ def restore_bench(repeats: int) -> None:
     try:
         with moto_server() as endpoint, tempfile.TemporaryDirectory() as scratch:
             bucket = create_bucket(endpoint)
-            options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench"}
+            options = {"endpoint_url": endpoint}
             storage = f"s3://{bucket}/run"
             s3 = checkpointer(storage, options, None, os.path.join(scratch, "s3"))
             s3.save(TrainState(step=100), model, optimizer)  # committed to S3
@@ -156,6 +156,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
+    # moto's loopback server takes any credentials; boto3 wants some.
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "ftjob-bench")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "ftjob-bench")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     restore_bench(args.repeats)
     if not args.skip_throughput:
         throughput_bench(args.runs)
