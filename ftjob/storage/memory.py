@@ -108,7 +108,8 @@ def start_holder(cap_mb: float, keep: int) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     actor = ray.remote(num_cpus=0, max_restarts=0)(SnapshotHolder)
-    strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # Pinned (soft=False, as the run ledger): placed elsewhere, it could die with a worker node.
+    strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return actor.options(scheduling_strategy=strategy).remote(int(cap_mb * 2**20), keep)
 
 
