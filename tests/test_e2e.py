@@ -54,6 +54,18 @@ def ray_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
     return subprocess.run([ray, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def submit(*args: str) -> subprocess.CompletedProcess[str]:
+    """`ray job submit`, again while the head's job agent is still starting (the dashboard
+    answers a few seconds before it: "No available agent to submit job, please try again
+    later")."""
+    deadline = time.monotonic() + 90
+    while True:
+        done = ray_cli("job", "submit", *args)
+        if "try again later" not in done.stderr or time.monotonic() > deadline:
+            return done
+        time.sleep(2)
+
+
 def dashboard_get(port: int, path: str) -> Any:
     token = (Path.home() / ".ray" / "auth_token").read_text().strip()
     request = urllib.request.Request(
@@ -140,8 +152,8 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
             "name=images",
         ]
         entry = [sys.executable, "-m", "ftjob", *job, f"hydra.run.dir={tmp_path / 'run1'}"]
-        submit = ["job", "submit", "--address", address, "--working-dir", str(working_dir)]
-        done = ray_cli(*submit, "--submission-id", "ftjob-images", "--", *entry)
+        where = ["--address", address, "--working-dir", str(working_dir)]
+        done = submit(*where, "--submission-id", "ftjob-images", "--", *entry)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         s = json.loads((tmp_path / "run1" / "summary.json").read_text())
         assert s["status"] == "succeeded"
@@ -169,7 +181,7 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
             "name=stopped",
             f"hydra.run.dir={tmp_path / 'run2'}",
         ]
-        started = ray_cli(*submit, "--no-wait", "--submission-id", "ftjob-stopped", "--", *entry)
+        started = submit(*where, "--no-wait", "--submission-id", "ftjob-stopped", "--", *entry)
         assert started.returncode == 0, started.stderr[-3000:]
         deadline = time.monotonic() + 240
         while (

@@ -1,5 +1,6 @@
 """Experiment loggers: each step logged once, in its surviving version, read back with the
-libraries' own readers (TensorBoard's event accumulator, MLflow's client on a file store)."""
+libraries' own readers (TensorBoard's event accumulator, MLflow's client on a file store,
+``wandb leet inspect`` on an offline W&B run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from ftjob.config import ConfigError, LoggerConfig
 from ftjob.driver.ledger import RunLedger
 from ftjob.reporting.loggers import LogFeed, build_loggers, flatten
+from tests.helpers import wandb_config, wandb_records
 
 
 def train(ledger: RunLedger, attempt: int, step: int, loss: float) -> None:
@@ -55,6 +57,36 @@ def test_a_step_trained_again_after_a_restore_is_logged_once_in_its_surviving_ve
     ]
     with open(tmp_path / "logs" / "events.csv") as f:
         assert "failure noticed" in f.read()
+
+
+def test_wandb_offline_run_holds_one_point_per_step_the_config_events_and_the_outcome(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: what `wandb sync` uploads later
+    config = LoggerConfig(backends=["wandb"])
+    feed = LogFeed(build_loggers(config, str(tmp_path), "run"))
+    feed.params({"trainer": {"lr": 0.01, "epochs": 1}})
+    run_with_a_restore(feed)
+    feed.finish({"status": "succeeded", "metrics": {"goodput/ettr": 0.5}})
+    records = wandb_records(tmp_path)  # wandb's own reader of its run log
+    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+    losses = [(h["trainer/step"], h["train/loss"]) for h in history if "train/loss" in h]
+    assert losses == [(10, 0.1), (20, 0.05), (30, 0.03), (40, 0.02)]  # not step 30's 9.0
+    assert any(h.get("events._type") == "table-file" for h in history)
+    summary = {
+        k: v
+        for r in records
+        if r.get("type") == "summary"
+        for k, v in r["summary"]["update"].items()
+    }
+    assert summary["status"] == "succeeded" and summary["summary/goodput/ettr"] == 0.5
+    assert [r["exit"]["exit_code"] for r in records if r.get("type") == "exit"] == [0]
+    assert wandb_config(records)["trainer.epochs"] == "1"  # the params, flat
+
+
+def test_a_wandb_mode_that_does_not_exist_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="logger.wandb_mode"):
+        LoggerConfig(wandb_mode="sometimes")
 
 
 def test_tensorboard_event_files_hold_one_point_per_step(tmp_path):
@@ -119,4 +151,4 @@ def test_params_are_flat_and_a_missing_backend_names_its_extra(monkeypatch):
     with pytest.raises(ConfigError, match=r"pip install 'ftjob\[mlflow\]'"):
         LoggerConfig(backends=["mlflow"])
     with pytest.raises(ConfigError, match="logger.backends"):
-        LoggerConfig(backends=["wandb"])
+        LoggerConfig(backends=["neptune"])  # not a backend ftjob has

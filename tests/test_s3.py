@@ -294,7 +294,7 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
             ],
             tmp_path,
             timeout=600,
-            env={"FTJOB_SECRET_FROM_ENV": from_env},
+            env={"FTJOB_SECRET_FROM_ENV": from_env, "WANDB_MODE": "offline"},
         )
         served = proxy.snapshot()
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]

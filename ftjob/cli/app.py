@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 from ftjob.config import ConfigError, load_job
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.reporting.redact import redact_hydra_files, redactor_for
-from ftjob.reporting.summary import write_failed_summary
+from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 
 _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
@@ -36,6 +36,13 @@ def _job(cfg: DictConfig) -> str:
         job = load_job(cfg)
         result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
     except KeyboardInterrupt:
+        if os.path.exists(os.path.join(run_dir, SUMMARY_FILE)):
+            # Ctrl-C after the run wrote its record (drawing its timeline, closing loggers):
+            # the record stands, whatever it says.
+            print(
+                "ftjob: interrupted (Ctrl-C) after the run's summary was written", file=sys.stderr
+            )
+            sys.exit(130)
         # Ctrl-C before the runner started (it keeps its own record of later ones).
         error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
         write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")

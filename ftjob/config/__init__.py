@@ -489,7 +489,9 @@ LOGGER_BACKENDS = {  # backend -> (module it needs, the extra that installs it)
     "csv": (None, None),
     "tensorboard": ("tensorboard", "pip install 'ftjob[tensorboard]'"),
     "mlflow": ("mlflow", "pip install 'ftjob[mlflow]'"),
+    "wandb": ("wandb", "pip install 'ftjob[wandb]'"),
 }
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass
@@ -501,6 +503,8 @@ class LoggerConfig:
     dir: str | None = None
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str = "ftjob"
+    wandb_project: str = "ftjob"
+    wandb_mode: str | None = None
 
     def __post_init__(self) -> None:
         for backend in self.backends:
@@ -519,6 +523,13 @@ class LoggerConfig:
                 self.backends,
                 f"{backend} needs the {module} package: {extra}",
             )
+        _require(
+            self.wandb_mode is None or self.wandb_mode in WANDB_MODES,
+            self._group,
+            "wandb_mode",
+            self.wandb_mode,
+            f"must be one of {list(WANDB_MODES)}, or null for WANDB_MODE / wandb's default",
+        )
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Experiment loggers (``logger`` group: csv, tensorboard, mlflow), written by the driver from
+"""Experiment loggers (``logger`` group: csv, tensorboard, mlflow, wandb), written by the driver from
 the run ledger -- never by a worker, so a killed worker never loses or duplicates a point.
 
 A step's figures (training loss, throughput, learning rate; validation) can be trained again
@@ -135,12 +135,69 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id, status)
 
 
+class WandbLogger:
+    """Weights & Biases. Metrics go against the training step as a metric of its own
+    (``trainer/step``): wandb's own step may only grow, while the feed logs a step once it is
+    settled, after events placed at later steps. Events become a table at the end, the summary
+    the run's summary. No code, git state, command line or machine facts are sent (the
+    command line can hold a secret); ``WANDB_MODE=offline`` or ``logger.wandb_mode=offline``
+    writes the run under the run dir for ``wandb sync``."""
+
+    STEP = "trainer/step"
+
+    def __init__(self, config: LoggerConfig, run_dir: str, name: str) -> None:
+        import wandb
+
+        self.wandb = wandb
+        settings = wandb.Settings(
+            console="off",
+            disable_code=True,
+            disable_git=True,
+            x_disable_meta=True,
+            x_disable_stats=True,
+            x_disable_machine_info=True,
+            x_save_requirements=False,
+            silent=True,
+        )
+        self.run = wandb.init(
+            project=config.wandb_project,
+            name=name,
+            dir=os.path.abspath(run_dir),
+            mode=config.wandb_mode,
+            settings=settings,
+        )
+        self.run.define_metric(self.STEP)
+        self.run.define_metric("*", step_metric=self.STEP)
+        self.events: list[list[Any]] = []
+
+    def params(self, params: dict[str, str]) -> None:
+        self.run.config.update(params, allow_val_change=True)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        finite = {k: v for k, v in values.items() if math.isfinite(v)}
+        self.run.log({self.STEP: step, **finite})
+
+    def event(self, when: float, step: int, text: str) -> None:
+        self.events.append([when, step, text])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        metrics = summary.get("metrics") or {}
+        self.run.summary.update(
+            {f"summary/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
+        )
+        self.run.summary["status"] = summary.get("status")
+        table = self.wandb.Table(columns=["time", "step", "event"], data=self.events)
+        self.run.log({"events": table})
+        self.run.finish(exit_code=0 if summary.get("status") == "succeeded" else 1)
+
+
 def build_loggers(config: LoggerConfig, run_dir: str, name: str) -> list[Any]:
     root = config.dir or os.path.join(run_dir, "logs")
     made: dict[str, Any] = {
         "csv": lambda: CsvLogger(root, name),
         "tensorboard": lambda: TensorBoardLogger(root, name),
         "mlflow": lambda: MlflowLogger(config, run_dir, name),
+        "wandb": lambda: WandbLogger(config, run_dir, name),
     }
     loggers = []
     for backend in dict.fromkeys(config.backends):
