@@ -361,3 +361,23 @@ def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: 
     said = [args[0] for name, args in ledger.calls if name == "log"]
     assert len([line for line in said if line.startswith("memory tier off")]) == 1
     assert "checkpoint.memory.max_mb" in said[0]
+
+
+def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(tmp_path: Path) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    model, optimizer = model_and_optimizer(0)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    checkpointer.maybe_save(TrainState(step=3), model, optimizer, False)
+    checkpointer.memory.wait()
+    assert holder.steps() == []  # a NaN never reaches the holder
+    with torch.no_grad():
+        model.weight[0, 0] = 0.0
+    checkpointer.maybe_save(TrainState(step=4), model, optimizer, False)
+    checkpointer.memory.wait()
+    held = holder.get(4)
+    assert held is not None
+    assert checkpointer.memory.chosen(4, held.digests) is not None
+    with pytest.raises(RuntimeError, match="does not verify here, or is another one"):
+        checkpointer.memory.chosen(4, {**held.digests, "model.pt": "0" * 64})

@@ -95,6 +95,9 @@ def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # `ray job stop` sends SIGTERM, then SIGKILL after this (Ray's default: 3 s): the
+        # just-in-time checkpoint and the summary need longer on a loaded machine.
+        env={**os.environ, "RAY_JOB_STOP_WAIT_TIME_S": "60"},
     )
     deadline = time.monotonic() + 90
     while True:

@@ -41,3 +41,16 @@ def test_verification_names_the_file_that_does_not_match() -> None:
     holder.put(good)
     holder.discard(7)
     assert holder.steps() == [] and holder.get(7) is None
+
+
+def test_after_a_restore_the_lost_attempts_later_snapshots_are_dropped() -> None:
+    # The attempt that died had held 11 and 12; the run restored 10 (storage): kept, 11 and 12
+    # would be restored after the next failure instead of the new attempt's, and evicted
+    # before them.
+    holder = SnapshotHolder(cap_bytes=10_000, keep=3)
+    for step in (9, 11, 12):
+        holder.put(snapshot(step))
+    assert holder.drop_after(10) == [11, 12]
+    assert holder.steps() == [9]
+    holder.put(snapshot(11))  # the new attempt's step 11
+    assert holder.steps() == [11, 9]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -36,13 +37,17 @@ def _job(cfg: DictConfig) -> str:
         job = load_job(cfg)
         result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
     except KeyboardInterrupt:
-        if os.path.exists(os.path.join(run_dir, SUMMARY_FILE)):
+        written = os.path.join(run_dir, SUMMARY_FILE)
+        if os.path.exists(written):
             # Ctrl-C after the run wrote its record (drawing its timeline, closing loggers):
-            # the record stands, whatever it says.
+            # the record stands, and so does its exit code (a scheduler must not requeue a
+            # run that succeeded).
+            with open(written) as f:
+                status = json.load(f).get("status")
             print(
-                "ftjob: interrupted (Ctrl-C) after the run's summary was written", file=sys.stderr
+                f"ftjob: Ctrl-C after the run ended ({status}); its summary stands", file=sys.stderr
             )
-            sys.exit(130)
+            sys.exit(EXIT_CODES.get(status, 0))
         # Ctrl-C before the runner started (it keeps its own record of later ones).
         error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
         write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")

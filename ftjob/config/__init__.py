@@ -133,7 +133,8 @@ class MemoryConfig:
     enabled: bool = False
     """Take snapshots and restore from them."""
     every_n_steps: int = 1
-    """A snapshot every this many steps (the most steps a worker failure loses)."""
+    """A snapshot every this many steps: about what a failure loses (one more while a
+    snapshot is still being sent: a due one is skipped, never waited for)."""
     keep: int = 2
     """Snapshots held; older ones are dropped."""
     max_mb: float = 2048.0

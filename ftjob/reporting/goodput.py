@@ -201,8 +201,8 @@ def predict_ettr(
         expected = min(expected, max_failures)
     # What a failure loses: back to the newest checkpoint, or the newest memory snapshot.
     lost_every, lost_cost = interval, cost
-    if snapshots > 0:
-        lost_every, lost_cost = step_time / snapshots, stall / snapshots
+    if snapshots > 0:  # both tiers' states are restorable
+        lost_every, lost_cost = step_time / (snapshots + checkpoints), stall / snapshots
     overhead = b.get("checkpoint", 0.0) / step_time  # every tier's stalls per second trained
     useful = max(0.0, modeled - expected * (recovery + lost_every / 2)) / (1 + overhead)
     return {

@@ -93,6 +93,14 @@ class SnapshotHolder:
         """A snapshot that failed verification: never offered again."""
         self.snapshots.pop(step, None)
 
+    def drop_after(self, step: int) -> list[int]:
+        """The run restored ``step``: snapshots of later steps belong to the attempt that was
+        lost (kept, they would be restored instead of the new attempt's, and evicted first)."""
+        later = [s for s in self.snapshots if s > step]
+        for s in later:
+            del self.snapshots[s]
+        return later
+
     def stats(self) -> dict[str, Any]:
         return {
             "held": self.steps(),

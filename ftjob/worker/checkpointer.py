@@ -184,28 +184,25 @@ class Checkpointer:
     # -- restore --------------------------------------------------------------------------
 
     def restore(self, module: Any, optimizer: Any, device: Any) -> Restored | None:
-        """Every rank: the newest state that verifies, whichever tier holds it -- a memory
+        """Every rank: the newest state that verifies, whichever tier holds it (a memory
         snapshot newer than every committed checkpoint, else the newest checkpoint that
-        verifies (rank 0 picks, quarantining any newer one that does not, and broadcasts the
-        choice) -- loaded into ``module`` and ``optimizer``, its metrics into this worker's;
-        None to start at step 0. Raises :class:`NoUsableCheckpoint` on every rank when
-        committed checkpoints exist but none verifies (unless
-        checkpoint.restart_if_unrecoverable)."""
-        start = time.perf_counter()
-        newest = self.memory.newest if self.memory is not None and not self.rank else None
-        snapshot = newest(self.store.committed_steps) if newest is not None else None
-        if snapshot is not None:
-            chosen: Any = (snapshot.step, f"{MEMORY_PREFIX}step_{snapshot.step:09d}", None, [])
-        elif not self.rank:
-            chosen = choose_checkpoint(self.store, self.local_root, self.config)
-        chosen = self.broadcast(chosen if not self.rank else None)
+        verifies; rank 0 picks, quarantines what does not verify, broadcasts), loaded with its
+        metrics; None: step 0. Raises :class:`NoUsableCheckpoint` on every rank when committed
+        checkpoints exist but none verifies (unless checkpoint.restart_if_unrecoverable)."""
+        start, memory, chosen = time.perf_counter(), self.memory, None
+        if not self.rank:  # a memory snapshot newer than storage, else storage's newest
+            chosen = memory.offer(self.store.committed_steps) if memory is not None else None
+            chosen = chosen or choose_checkpoint(self.store, self.local_root, self.config)
+        chosen = self.broadcast(chosen)
         if isinstance(chosen, str):
             raise NoUsableCheckpoint(chosen)
+        if memory is not None:
+            memory.restored(chosen[0] if chosen else 0)
         if chosen is None:
             return None
         step, path, local_dir, skipped = chosen
-        if path.startswith(MEMORY_PREFIX):  # rank 0 verified it; the others verify their copy
-            files, tier = (snapshot or self.memory.chosen(step)).files, "memory"
+        if path.startswith(MEMORY_PREFIX):  # its digests came with it: the same on every rank
+            files, tier, skipped = memory.files(step, skipped), "memory", []
             read: Callable[[str], Any] = lambda name: io.BytesIO(files[name])  # noqa: E731
         else:
             if self.rank != 0:
@@ -413,7 +410,10 @@ class Checkpointer:
             raise self.recorder.fatal(fatal)
 
     def close(self) -> None:
-        """Stop the upload thread (an attempt that ends early) and drop local scratch."""
+        """Stop the upload thread (an attempt that ends early) and drop local scratch; the
+        memory snapshot in flight gets a few seconds to reach the holder."""
+        if self.memory is not None:
+            self.memory.wait(timeout=5.0)
         if self.uploader is not None:
             self.uploader.abandon()
         shutil.rmtree(self.local_root, ignore_errors=True)

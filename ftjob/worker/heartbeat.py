@@ -105,8 +105,8 @@ class Heartbeat:
         ready = self._ready if self._ready > self._step_start else now
         local = self._waited + ready - self._step_start
         with self._lock:
-            self._steps += 1
             if self.current == "step":
+                self._steps += 1  # steps after the warm-up one
                 if self._steps > self.settle_steps:
                     # Its own compute, until its gradients were ready: not the wait for a
                     # slower rank in the all-reduce (that rank is timed in its own section).

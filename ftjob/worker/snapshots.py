@@ -54,6 +54,19 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
+def all_finite(state: Any) -> bool:
+    """No NaN or inf in the floating-point tensors of a state dict."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(all_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(all_finite(v) for v in state)
+    return True
+
+
 def serialise(tensors: dict[str, Any], records: dict[str, Any]) -> dict[str, bytes]:
     """A checkpoint's files in memory: ``tensors`` as torch.save writes them, ``records`` as
     JSON -- byte for byte what a durable checkpoint holds."""
@@ -86,6 +99,7 @@ class MemoryTier:
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
         self.enabled = holder is not None
         self._sending: threading.Thread | None = None
+        self._offered: Snapshot | None = None  # rank 0: the snapshot a restore chose
         self.skipped = 0
 
     # -- taking ---------------------------------------------------------------------------
@@ -122,7 +136,10 @@ class MemoryTier:
         self._sending.start()
 
     def _send(self, step: int, tensors: dict[str, Any], records: dict[str, Any]) -> None:
+        if not all_finite(tensors):  # diverged weights are never held (nor restored)
+            return
         snapshot = Snapshot.of(step, serialise(tensors, records))
+        del tensors  # the copy, serialised: only the bytes stay until the holder has them
         try:
             answer = self.fetch(self.holder.put.remote(snapshot))
         except Exception as exc:  # the holder is gone (the run is ending): storage remains
@@ -138,10 +155,20 @@ class MemoryTier:
             self.enabled = False
             self.log(f"memory tier off for this run: {why}; restores read storage")
 
-    def wait(self) -> None:
-        """Until the snapshot in flight, if any, is held (tests; the end of an attempt)."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the snapshot in flight, if any, is held (or ``timeout`` seconds): an attempt
+        that ends (an error, a notice) first lets its newest snapshot reach the holder."""
         if self._sending is not None:
-            self._sending.join()
+            self._sending.join(timeout)
+
+    def restored(self, step: int) -> None:
+        """After every restore (of either tier, or of nothing: step 0), rank 0 drops the
+        snapshots past ``step``: they belong to the attempt that was lost."""
+        if self.holder is not None and self.rank == 0:
+            try:
+                self.fetch(self.holder.drop_after.remote(step))
+            except Exception as exc:
+                self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
 
     # -- restoring ------------------------------------------------------------------------
 
@@ -166,13 +193,31 @@ class MemoryTier:
                 return snapshot
         return None
 
-    def chosen(self, step: int) -> Snapshot:
-        """Ranks > 0: their copy of the snapshot rank 0 chose, verified (else raises: the
-        attempt fails, and the next one reads storage)."""
+    def offer(self, committed: Callable[[], list[int]]) -> tuple[Any, ...] | None:
+        """Rank 0: the restore choice for the newest verified snapshot newer than storage
+        (:meth:`newest`) -- (step, path, None, its digests) -- or None."""
+        self._offered = self.newest(committed)
+        if self._offered is None:
+            return None
+        step = self._offered.step
+        return step, f"{MEMORY_PREFIX}step_{step:09d}", None, self._offered.digests
+
+    def files(self, step: int, digests: dict[str, str]) -> dict[str, bytes]:
+        """Every rank: the files of the snapshot rank 0 chose (rank 0 verified its own
+        copy; the others verify theirs and that it is the same one)."""
+        if self.rank == 0 and self._offered is not None and self._offered.step == step:
+            return self._offered.files
+        return self.chosen(step, digests).files
+
+    def chosen(self, step: int, digests: dict[str, str]) -> Snapshot:
+        """Ranks > 0: their copy of the snapshot rank 0 chose (``digests``: rank 0's), verified
+        and the same one (else raises: the attempt fails, and the next one reads storage) --
+        every rank loads the same state."""
         snapshot = self.get(step)
-        if snapshot is None:
+        if snapshot is None or snapshot.digests != digests:
             raise RuntimeError(
-                f"rank {self.rank}: the memory snapshot of step {step} does not verify here"
+                f"rank {self.rank}: the memory snapshot of step {step} rank 0 chose does not "
+                "verify here, or is another one"
             )
         return snapshot
 
@@ -187,4 +232,4 @@ class MemoryTier:
         return None
 
 
-__all__ = ["MEMORY_PREFIX", "MemoryTier", "copy_tensors", "serialise", "state_bytes"]
+__all__ = ["MEMORY_PREFIX", "MemoryTier", "all_finite", "copy_tensors", "serialise", "state_bytes"]
