@@ -518,8 +518,10 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     # process Ray Train would start with every attempt (ftjob.driver.drains).
     os.environ["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
     # Ray's dashboard (ray[default]) lists the run, its attempts and workers in its Train view
-    # only with Ray Train's state tracking on; RAY_TRAIN_ENABLE_STATE_TRACKING=0 turns it off.
-    os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+    # only with Ray Train's state tracking on: on for an existing cluster (the clusters ftjob
+    # starts have no dashboard to show it); RAY_TRAIN_ENABLE_STATE_TRACKING=0 turns it off.
+    if job.ray.address is not None:
+        os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
     trainer = _torch_trainer()(
         functools.partial(train_loop, spec),
         train_loop_config=prep.public_config,  # what Ray's dashboard shows: secrets redacted
