@@ -118,6 +118,8 @@ def draw_timeline(summary: dict[str, Any], run_dir: str) -> str:
     path = os.path.join(run_dir, TIMELINE_FILE)
     try:
         write_timeline(path, summary)
+    # A job boundary: matplotlib's own errors, an old summary's missing keys, a full disk --
+    # the run's outcome is in summary.json already; the picture's failure is said, not raised.
     except Exception as exc:
         return f"timeline not drawn ({type(exc).__name__}: {exc})"
     return f"timeline: {path}"

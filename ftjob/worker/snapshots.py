@@ -28,6 +28,14 @@ from ftjob.storage.memory import Snapshot
 MEMORY_PREFIX = "memory:"
 
 
+def holder_errors() -> tuple[type[BaseException], ...]:
+    """What a call to a holder that is gone raises: Ray's errors (a dead actor, a lost
+    object), or a connection's (the local harness's manager)."""
+    import ray.exceptions
+
+    return (ray.exceptions.RayError, ConnectionError, EOFError)
+
+
 def copy_tensors(state: Any) -> Any:
     """A copy of a state dict (nested dicts and lists) whose tensors are detached CPU copies."""
     import torch
@@ -142,7 +150,7 @@ class MemoryTier:
         del tensors  # the copy, serialised: only the bytes stay until the holder has them
         try:
             answer = self.fetch(self.holder.put.remote(snapshot))
-        except Exception as exc:  # the holder is gone (the run is ending): storage remains
+        except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
             self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
             return
         if not answer["kept"]:
@@ -167,7 +175,7 @@ class MemoryTier:
         if self.holder is not None and self.rank == 0:
             try:
                 self.fetch(self.holder.drop_after.remote(step))
-            except Exception as exc:
+            except holder_errors() as exc:
                 self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
 
     # -- restoring ------------------------------------------------------------------------
@@ -180,7 +188,7 @@ class MemoryTier:
             return None
         try:
             steps = self.fetch(self.holder.steps.remote())
-        except Exception as exc:
+        except holder_errors() as exc:
             self.log(f"memory tier: the snapshot holder did not answer ({exc}); reading storage")
             return None
         durable = committed() if steps else []
