@@ -260,7 +260,7 @@ def test_a_slow_rank_is_named_a_straggler_and_a_slow_upload_is_no_hang(tmp_path:
 
     run = run_digits(
         tmp_path,
-        "trainer.epochs=2",
+        "trainer.epochs=3",  # slow epochs between the upload pauses: room for the streak
         "trainer.checkpoint_every_n_steps=0",  # one checkpoint per epoch
         "failure.straggler.patience=4",
         "failure.hang.timeout=10",
