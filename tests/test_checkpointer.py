@@ -282,16 +282,27 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: Path) -> None:
+def tiered(tmp_path: Path) -> tuple[SnapshotHolder, Checkpointer, FakeLedger]:
+    """A checkpointer with the memory tier on, its holder called directly (a 1 MB cap)."""
     holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
+    return holder, checkpointer, ledger
+
+
+def step_done(checkpointer: Checkpointer, state: TrainState, model: Any, optimizer: Any) -> None:
+    """After a step that is no durable checkpoint's: its snapshot, held once this returns."""
+    checkpointer.maybe_save(state, model, optimizer, False)
+    checkpointer.memory.wait()
+
+
+def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: Path) -> None:
+    holder, checkpointer, _ = tiered(tmp_path)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
     for step in (11, 12, 13):  # each a step on: the newest two are held
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()
-        checkpointer.maybe_save(TrainState(step=step, position=32 * step), model, optimizer, False)
-        checkpointer.memory.wait()
+        step_done(checkpointer, TrainState(step=step, position=32 * step), model, optimizer)
     assert holder.steps() == [13, 12]
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOTS) == 3
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) > 0
@@ -312,15 +323,13 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: 
 def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoint(
     tmp_path: Path,
 ) -> None:
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
+    holder, checkpointer, ledger = tiered(tmp_path)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
     saved = weights(model)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
-    checkpointer.maybe_save(TrainState(step=11, position=352), model, optimizer, False)
-    checkpointer.memory.wait()
+    step_done(checkpointer, TrainState(step=11, position=352), model, optimizer)
     good = holder.get(11)
     damaged = dict(good.files)
     damaged["model.pt"] = bytes(b ^ 0xFF for b in damaged["model.pt"])
@@ -338,11 +347,9 @@ def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoin
 def test_a_durable_checkpoint_as_new_as_the_snapshot_wins_and_no_snapshot_is_taken_with_it(
     tmp_path: Path,
 ) -> None:
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    holder, checkpointer, _ = tiered(tmp_path)
     model, optimizer = model_and_optimizer(0)
-    checkpointer.maybe_save(TrainState(step=4, position=128), model, optimizer, False)
-    checkpointer.memory.wait()
+    step_done(checkpointer, TrainState(step=4, position=128), model, optimizer)
     checkpointer.maybe_save(TrainState(step=5, epoch=1), model, optimizer, True)  # epoch end
     assert holder.steps() == [4]  # the durable checkpoint of step 5 needs no snapshot
     fresh, fresh_optimizer = model_and_optimizer(1)
@@ -351,8 +358,7 @@ def test_a_durable_checkpoint_as_new_as_the_snapshot_wins_and_no_snapshot_is_tak
 
 
 def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: Path) -> None:
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
+    holder, checkpointer, ledger = tiered(tmp_path)
     checkpointer.memory.cap_mb = 1e-4  # 100 bytes: the Linear(4, 3) and AdamW's state exceed it
     model, optimizer = model_and_optimizer(0)
     for step in (1, 2):
@@ -364,18 +370,15 @@ def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: 
 
 
 def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(tmp_path: Path) -> None:
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    checkpointer, _ = make(tmp_path, holder=DirectHandle(holder))
+    holder, checkpointer, _ = tiered(tmp_path)
     model, optimizer = model_and_optimizer(0)
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
-    checkpointer.maybe_save(TrainState(step=3), model, optimizer, False)
-    checkpointer.memory.wait()
+    step_done(checkpointer, TrainState(step=3), model, optimizer)
     assert holder.steps() == []  # a NaN never reaches the holder
     with torch.no_grad():
         model.weight[0, 0] = 0.0
-    checkpointer.maybe_save(TrainState(step=4), model, optimizer, False)
-    checkpointer.memory.wait()
+    step_done(checkpointer, TrainState(step=4), model, optimizer)
     held = holder.get(4)
     assert held is not None
     assert checkpointer.memory.chosen(4, held.digests) is not None
