@@ -1,7 +1,10 @@
-"""End-to-end preemption: SIGTERM to the driver and SIGTERM to a training worker. Each notice
-becomes a just-in-time checkpoint of the current step: no step is lost, every sample is trained
-once. Also: one driver per run, and a resume past a damaged checkpoint. (A node drained with
-notice, Ray's drain API, is in the S3 run: test_s3.py.)"""
+"""End-to-end signals: SIGTERM to the driver and SIGTERM to a training worker, each notice a
+just-in-time checkpoint of the current step (no step lost, every sample trained once); then
+SIGSTOP to a training worker: a hang, found by its silence, its stack read, the worker SIGKILLed
+and the group restarted by Ray Train. Also: one driver per run, and a resume past a damaged
+checkpoint. (A node drained with notice, Ray's drain API, is in the S3 run: test_s3.py; a slow
+rank named as a straggler, a slow upload that is no hang and the restart-loop guard are tested
+in-process: test_worker_local.py; the hang and straggler decisions in test_hang.py.)"""
 
 from __future__ import annotations
 
@@ -44,13 +47,14 @@ def train_worker_pids(root: int) -> list[int]:
     return sorted(found)
 
 
-def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_and_a_worker_sigterm(
+def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_a_worker_sigterm_and_a_hang(
     tmp_path,
 ):
     """A driver told to stop (SIGTERM: Kubernetes, SLURM, ray job stop) saves its current step
     and says how to resume, while a second driver for the run is refused; the resume falls
     back past a damaged checkpoint (quarantined, never deleted), a SIGTERM to one of its
-    training workers (a pod stopping it) saves that step too, and every sample is trained once."""
+    training workers (a pod stopping it) saves that step too, a worker stopped later (SIGSTOP)
+    is found hung within 30 s by the learned timeouts, and every sample is trained once."""
     storage = tmp_path / "store"
     job = [
         "+experiment=digits_ft",
@@ -99,7 +103,11 @@ def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_and_a_wor
     model = jit_dir / "model.pt"
     model.write_bytes(model.read_bytes()[:100])
     run_dir = tmp_path / "resumed"
-    resumed = start_ftjob(shlex.split(command)[3:], run_dir, tmp_path)
+    # The resumed run also stops a worker at step 50 (of 66; the killer sees it at that
+    # progress line): after the worker SIGTERM's restart (~step 32) and the new attempt's
+    # settling steps, so its timeouts are learned, and mid-epoch.
+    hang = ["chaos=hang", "chaos.at_steps=[50]"]
+    resumed = start_ftjob([*shlex.split(command)[3:], *hang], run_dir, tmp_path)
     lines = []
     try:
         read_until(resumed, "loss", lines, timeout=240)  # a progress line: training again
@@ -119,9 +127,23 @@ def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_and_a_wor
     assert Path(fallback["quarantined_to"], "QUARANTINED.json").exists()
     assert Path(fallback["quarantined_to"], "model.pt").exists()  # evidence kept
     assert "not usable" in console and "fell back" in console
-    [by_worker] = s2["failures"]
+    by_worker, hung = s2["failures"]
     assert by_worker["kind"] == "preemption" and by_worker["notice"]["source"] == "worker"
     assert by_worker["lost_steps"] == 0 and by_worker["jit"]["path"]
     steps_per_epoch = 22
     assert s2["audit"][0]["resumed_at"] == (before % steps_per_epoch) * 64  # nothing re-trained
     assert s2["audit"][-1]["epoch"] == 2 and all(exactly_once(a) for a in s2["audit"])
+
+    [stop] = s2["chaos"]["kills"]
+    assert stop["kind"] == "hang"
+    [hang] = s2["hangs"]
+    assert hang["rank"] == stop["target"]["rank"] and hang["pid"] == stop["target"]["pid"]
+    assert hang["heartbeats_stopped"] and hang["killed"]
+    # Found by the default, learned timeouts within 30 s of the stop.
+    assert hang["learned"] and hang["time"] - stop["time"] < 30.0
+    assert hang["stack_source"] == "py-spy" and "ftjob/worker/loop.py" in hang["stack"]
+    assert hung["kind"] == "hang" and hung["recovered"] and hung["detail"]["rank"] == hang["rank"]
+    assert s2["metrics"][M.HANG_COUNT] == 1
+    assert 0 < s2["metrics"][M.HANG_DETECTION_TIME] < 30.0
+    assert "hang: rank" in console and "stack captured (py-spy)" in console
+    assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs

@@ -292,23 +292,6 @@ def job_summary(sweep_dir: Path, job: str) -> dict[str, Any]:
     return json.loads((sweep_dir / job / "summary.json").read_text())
 
 
-@pytest.mark.ray
-def test_sweep_with_a_failing_job_reports_it_and_exits_non_zero(tmp_path: Path) -> None:
-    # Job 0's storage fails preflight (before Ray starts); job 1 must still run.
-    sweep_dir = tmp_path / "sweep"
-    proc = run_sweep(["checkpoint.storage_path=/dev/null/ckpt,null"], sweep_dir)
-
-    assert proc.returncode == 1
-    rows = read_csv(sweep_dir / SWEEP_CSV)
-    assert [(r["checkpoint.storage_path"], r["status"]) for r in rows] == [
-        ("/dev/null/ckpt", "failed"),
-        ("null", "succeeded"),
-    ]
-    assert "checkpoint.storage_path" in rows[0]["error"]
-    assert "| 0 | /dev/null/ckpt | failed |" in (sweep_dir / SWEEP_MD).read_text()
-    assert (sweep_dir / SWEEP_PNG).exists()
-
-
 def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path) -> None:
     from ftjob.cli.launcher import previous_run
 
@@ -337,8 +320,10 @@ def test_an_interrupted_sweep_resumes_without_running_finished_jobs_and_reports(
     tmp_path: Path,
 ) -> None:
     """ftjob's launcher end to end: a sweep stopped with Ctrl-C, resumed (finished jobs kept,
-    the interrupted one resumed), its jobs in runs and checkpoints of their own, and its
-    report: CSV, Markdown, plots, rebuilt by the report command."""
+    the interrupted one resumed), its jobs in runs and checkpoints of their own, jobs whose
+    storage fails its check (before Ray starts) reported as failed while the others run, the
+    sweep's exit status non-zero for them, and its report: CSV, Markdown, plots, rebuilt by
+    the report command."""
     sweep_dir = tmp_path / "sweep"
     args = [
         sys.executable,
@@ -347,6 +332,7 @@ def test_an_interrupted_sweep_resumes_without_running_finished_jobs_and_reports(
         "-m",
         *CHEAP_JOB,
         "trainer.lr=0.001,0.002",
+        "checkpoint.storage_path=null,/dev/null/ckpt",  # every second job fails its check
         "hydra/launcher=ftjob",
         f"hydra.sweep.dir={sweep_dir}",
     ]
@@ -380,24 +366,31 @@ def test_an_interrupted_sweep_resumes_without_running_finished_jobs_and_reports(
         text=True,
         timeout=600,
     )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert resumed.returncode == 1, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "[sweep] job 0: succeeded before, kept" in resumed.stdout
     assert "[sweep] job 0 (" not in resumed.stdout  # never started again...
     assert (sweep_dir / "0" / "summary.json").read_text() == kept  # ...nor overwritten
 
     rows = read_csv(sweep_dir / SWEEP_CSV)
-    assert [r["trainer.lr"] for r in rows] == ["0.001", "0.002"]
-    assert {r["status"] for r in rows} == {"succeeded"}
-    assert all(float(r[M.VALIDATION_ACCURACY]) > 0 for r in rows)
-    assert all(0 < float(r["goodput/ettr"]) < 1 for r in rows)  # measured, not a placeholder
-    table = (sweep_dir / SWEEP_MD).read_text().splitlines()
-    assert len([line for line in table if line.startswith("| ")]) == 3
+    assert [(r["trainer.lr"], r["checkpoint.storage_path"], r["status"]) for r in rows] == [
+        ("0.001", "null", "succeeded"),
+        ("0.001", "/dev/null/ckpt", "failed"),
+        ("0.002", "null", "succeeded"),
+        ("0.002", "/dev/null/ckpt", "failed"),
+    ]
+    ran, failed = rows[0::2], rows[1::2]
+    assert all("checkpoint.storage_path" in r["error"] for r in failed)
+    assert all(float(r[M.VALIDATION_ACCURACY]) > 0 for r in ran)
+    assert all(0 < float(r["goodput/ettr"]) < 1 for r in ran)  # measured, not a placeholder
+    table = (sweep_dir / SWEEP_MD).read_text()
+    assert len([line for line in table.splitlines() if line.startswith("| ")]) == 5
+    assert "| 1 | 0.001 | /dev/null/ckpt | failed |" in table
     assert (sweep_dir / SWEEP_PNG).read_bytes()[:8] == PNG_MAGIC
     assert (sweep_dir / "sweep_goodput.png").read_bytes()[:8] == PNG_MAGIC
     assert "sweep report:" in resumed.stdout
 
     # Each job trained its own run, checkpointed under its own dir.
-    summaries = {job: job_summary(sweep_dir, job) for job in ("0", "1")}
+    summaries = {job: job_summary(sweep_dir, job) for job in ("0", "2")}
     assert len({s["name"] for s in summaries.values()}) == 2
     for job, s in summaries.items():
         assert s["checkpoints"]["committed"] >= 1

@@ -20,6 +20,7 @@ from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 
 _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
+ERROR_PREFIX = "ftjob: error: "  # the line a run that stops on an error ends with
 EXIT_CODES = {"failed": 1, "interrupted": 130, "preempted": 143}
 
 
@@ -59,7 +60,7 @@ def _job(cfg: DictConfig) -> str:
         )
         if not multirun:
             if bad_input:
-                print(f"ftjob: error: {redactor.text(str(exc))}", file=sys.stderr)
+                print(f"{ERROR_PREFIX}{redactor.text(str(exc))}", file=sys.stderr)
                 sys.exit(2)
             # A bug: the record (summary.json with the error) and the traceback stay in the
             # run dir; the console gets one line.
@@ -68,7 +69,7 @@ def _job(cfg: DictConfig) -> str:
                 f.write(redactor.text(traceback.format_exc()))
             error = redactor.text(f"{type(exc).__name__}: {exc}")
             write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
-            print(f"ftjob: error: {error} (unexpected: traceback in {trace})", file=sys.stderr)
+            print(f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})", file=sys.stderr)
             sys.exit(1)
         # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
         # recorded as failed and reported with the others.

@@ -29,8 +29,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
+from ftjob.driver.ledger import empty_snapshot
 from ftjob.reporting.redact import Redactor, redact_yaml, redactor_for
-from ftjob.reporting.summary import SUMMARY_FILE
+from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import MULTIRUN_FILE
 
 
@@ -74,11 +75,13 @@ class SweepLauncher(Launcher):
     ) -> None:
         self.config, self.hydra_context = config, hydra_context
 
-    def _job_dir(self, overrides: Sequence[str], idx: int) -> str:
+    def _job_config(self, overrides: Sequence[str]) -> DictConfig:
         assert self.hydra_context is not None and self.config is not None
-        sweep_config = self.hydra_context.config_loader.load_sweep_config(
-            self.config, list(overrides)
-        )
+        return self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+
+    def _job_dir(self, overrides: Sequence[str], idx: int) -> str:
+        assert self.config is not None
+        sweep_config = self._job_config(overrides)
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = sweep_config.hydra.job.num = idx
         return os.path.join(str(self.config.hydra.sweep.dir), str(sweep_config.hydra.sweep.subdir))
@@ -159,7 +162,26 @@ class SweepLauncher(Launcher):
                 print(f"[sweep] job {idx}: {outcome} in {took:.0f} s", flush=True)
                 if code != 0:
                     note_failed_job(job_dir)
+                    self._record_failure(job_dir, job_overrides[idx - initial_job_idx], code)
                 returns[idx] = _job_return(job_overrides[idx - initial_job_idx], job_dir, code)
+
+    def _record_failure(self, job_dir: str, overrides: Sequence[str], code: int) -> None:
+        """A job that ended without a summary.json -- its input refused before it started (a
+        single run writes none then), or killed outright -- gets a failed one with the error
+        its console ends with, so the sweep's report says failed and why."""
+        if os.path.exists(os.path.join(job_dir, SUMMARY_FILE)):
+            return
+        from ftjob.cli.app import ERROR_PREFIX
+
+        error = f"exited with code {code} before writing a summary"
+        with open(os.path.join(job_dir, "console.log"), errors="replace") as f:
+            said = [line for line in f if line.startswith(ERROR_PREFIX)]
+        if said:
+            error = said[-1][len(ERROR_PREFIX) :].strip()  # the job redacted it
+        config = self._job_config(overrides)
+        with open_dict(config):
+            del config["hydra"]
+        write_failed_summary(job_dir, error, config, empty_snapshot(), self.redactor)
 
 
 def _job_return(overrides: Sequence[str], job_dir: str, code: int) -> JobReturn:
