@@ -4,7 +4,11 @@ test_worker_local.py and the elastic run, test_chaos_e2e.py.)"""
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ftjob.storage.memory import Snapshot, SnapshotHolder
+from ftjob.worker.snapshots import Flat, pack, unpack
 
 
 def snapshot(step: int, size: int = 100) -> Snapshot:
@@ -54,3 +58,42 @@ def test_after_a_restore_the_lost_attempts_later_snapshots_are_dropped() -> None
     assert holder.steps() == [9]
     holder.put(snapshot(11))  # the new attempt's step 11
     assert holder.steps() == [11, 9]
+
+
+def test_a_packed_state_comes_back_exactly_and_travels_as_arrays() -> None:
+    state = {
+        "weight": torch.randn(3, 4).t(),  # not contiguous
+        "half": torch.randn(5, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "step": torch.tensor(7),  # 0-dim
+        "groups": [{"lr": 0.1, "params": [0, 1]}],
+        "state": {0: {"momentum_buffer": torch.randn(2, 2)}},
+    }
+    flat = Flat.copy_of(state)
+    state["state"][0]["momentum_buffer"].add_(1.0)  # the next step: the copy keeps its values
+    assert not torch.equal(flat.views[-1], state["state"][0]["momentum_buffer"])
+    state["state"][0]["momentum_buffer"].sub_(1.0)
+    files = pack({"optimizer.pt": flat}, {"state.json": {"step": 7}})
+    [array] = [data for data in files.values() if isinstance(data, np.ndarray)]
+    assert array.dtype == np.uint8 and array.ndim == 1  # one buffer a file: one digest, no pickling
+    assert files["state.json"] == b'{"step": 7}'
+
+    # As they come out of Ray's object store: read-only. With a device the tensors are the
+    # state's own (an optimizer keeps and updates them); without, views (a module copies).
+    array.flags.writeable = False
+    back = unpack(files, "optimizer.pt", torch.device("cpu"))
+    assert back["groups"] == state["groups"] and back["state"][0].keys() == {"momentum_buffer"}
+    for key in ("weight", "half", "mask", "step"):
+        assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key])
+    back["state"][0]["momentum_buffer"].add_(1.0)  # writable: its own memory
+    view = unpack(files, "optimizer.pt")["weight"]
+    assert torch.equal(view, state["weight"])
+
+
+def test_the_holder_keeps_its_own_copy_of_a_snapshots_arrays() -> None:
+    sent = np.arange(16, dtype=np.uint8)
+    holder = SnapshotHolder(cap_bytes=1000, keep=1)
+    holder.put(Snapshot.of(3, {"model.pt#0": sent, "model.pt": b"skeleton"}))
+    sent[:] = 0  # the sender's buffer goes (a worker that dies, its object store copy)
+    held = holder.get(3)
+    assert held is not None and held.verify() is None and held.nbytes == 16 + 8

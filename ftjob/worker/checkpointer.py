@@ -18,7 +18,6 @@ download, load).
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.lease import LeaseLost
 from ftjob.worker.recorder import JobStopped, RunRecorder
-from ftjob.worker.snapshots import MEMORY_PREFIX, MemoryTier
+from ftjob.worker.snapshots import MEMORY_PREFIX, MemoryTier, unpack
 from ftjob.worker.uploads import (
     CONFIG_FILE,
     AsyncUploader,
@@ -127,15 +126,34 @@ def choose_checkpoint(
     )
 
 
-def load_state(read: Callable[[str], Any], module: Any, optimizer: Any, device: Any) -> None:
-    """Load a checkpoint's model and optimizer files (``read(name)``: the file, open)."""
+def load_state(state_of: Callable[[str], Any], module: Any, optimizer: Any) -> None:
+    """Load a checkpoint's model and optimizer state (``state_of(file name)``: its state dict)."""
+    for target, name in ((module, MODEL_FILE), (optimizer, OPTIMIZER_FILE)):
+        target.load_state_dict(state_of(name))
+
+
+def snapshot_state(files: dict[str, Any], device: Any) -> Callable[[str], Any]:
+    """A memory snapshot's state dicts: the model's as views of its buffer (a module copies
+    what it loads into its parameters), the optimizer's copied onto ``device`` (it keeps the
+    tensors it is given)."""
+    return lambda name: unpack(files, name, None if name == MODEL_FILE else device)
+
+
+def durable_state(local_dir: str, device: Any) -> Callable[[str], Any]:
+    """A durable checkpoint's files in ``local_dir``: state dicts loaded onto ``device``, JSON
+    records parsed."""
     import torch
 
-    for target, name in ((module, MODEL_FILE), (optimizer, OPTIMIZER_FILE)):
+    def load(name: str) -> Any:
+        if name.endswith(".json"):
+            with open(os.path.join(local_dir, name)) as f:
+                return json.load(f)
         # weights_only: tensors and plain containers, never pickled code -- a file planted in
         # shared storage must not run at resume (torch < 2.6 unpickles anything).
-        with read(name) as f:
-            target.load_state_dict(torch.load(f, map_location=device, weights_only=True))
+        with open(os.path.join(local_dir, name), "rb") as f:
+            return torch.load(f, map_location=device, weights_only=True)
+
+    return load
 
 
 class Checkpointer:
@@ -203,14 +221,14 @@ class Checkpointer:
         step, path, local_dir, skipped = chosen
         if path.startswith(MEMORY_PREFIX):  # its digests came with it: the same on every rank
             files, tier, skipped = memory.files(step, skipped), "memory", []
-            read: Callable[[str], Any] = lambda name: io.BytesIO(files[name])  # noqa: E731
+            record, state_of = json.loads(files[STATE_FILE]), snapshot_state(files, device)
         else:
             if self.rank != 0:
                 local_dir = os.path.join(self.local_root, self.store.dir_name(step))
                 self.store.download(step, local_dir)
-            read, tier = lambda name: open(os.path.join(local_dir, name), "rb"), "storage"
-        with read(STATE_FILE) as f:
-            state = TrainState.from_json(json.load(f))
+            tier, state_of = "storage", durable_state(local_dir, device)
+            record = state_of(STATE_FILE)
+        state = TrainState.from_json(record)
         if state.global_batch_size != self.global_batch:
             raise RuntimeError(
                 f"checkpoint {path} was trained with global batch {state.global_batch_size}, "
@@ -221,7 +239,7 @@ class Checkpointer:
         self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
         loading = time.perf_counter()
         with self.metrics.timer(M.CHECKPOINT_LOAD):
-            load_state(read, module, optimizer, device)
+            load_state(state_of, module, optimizer)
         restored.load_s = time.perf_counter() - loading
         if local_dir is not None:
             shutil.rmtree(local_dir, ignore_errors=True)

@@ -2,8 +2,8 @@
 
 Taking: every ``every_n_steps`` steps rank 0 copies the model's and optimizer's tensors (the
 only part on the training thread: a memory copy, so the next step can change the weights)
-and hands the copy to a background thread, which serialises it as a durable checkpoint's files
-and gives it to the run's holder. One snapshot is in flight at a time; a due snapshot while
+and hands the copy to a background thread, which packs it (:func:`pack`: each tensor's bytes as
+an array, the rest as small files), digests it and gives it to the run's holder. One snapshot is in flight at a time; a due snapshot while
 one is still being sent is skipped (training never waits for the tier). The state is the same
 on every rank (DDP), so rank 0's copy serves all of them.
 
@@ -18,14 +18,17 @@ import io
 import json
 import threading
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.storage.memory import Snapshot
+from ftjob.storage.memory import Buffer, Snapshot
 
 MEMORY_PREFIX = "memory:"
+TENSOR = "ftjob.tensor"  # (TENSOR, offset, dtype, shape) stands for a tensor in a skeleton
 
 
 def holder_errors() -> tuple[type[BaseException], ...]:
@@ -34,19 +37,6 @@ def holder_errors() -> tuple[type[BaseException], ...]:
     import ray.exceptions
 
     return (ray.exceptions.RayError, ConnectionError, EOFError)
-
-
-def copy_tensors(state: Any) -> Any:
-    """A copy of a state dict (nested dicts and lists) whose tensors are detached CPU copies."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: copy_tensors(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(copy_tensors(v) for v in state)
-    return state
 
 
 def state_bytes(state: Any) -> int:
@@ -62,32 +52,109 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-def all_finite(state: Any) -> bool:
-    """No NaN or inf in the floating-point tensors of a state dict."""
+ALIGN = 64  # each tensor's offset in a flat buffer: any dtype can view it
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
+    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies."""
+
+    skeleton: Any
+    buffer: Any  # torch.Tensor, uint8, 1-D
+    views: list[Any]
+
+    @classmethod
+    def copy_of(cls, state: Any) -> Flat:
+        """The stall: each tensor copied once, into its place in the buffer."""
+        import torch
+
+        found: list[tuple[int, Any]] = []
+        end = 0
+
+        def strip(value: Any) -> Any:
+            nonlocal end
+            if isinstance(value, torch.Tensor):
+                offset = -(-end // ALIGN) * ALIGN
+                end = offset + value.numel() * value.element_size()
+                found.append((offset, value))
+                dtype = str(value.dtype).removeprefix("torch.")
+                return (TENSOR, offset, dtype, tuple(value.shape))
+            if isinstance(value, dict):
+                return {k: strip(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(strip(v) for v in value)
+            return value
+
+        skeleton = strip(state)
+        buffer = torch.empty(end, dtype=torch.uint8)
+        views = []
+        for offset, tensor in found:
+            view = _view(buffer, offset, tensor.dtype, tensor.shape)
+            view.copy_(tensor.detach())
+            views.append(view)
+        return cls(skeleton, buffer, views)
+
+    def all_finite(self) -> bool:
+        """No NaN or inf in the floating-point tensors."""
+        import torch
+
+        return all(not v.is_floating_point() or bool(torch.isfinite(v).all()) for v in self.views)
+
+
+def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
+    size = dtype.itemsize
+    count = 1
+    for n in shape:
+        count *= n
+    return buffer[offset : offset + count * size].view(dtype).view(shape)
+
+
+def pack(states: dict[str, Flat], records: dict[str, Any]) -> dict[str, Buffer]:
+    """A snapshot's buffers: each state (file name -> :class:`Flat`) as its skeleton
+    (``torch.save`` of the structure) under its name and its flat buffer as a uint8 array
+    under ``name#tensors`` (no copy: a view); ``records`` as JSON."""
     import torch
 
-    if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
-    if isinstance(state, dict):
-        return all(all_finite(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return all(all_finite(v) for v in state)
-    return True
-
-
-def serialise(tensors: dict[str, Any], records: dict[str, Any]) -> dict[str, bytes]:
-    """A checkpoint's files in memory: ``tensors`` as torch.save writes them, ``records`` as
-    JSON -- byte for byte what a durable checkpoint holds."""
-    import torch
-
-    files = {}
-    for name, state in tensors.items():
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        files[name] = buffer.getvalue()
+    files: dict[str, Buffer] = {}
+    for name, flat in states.items():
+        skeleton = io.BytesIO()
+        torch.save(flat.skeleton, skeleton)
+        files[name] = skeleton.getvalue()
+        files[f"{name}#tensors"] = flat.buffer.numpy()
     for name, record in records.items():
         files[name] = json.dumps(record).encode()
     return files
+
+
+def unpack(files: dict[str, Buffer], name: str, device: Any = None) -> Any:
+    """The state dict :func:`pack` stored as ``name``. Its tensors are views of the array
+    (a read-only one when it came out of Ray's object store), or with a ``device`` views of
+    one copy on it: a consumer that keeps the tensors it is given (an optimizer) needs a
+    device, one that copies them into its own (a module's ``load_state_dict``) does not."""
+    import torch
+
+    skeleton = files[name]
+    assert isinstance(skeleton, bytes)
+    # weights_only: tensors and plain containers, never pickled code (as for storage's files)
+    state = torch.load(io.BytesIO(skeleton), weights_only=True)
+    with warnings.catch_warnings():  # read-only is fine: it is read once, or copied
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.from_numpy(files[f"{name}#tensors"])
+    if device is not None:
+        buffer = buffer.to(device, copy=True)
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR:
+            _, offset, dtype, shape = value
+            return _view(buffer, offset, getattr(torch, dtype), shape)
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(fill(v) for v in value)
+        return value
+
+    return fill(state)
 
 
 class MemoryTier:
@@ -132,7 +199,7 @@ class MemoryTier:
                 f"checkpoint.memory.max_mb={self.cap_mb:g}"
             )
             return
-        copied = {name: copy_tensors(state) for name, state in tensors.items()}
+        copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
         files_records = records()
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, time.perf_counter() - start)
         self._sending = threading.Thread(
@@ -143,11 +210,11 @@ class MemoryTier:
         )
         self._sending.start()
 
-    def _send(self, step: int, tensors: dict[str, Any], records: dict[str, Any]) -> None:
-        if not all_finite(tensors):  # diverged weights are never held (nor restored)
-            return
-        snapshot = Snapshot.of(step, serialise(tensors, records))
-        del tensors  # the copy, serialised: only the bytes stay until the holder has them
+    def _send(self, step: int, states: dict[str, Flat], records: dict[str, Any]) -> None:
+        if not all(flat.all_finite() for flat in states.values()):
+            return  # diverged weights are never held (nor restored)
+        snapshot = Snapshot.of(step, pack(states, records))
+        del states  # its arrays are views of the copy: the copy stays until the holder has it
         try:
             answer = self.fetch(self.holder.put.remote(snapshot))
         except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
@@ -210,7 +277,7 @@ class MemoryTier:
         step = self._offered.step
         return step, f"{MEMORY_PREFIX}step_{step:09d}", None, self._offered.digests
 
-    def files(self, step: int, digests: dict[str, str]) -> dict[str, bytes]:
+    def files(self, step: int, digests: dict[str, str]) -> dict[str, Buffer]:
         """Every rank: the files of the snapshot rank 0 chose (rank 0 verified its own
         copy; the others verify theirs and that it is the same one)."""
         if self.rank == 0 and self._offered is not None and self._offered.step == step:
@@ -232,6 +299,8 @@ class MemoryTier:
     def get(self, step: int) -> Snapshot | None:
         """The snapshot of ``step`` if it verifies (else dropped from the holder, said)."""
         snapshot = self.fetch(self.holder.get.remote(step))
+        if snapshot is not None and not isinstance(snapshot, Snapshot):
+            snapshot = self.fetch(snapshot)  # its ObjectRef: read from Ray's object store
         why = "it is no longer held" if snapshot is None else snapshot.verify()
         if why is None:
             return snapshot
@@ -240,4 +309,4 @@ class MemoryTier:
         return None
 
 
-__all__ = ["MEMORY_PREFIX", "MemoryTier", "all_finite", "copy_tensors", "serialise", "state_bytes"]
+__all__ = ["MEMORY_PREFIX", "Flat", "MemoryTier", "pack", "state_bytes", "unpack"]
