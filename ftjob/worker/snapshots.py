@@ -280,8 +280,9 @@ class MemoryTier:
     def files(self, step: int, digests: dict[str, str]) -> dict[str, Buffer]:
         """Every rank: the files of the snapshot rank 0 chose (rank 0 verified its own
         copy; the others verify theirs and that it is the same one)."""
-        if self.rank == 0 and self._offered is not None and self._offered.step == step:
-            return self._offered.files
+        offered, self._offered = self._offered, None  # not kept past the restore
+        if self.rank == 0 and offered is not None and offered.step == step:
+            return offered.files
         return self.chosen(step, digests).files
 
     def chosen(self, step: int, digests: dict[str, str]) -> Snapshot:
