@@ -292,6 +292,51 @@ def job_summary(sweep_dir: Path, job: str) -> dict[str, Any]:
     return json.loads((sweep_dir / job / "summary.json").read_text())
 
 
+def test_a_sweep_whose_jobs_are_refused_reports_them_failed_and_exits_non_zero(
+    tmp_path: Path,
+) -> None:
+    # Hydra's own launcher, jobs in this process: both jobs' storage fails its check before
+    # Ray starts; each gets a failed summary naming the key, and the sweep exits 1.
+    sweep_dir = tmp_path / "sweep"
+    proc = run_sweep(["checkpoint.storage_path=/dev/null/a,/dev/null/b"], sweep_dir)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = read_csv(sweep_dir / SWEEP_CSV)
+    assert [(r["checkpoint.storage_path"], r["status"]) for r in rows] == [
+        ("/dev/null/a", "failed"),
+        ("/dev/null/b", "failed"),
+    ]
+    assert all("checkpoint.storage_path" in r["error"] for r in rows)
+
+
+def test_the_launcher_records_a_job_that_ended_without_a_summary(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    from ftjob.cli.launcher import SweepLauncher, _Running
+
+    job_dir = tmp_path / "3"
+    job_dir.mkdir()
+    old = {"status": "interrupted", "name": "x", "error": "from the sweep before"}
+    (job_dir / "summary.json").write_text(json.dumps(old))  # an earlier launch's
+    (job_dir / "console.log").write_text("ftjob: error: the earlier launch's error\n")
+    console_at = (job_dir / "console.log").stat().st_size
+    launched = time.time() + 1  # the earlier summary predates this launch
+    with open(job_dir / "console.log", "a") as f:
+        f.write("ftjob: error: name='..': a run name must not climb out of its dir\n")
+    launcher = SweepLauncher()
+    launcher._job_config = lambda overrides: OmegaConf.create(  # type: ignore[method-assign]
+        {"name": "..", "hydra": {"run": {"dir": "x"}}}
+    )
+    job = _Running(None, str(job_dir), 0.0, None, launched, console_at)  # type: ignore[arg-type]
+    launcher._record_failure(job, ["name=.."], 2)
+    s = json.loads((job_dir / "summary.json").read_text())
+    assert s["status"] == "failed"
+    assert s["error"] == "name='..': a run name must not climb out of its dir"
+
+    # A job that wrote its own summary in this launch keeps it.
+    launcher._record_failure(job._replace(launched=time.time() - 60), ["name=.."], 1)
+    assert json.loads((job_dir / "summary.json").read_text()) == s
+
+
 def test_previous_runs_of_a_resumed_sweep_are_kept_resumed_or_run(tmp_path: Path) -> None:
     from ftjob.cli.launcher import previous_run
 

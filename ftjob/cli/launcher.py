@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.plugins.launcher import Launcher
@@ -110,25 +110,25 @@ class SweepLauncher(Launcher):
         if os.path.isfile(record):  # Hydra's record of the sweep command: no secrets in it
             redact_yaml(record, self.redactor)
         queue = list(enumerate(job_overrides, start=initial_job_idx))
-        running: dict[int, tuple[subprocess.Popen[bytes], str, float, Any]] = {}
+        running: dict[int, _Running] = {}
         returns: dict[int, JobReturn] = {}
         try:
             self._run(queue, running, returns, job_overrides, initial_job_idx)
         except KeyboardInterrupt:  # Ctrl-C reached the jobs too: let them write their record
             print("[sweep] interrupted: waiting for the running jobs to stop", flush=True)
-            for proc, _, _, console in running.values():
+            for job in running.values():
                 try:
-                    proc.wait(timeout=120)
+                    job.proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
-                console.close()
+                    job.proc.kill()
+                job.console.close()
             raise
         return [returns[i] for i in sorted(returns)]
 
     def _run(
         self,
         queue: list[tuple[int, Sequence[str]]],
-        running: dict[int, tuple[subprocess.Popen[bytes], str, float, Any]],
+        running: dict[int, _Running],
         returns: dict[int, JobReturn],
         job_overrides: Sequence[Sequence[str]],
         initial_job_idx: int,
@@ -147,41 +147,67 @@ class SweepLauncher(Launcher):
                 args, what = self._command(overrides, job_dir)
                 os.makedirs(job_dir, exist_ok=True)
                 console = open(os.path.join(job_dir, "console.log"), "ab")
+                launched, console_at = time.time(), console.tell()
                 proc = subprocess.Popen(args, stdout=console, stderr=subprocess.STDOUT)
-                running[idx] = (proc, job_dir, time.monotonic(), console)
+                running[idx] = _Running(
+                    proc, job_dir, time.monotonic(), console, launched, console_at
+                )
                 print(f"[sweep] job {idx} ({shown}): {what} in {job_dir}", flush=True)
             time.sleep(0.5)
-            for idx, (proc, job_dir, started, console) in list(running.items()):
-                if proc.poll() is None:
+            for idx, job in list(running.items()):
+                if job.proc.poll() is None:
                     continue
-                console.close()
+                job.console.close()
                 del running[idx]
-                code = proc.returncode
-                took = time.monotonic() - started
+                code = job.proc.returncode
+                took = time.monotonic() - job.started
                 outcome = "succeeded" if code == 0 else f"did not succeed (exit {code})"
                 print(f"[sweep] job {idx}: {outcome} in {took:.0f} s", flush=True)
+                overrides = job_overrides[idx - initial_job_idx]
                 if code != 0:
-                    note_failed_job(job_dir)
-                    self._record_failure(job_dir, job_overrides[idx - initial_job_idx], code)
-                returns[idx] = _job_return(job_overrides[idx - initial_job_idx], job_dir, code)
+                    note_failed_job(job.job_dir)
+                    try:
+                        self._record_failure(job, overrides, code)
+                    except Exception as exc:  # a record we could not write must not end the sweep
+                        print(f"[sweep] job {idx}: no failure record ({exc})", flush=True)
+                returns[idx] = _job_return(overrides, job.job_dir, code)
 
-    def _record_failure(self, job_dir: str, overrides: Sequence[str], code: int) -> None:
-        """A job that ended without a summary.json -- its input refused before it started (a
-        single run writes none then), or killed outright -- gets a failed one with the error
-        its console ends with, so the sweep's report says failed and why."""
-        if os.path.exists(os.path.join(job_dir, SUMMARY_FILE)):
+    def _record_failure(self, job: _Running, overrides: Sequence[str], code: int) -> None:
+        """A job that ended without writing a summary.json -- its input refused before it
+        started (a single run writes none then), or killed outright -- gets a failed one with
+        the error its console ended with, so the sweep's report says failed and why. A summary
+        from before this launch (an earlier sweep's, in the same dir) is not this job's."""
+        summary = os.path.join(job.job_dir, SUMMARY_FILE)
+        if os.path.exists(summary) and os.path.getmtime(summary) >= job.launched:
             return
         from ftjob.cli.app import ERROR_PREFIX
 
         error = f"exited with code {code} before writing a summary"
-        with open(os.path.join(job_dir, "console.log"), errors="replace") as f:
-            said = [line for line in f if line.startswith(ERROR_PREFIX)]
+        with open(os.path.join(job.job_dir, "console.log"), "rb") as f:
+            f.seek(job.console_at)  # this launch's lines only
+            said = [
+                line
+                for line in f.read().decode(errors="replace").splitlines()
+                if line.startswith(ERROR_PREFIX)
+            ]
         if said:
             error = said[-1][len(ERROR_PREFIX) :].strip()  # the job redacted it
         config = self._job_config(overrides)
         with open_dict(config):
             del config["hydra"]
-        write_failed_summary(job_dir, error, config, empty_snapshot(), self.redactor)
+        write_failed_summary(job.job_dir, error, config, empty_snapshot(), self.redactor)
+
+
+class _Running(NamedTuple):
+    """A sweep job in its own process: since when (monotonic; wall clock) and where its
+    console stood at launch."""
+
+    proc: subprocess.Popen[bytes]
+    job_dir: str
+    started: float
+    console: Any
+    launched: float
+    console_at: int
 
 
 def _job_return(overrides: Sequence[str], job_dir: str, code: int) -> JobReturn:

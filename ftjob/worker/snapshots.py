@@ -299,10 +299,13 @@ class MemoryTier:
 
     def get(self, step: int) -> Snapshot | None:
         """The snapshot of ``step`` if it verifies (else dropped from the holder, said)."""
-        snapshot = self.fetch(self.holder.get.remote(step))
+        snapshot, why = self.fetch(self.holder.get.remote(step)), None
         if snapshot is not None and not isinstance(snapshot, Snapshot):
-            snapshot = self.fetch(snapshot)  # its ObjectRef: read from Ray's object store
-        why = "it is no longer held" if snapshot is None else snapshot.verify()
+            try:  # its ObjectRef: read from Ray's object store
+                snapshot = self.fetch(snapshot)
+            except holder_errors() as exc:  # the object is lost (its node, its owner)
+                snapshot, why = None, f"{type(exc).__name__}: {exc}"
+        why = why or ("it is no longer held" if snapshot is None else snapshot.verify())
         if why is None:
             return snapshot
         self.fetch(self.holder.discard.remote(step))
