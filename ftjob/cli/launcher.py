@@ -25,9 +25,11 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from hydra.errors import HydraException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.reporting.redact import Redactor, redact_yaml, redactor_for
@@ -168,7 +170,8 @@ class SweepLauncher(Launcher):
                     note_failed_job(job.job_dir)
                     try:
                         self._record_failure(job, overrides, code)
-                    except Exception as exc:  # a record we could not write must not end the sweep
+                    except (OSError, HydraException, OmegaConfBaseException) as exc:
+                        # the disk, or the job's config not composing: the sweep goes on
                         print(f"[sweep] job {idx}: no failure record ({exc})", flush=True)
                 returns[idx] = _job_return(overrides, job.job_dir, code)
 
