@@ -1,11 +1,12 @@
 """A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.storage.memory`).
 
 Taking: every ``every_n_steps`` steps rank 0 copies the model's and optimizer's tensors (the
-only part on the training thread: a memory copy, so the next step can change the weights)
-and hands the copy to a background thread, which packs it (:func:`pack`: each tensor's bytes as
-an array, the rest as small files), digests it and gives it to the run's holder. One snapshot is in flight at a time; a due snapshot while
-one is still being sent is skipped (training never waits for the tier). The state is the same
-on every rank (DDP), so rank 0's copy serves all of them.
+only part on the training thread: a memory copy, so the next step can change the weights) and
+hands the copy to a background thread, which packs it (:func:`pack`: each tensor's bytes as an
+array, the rest as small files), digests it and gives it to the run's holder. One snapshot is
+in flight at a time; a due snapshot while one is still being sent is skipped (training never
+waits for the tier). The state is the same on every rank (DDP), so rank 0's copy serves all of
+them.
 
 Restoring: rank 0 offers the newest held snapshot that is newer than every committed durable
 checkpoint and verifies; every rank loads it. A snapshot that fails verification is dropped
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import threading
 import time
 import warnings
@@ -103,11 +105,8 @@ class Flat:
 
 
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
-    size = dtype.itemsize
-    count = 1
-    for n in shape:
-        count *= n
-    return buffer[offset : offset + count * size].view(dtype).view(shape)
+    """The tensor of ``dtype`` and ``shape`` stored at ``offset`` of a flat uint8 buffer."""
+    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def pack(states: dict[str, Flat], records: dict[str, Any]) -> dict[str, Buffer]:
