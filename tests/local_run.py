@@ -111,6 +111,16 @@ def _rank_main(spec: WorkerSpec, rank: int, world: int, port: int, out: Any) -> 
         out.put((rank, f"{_error(exc)}\n{traceback.format_exc()}"))
 
 
+def _rank_context() -> Any:
+    """Ranks start as forks of one server process that imported torch and the worker once
+    (a fresh interpreter per rank and attempt spends seconds importing them, most of a short
+    attempt); the server never runs a torch op or a thread of this process, so its forks are
+    as clean as spawned ones."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.local_run"])
+    return ctx
+
+
 class AttemptTimedOut(AssertionError):
     """The ranks of a local attempt neither ended nor failed in time (a collective only some
     ranks entered, say): a bug to see, not a failure to restart from."""
@@ -127,7 +137,7 @@ def _attempt(spec: WorkerSpec, world: int, timeout: float = 300.0) -> str | None
         except Exception as exc:
             return f"{_error(exc)}\n{traceback.format_exc()}"
         return None
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     out, port = ctx.Queue(), _free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(spec, rank, world, port, out), daemon=True)

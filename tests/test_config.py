@@ -22,13 +22,14 @@ from ftjob.config import (
     CheckpointConfig,
     ConfigError,
     FailureConfig,
+    JobError,
     LoggerConfig,
     RayConfig,
     RetryConfig,
     TrainerConfig,
     register_schema,
 )
-from tests.helpers import compose_job, ctrl_c_reaches_it
+from tests.helpers import compose_job, ctrl_c_reaches_it, make_image_tree
 
 REPO = Path(__file__).resolve().parent.parent
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
@@ -244,6 +245,31 @@ def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "trainer.num_wrkers" in lines[0]
     assert not (tmp_path / "outputs").exists()  # refused before Hydra made a run dir
+
+
+def test_a_gpu_job_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path, monkeypatch):
+    import ray
+    import torch
+
+    from ftjob.driver.runner import prepare
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # this machine, as Ray sees it
+    images = make_image_tree(tmp_path / "images", classes=2, train_per_class=4, val_per_class=2)
+    for cluster in ("ray.local_nodes=1", "ray.local_nodes=3"):  # embedded, simulated
+        job = compose_job(
+            "+experiment=imagenet_ft",
+            f"dataset.path={images}",
+            "chaos=disabled",
+            "ray.address=null",  # a cluster ftjob starts on this machine
+            "trainer.num_workers=2",
+            cluster,
+        )
+        with pytest.raises(
+            JobError, match=r"needs 2 GPUs but the cluster has 0: set trainer\.use_gpu=false"
+        ):
+            prepare(job, str(tmp_path / "run"))
+        assert not ray.is_initialized()
+        assert not (tmp_path / "run").exists()  # nothing written: no lease, no checkpoints dir
 
 
 def _ftjob(args: list[str], tmp_path, **env: str) -> subprocess.Popen[str]:

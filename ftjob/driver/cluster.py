@@ -208,36 +208,58 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 local.shutdown()
 
 
+_CPU_HINT = "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
+
+
+def _starting_workers(job: JobConfig) -> tuple[int, str]:
+    """How many workers the group needs to start, and the key that says so (an elastic group
+    starts on as few as min_workers and waits for nothing more)."""
+    t = job.trainer
+    return (
+        (t.min_workers, "trainer.min_workers")
+        if t.elastic
+        else (t.num_workers, "trainer.num_workers")
+    )
+
+
+def _check_gpu_count(job: JobConfig, have: float) -> None:
+    n, _ = _starting_workers(job)
+    need = n * float(job.trainer.resources_per_worker.get("GPU", 1.0))
+    if have < need:
+        raise JobError(
+            f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {have:g}: "
+            f"{_CPU_HINT}, or connect to a GPU cluster with ray.address"
+        )
+
+
+def check_local_gpus(job: JobConfig) -> None:
+    """A cluster ftjob starts here (embedded or simulated) has this machine's GPUs: a GPU job
+    on a machine with none is refused before Ray starts, not after a cluster start."""
+    if job.ray.address is not None or not job.trainer.use_gpu:
+        return
+    import torch
+
+    if torch.cuda.device_count() == 0:
+        _check_gpu_count(job, 0.0)
+
+
 def check_resources(job: JobConfig) -> None:
     """Refuse a job the cluster can never schedule, instead of waiting forever."""
     import ray
 
     total = ray.cluster_resources()
     t = job.trainer
-    # An elastic group starts on as few as min_workers (and waits for nothing more).
-    n, key = (
-        (t.min_workers, "trainer.min_workers")
-        if t.elastic
-        else (t.num_workers, "trainer.num_workers")
-    )
+    n, key = _starting_workers(job)
     if t.use_gpu:
         per_worker = float(t.resources_per_worker.get("GPU", 1.0))
-        need = n * per_worker
-        cpu_hint = (
-            "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
-        )
-        if total.get("GPU", 0.0) < need:
-            raise JobError(
-                f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {total.get('GPU', 0.0):g}: "
-                f"{cpu_hint}, or connect to a GPU cluster with ray.address"
-            )
+        _check_gpu_count(job, total.get("GPU", 0.0))
         largest = max(
             (n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0
         )
         if per_worker > largest:
             raise JobError(
                 f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
-                f"many GPUs (the largest has {largest:g}): lower it, or {cpu_hint}"
+                f"many GPUs (the largest has {largest:g}): lower it, or {_CPU_HINT}"
             )
     # Each worker's stream needs a decode task running beside it, or training waits for data.
     need_cpu = n * (t.worker_cpus + t.decode_cpus)

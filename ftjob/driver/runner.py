@@ -29,7 +29,7 @@ from ftjob.config import NODE_KINDS, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
 from ftjob.data.order import EpochPlan
-from ftjob.driver.cluster import check_resources, cluster, probe_cluster
+from ftjob.driver.cluster import check_local_gpus, check_resources, cluster, probe_cluster
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
 from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
@@ -101,6 +101,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     public = redactor.config(to_plain(job))
     if job.ray.address is not None:
         probe_cluster(job.ray.address)
+    check_local_gpus(job)
     name = job.name or unique_run_name()
     url = job.checkpoint.storage_path or os.path.join(os.path.abspath(run_dir), "checkpoints")
     probe_fs, root = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
