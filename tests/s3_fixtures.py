@@ -95,11 +95,16 @@ def s3_endpoint(aws_test_env: None, tmp_path_factory: pytest.TempPathFactory) ->
             proc.wait(timeout=10)
 
 
-@pytest.fixture
-def s3_bucket(s3_endpoint: str) -> str:
-    """A new, empty bucket on the test endpoint."""
+def new_bucket(endpoint: str) -> str:
+    """A new, empty bucket on ``endpoint``: its name."""
     import boto3
 
     name = f"ftjob-test-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    """A new, empty bucket on the test endpoint."""
+    return new_bucket(s3_endpoint)

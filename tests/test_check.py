@@ -19,9 +19,29 @@ def by_label(verdicts: list[Verdict]) -> dict[str, Verdict]:
     return {v.target.label: v for v in verdicts}
 
 
+TINY = "# @package _global_\ndefaults:\n  - override /chaos: worker_killer\ntrainer:\n  epochs: 1\n"
+
+
 @pytest.fixture(scope="module")
-def shipped() -> dict[str, Verdict]:
-    return by_label(check_all())
+def checked(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Verdict]]:
+    """``python -m ftjob.check --config-dir DIR``: ftjob's conf, and DIR's one experiment."""
+    root = tmp_path_factory.mktemp("conf")
+    (root / "experiment").mkdir()
+    (root / "experiment" / "tiny.yaml").write_text(TINY)
+    return root, by_label(check_all(str(root)))
+
+
+@pytest.fixture(scope="module")
+def shipped(checked) -> dict[str, Verdict]:
+    root, verdicts = checked
+    return {label: v for label, v in verdicts.items() if not label.startswith(str(root))}
+
+
+def test_a_config_dir_is_checked_beside_ftjob_conf(checked, shipped) -> None:
+    root, verdicts = checked
+    assert set(verdicts) - set(shipped) == {f"{root}/experiment/tiny.yaml"}
+    assert verdicts[f"{root}/experiment/tiny.yaml"].status == OK
+    assert "config.yaml" in shipped and "experiment/digits_ft.yaml" in shipped
 
 
 def test_every_shipped_experiment_and_sweep_preset_is_checked(shipped) -> None:
@@ -98,7 +118,7 @@ EXPECTED_KEYS = {
     "experiment/local_disk_on_cluster.yaml": "checkpoint.storage_path='/scratch/ckpt'",
 }
 GOOD_FILES = {
-    "experiment/tiny.yaml": "# @package _global_\ndefaults:\n  - override /chaos: worker_killer\ntrainer:\n  epochs: 1\n",
+    "experiment/tiny.yaml": TINY,
     "experiment/on_imagenet.yaml": "# @package _global_\ndefaults:\n  - override /dataset: imagenet\n",
     "sweep/seeds.yaml": "# @package _global_\nhydra:\n  mode: MULTIRUN\n  sweeper:\n    params:\n      trainer.seed: 0,1,2\n",
     "my_config.yaml": "defaults:\n  - config\n  - _self_\ntrainer:\n  epochs: 1\n",
@@ -115,7 +135,7 @@ def write_config_dir(root: Path, contents: dict[str, str]) -> Path:
 @pytest.fixture(scope="module")
 def user_verdicts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Verdict]]:
     root = write_config_dir(tmp_path_factory.mktemp("user_conf"), {**BROKEN_FILES, **GOOD_FILES})
-    return root, by_label(check_all(str(root)))
+    return root, by_label(check_all(str(root), only_config_dir=True))
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN_FILES))
@@ -145,7 +165,7 @@ def test_command_exits_non_zero_with_one_line_per_file(tmp_path: Path) -> None:
     )
 
     proc = subprocess.run(
-        [sys.executable, "-m", "ftjob.check", "--config-dir", str(tmp_path)],
+        [sys.executable, "-m", "ftjob.check", "--config-dir", str(tmp_path), "--only-config-dir"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -153,10 +173,15 @@ def test_command_exits_non_zero_with_one_line_per_file(tmp_path: Path) -> None:
 
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
-    assert f"ERROR  {tmp_path}/experiment/broken.yaml: trainer.epochs=0: must be >= 1" in lines
-    assert "ok     experiment/digits_ft.yaml" in lines
-    assert "ok     config.yaml" in lines
-    assert lines[-1].startswith("ftjob.check: ")
+    assert lines == [
+        f"ERROR  {tmp_path}/experiment/broken.yaml: trainer.epochs=0: must be >= 1",
+        "ftjob.check: 1 configs: 0 ok, 0 need values at run time, 1 with errors",
+    ]
+
+
+def test_only_config_dir_needs_a_config_dir(capsys) -> None:
+    assert main(["--only-config-dir"]) == 2
+    assert "--only-config-dir needs --config-dir DIR" in capsys.readouterr().err
 
 
 def test_missing_config_dir_is_a_usage_error(tmp_path: Path, capsys) -> None:
@@ -169,8 +194,12 @@ def test_the_custom_model_and_dataset_example_checks_clean(monkeypatch) -> None:
     validate, as README's one command needs."""
     example = Path(__file__).resolve().parent.parent / "examples" / "custom_model_dataset"
     monkeypatch.syspath_prepend(str(example))
-    verdicts = check_all(str(example / "conf"))
-    mine = [v for v in verdicts if v.target.label.startswith(str(example))]
-    assert {v.target.label.rsplit("/", 2)[-2] for v in mine} == {"model", "dataset", "experiment"}
-    assert all(v.status == OK for v in mine), [v.line() for v in mine]
+    verdicts = check_all(str(example / "conf"), only_config_dir=True)
+    assert all(v.target.label.startswith(str(example)) for v in verdicts)
+    assert {v.target.label.rsplit("/", 2)[-2] for v in verdicts} == {
+        "model",
+        "dataset",
+        "experiment",
+    }
+    assert all(v.status == OK for v in verdicts), [v.line() for v in verdicts]
     assert exit_status(verdicts) == 0

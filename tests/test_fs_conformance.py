@@ -26,6 +26,7 @@ from ftjob.config import RetryConfig
 from ftjob.storage.fs import RetryingFileSystem, build_filesystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import exclusive_create_guarantee
+from tests.s3_fixtures import new_bucket
 
 SUITES = (
     abstract.AbstractCopyTests,
@@ -290,14 +291,29 @@ def _s3_join(*parts: str) -> str:
     return "/".join(parts)
 
 
+@pytest.fixture(scope="module")
+def s3_tree(s3_endpoint: str) -> Iterator[tuple[AbstractFileSystem, AbstractFileSystem, str]]:
+    """One tree for every read-only query: plain s3fs, the wrapper, the tree's root."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    options, bucket = {"endpoint_url": s3_endpoint}, new_bucket(s3_endpoint)
+    wrapped, _ = build_filesystem(f"s3://{bucket}", options, RetryConfig())
+    plain = s3fs.S3FileSystem(**options)
+    _make_tree(plain, _s3_join, f"{bucket}/tree")
+    yield plain, wrapped, f"{bucket}/tree"
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("call", QUERIES.values(), ids=QUERIES.keys())
 def test_s3_queries_answer_as_s3fs(
-    call: Callable[[AbstractFileSystem, str], Any], s3_pair: Any, s3_bucket: str
+    call: Callable[[AbstractFileSystem, str], Any], s3_tree: Any
 ) -> None:
-    plain, wrapped = s3_pair
-    _make_tree(plain, _s3_join, f"{s3_bucket}/tree")
-    _check_queries(call, plain, wrapped, f"{s3_bucket}/tree")
+    plain, wrapped, root = s3_tree
+    for fs in (plain, wrapped):
+        fs.invalidate_cache()  # each call asks the store, as on a new instance
+    _check_queries(call, plain, wrapped, root)
 
 
 @pytest.mark.s3

@@ -144,9 +144,11 @@ DRIVER = textwrap.dedent(
     from ftjob.storage.lease import LeaseHeld, RunLease
     from ftjob.storage.fs import build_filesystem
 
-    url, options, at = sys.argv[1], eval(sys.argv[2]), float(sys.argv[3])
+    url, options = sys.argv[1], eval(sys.argv[2])
     fs, run = build_filesystem(url, options, RetryConfig())
     lease = RunLease(fs, run, timeout=60)
+    print("ready", flush=True)
+    at = float(sys.stdin.readline())  # the same instant for every driver
     while time.time() < at:
         pass
     started = time.monotonic()
@@ -161,10 +163,10 @@ DRIVER = textwrap.dedent(
 
 
 def _simultaneous_drivers(url: str, options: dict[str, Any], count: int) -> list[str]:
-    at = time.time() + 6  # after every interpreter has imported ftjob
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", DRIVER, url, repr(options), str(at)],
+            [sys.executable, "-c", DRIVER, url, repr(options)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -172,6 +174,13 @@ def _simultaneous_drivers(url: str, options: dict[str, Any], count: int) -> list
         )
         for _ in range(count)
     ]
+    for proc in procs:  # every interpreter has imported ftjob and built its lease
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.stderr
+    at = time.time() + 0.5
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{at}\n")
+        proc.stdin.flush()
     outputs = []
     for proc in procs:
         out, err = proc.communicate(timeout=60)

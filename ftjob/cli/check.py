@@ -1,4 +1,5 @@
-"""``python -m ftjob.check [--config-dir DIR]``: review configs as code, as a repo's CI would.
+"""``python -m ftjob.check [--config-dir DIR [--only-config-dir]]``: review configs as code, as a
+repo's CI would.
 
 Composes the default config, every option of every config group, every experiment
 (``+experiment=NAME``) and every sweep preset (``+sweep=NAME``, once per combination of its
@@ -6,7 +7,8 @@ Composes the default config, every option of every config group, every experimen
 types, unknown keys, value rules, ``_target_`` importable with its keys bound to the
 signature, cross-field rules. Nothing is instantiated and Ray is not started, so a full check
 takes seconds. ``--config-dir`` adds a user's own config dir to Hydra's search path (as
-``python -m ftjob --config-dir DIR`` does) and checks its files too.
+``python -m ftjob --config-dir DIR`` does) and checks its files too; ``--only-config-dir`` checks
+its files alone (each still composed with ftjob's conf).
 
 One line per file: ``ok``, ``needs`` (a ``???`` value the user supplies at run time, like
 imagenet_ft's dataset.path: reported, not a failure) or ``ERROR file: key=value: rule``.
@@ -256,13 +258,14 @@ def check_sweep(composer: Composer, target: Target) -> Verdict:
     return Verdict(target, OK, scope)
 
 
-def check_all(config_dir: str | None = None) -> list[Verdict]:
-    """Verdicts for ftjob's own conf and, if given, a user's config dir."""
+def check_all(config_dir: str | None = None, only_config_dir: bool = False) -> list[Verdict]:
+    """Verdicts for ftjob's own conf and, if given, a user's config dir (``only_config_dir``:
+    for the user's files alone, each still composed with ftjob's conf as a run composes it)."""
     register_schema()
     composer = Composer(config_dir)
     try:
         groups = composer.default_groups()
-        targets = find_targets(files(CONFIG_MODULE), "", groups)
+        targets = [] if only_config_dir else find_targets(files(CONFIG_MODULE), "", groups)
         if config_dir:
             targets += find_targets(
                 Path(config_dir), f"{config_dir.rstrip('/')}/", groups, user_dir=True
@@ -283,11 +286,19 @@ def main(argv: list[str] | None = None) -> int:
         "-cd",
         help="also check this config dir (added to Hydra's search path, as for python -m ftjob)",
     )
+    parser.add_argument(
+        "--only-config-dir",
+        action="store_true",
+        help="check only the files of --config-dir, not ftjob's own (a repo of configs' CI)",
+    )
     args = parser.parse_args(argv)
+    if args.only_config_dir and not args.config_dir:
+        print("ftjob.check: --only-config-dir needs --config-dir DIR", file=sys.stderr)
+        return 2
     if args.config_dir and not os.path.isdir(args.config_dir):
         print(f"ftjob.check: --config-dir {args.config_dir}: no such directory", file=sys.stderr)
         return 2
-    verdicts = check_all(args.config_dir)
+    verdicts = check_all(args.config_dir, args.only_config_dir)
     for verdict in verdicts:
         print(verdict.line())
     counts = {s: sum(v.status == s for v in verdicts) for s in (OK, NEEDS, ERROR)}
