@@ -8,7 +8,7 @@
 2. Training throughput with the tier on (a snapshot after every step) against off, on the same
    digits job, alternating; prints ``memory-tier throughput on/off = X``.
 
-    python benchmarks/memory_tier.py [--repeats 5] [--runs 2]
+    python benchmarks/memory_tier.py [--repeats 5] [--runs 2] [--skip-restore | --skip-throughput]
 """
 
 from __future__ import annotations
@@ -155,12 +155,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-restore", action="store_true")
     args = parser.parse_args()
     # moto's loopback server takes any credentials; boto3 wants some.
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "ftjob-bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "ftjob-bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    restore_bench(args.repeats)
+    if not args.skip_restore:
+        restore_bench(args.repeats)
     if not args.skip_throughput:
         throughput_bench(args.runs)
 

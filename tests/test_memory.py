@@ -4,6 +4,8 @@ test_worker_local.py and the elastic run, test_chaos_e2e.py.)"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -97,3 +99,24 @@ def test_the_holder_keeps_its_own_copy_of_a_snapshots_arrays() -> None:
     sent[:] = 0  # the sender's buffer goes (a worker that dies, its object store copy)
     held = holder.get(3)
     assert held is not None and held.verify() is None and held.nbytes == 16 + 8
+
+
+def test_a_nan_or_inf_in_any_floating_tensor_is_found_and_integers_are_not_checked() -> None:
+    def state(bad: Any) -> dict[str, Any]:
+        return {
+            "a": torch.ones(3),
+            "count": torch.tensor(2**62),  # an int64 whose bytes as a float would be huge
+            "half": torch.ones(5, dtype=torch.bfloat16),
+            "b": torch.ones(2, 2),
+            "bad": bad,
+        }
+
+    assert Flat.copy_of(state(torch.zeros(1))).all_finite()
+    for bad in (
+        torch.tensor([0.0, float("nan")]),
+        torch.tensor([float("-inf")], dtype=torch.bfloat16),
+        torch.tensor([1.0, float("inf")], dtype=torch.float64),
+    ):
+        flat = Flat.copy_of(state(bad))
+        assert not flat.all_finite(), bad
+        torch.testing.assert_close(flat.views[-1], bad, rtol=0, atol=0, equal_nan=True)

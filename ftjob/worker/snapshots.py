@@ -54,34 +54,32 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-ALIGN = 64  # each tensor's offset in a flat buffer: any dtype can view it
+ALIGN = 64  # where each dtype's run of tensors starts in a flat buffer
 
 
 @dataclass(frozen=True)
 class Flat:
     """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
-    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies."""
+    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies, in the
+    state's order. Tensors of one dtype lie back to back in one run of the buffer
+    (``regions``: dtype -> (start, end)), so one operation covers all of them."""
 
     skeleton: Any
     buffer: Any  # torch.Tensor, uint8, 1-D
     views: list[Any]
+    regions: dict[Any, tuple[int, int]]
 
     @classmethod
     def copy_of(cls, state: Any) -> Flat:
         """The stall: each tensor copied once, into its place in the buffer."""
         import torch
 
-        found: list[tuple[int, Any]] = []
-        end = 0
+        tensors: list[Any] = []
 
         def strip(value: Any) -> Any:
-            nonlocal end
             if isinstance(value, torch.Tensor):
-                offset = -(-end // ALIGN) * ALIGN
-                end = offset + value.numel() * value.element_size()
-                found.append((offset, value))
-                dtype = str(value.dtype).removeprefix("torch.")
-                return (TENSOR, offset, dtype, tuple(value.shape))
+                tensors.append(value)
+                return (TENSOR, len(tensors) - 1)  # its offset, once the layout is known
             if isinstance(value, dict):
                 return {k: strip(v) for k, v in value.items()}
             if isinstance(value, (list, tuple)):
@@ -89,19 +87,48 @@ class Flat:
             return value
 
         skeleton = strip(state)
+        offsets, regions, end = [0] * len(tensors), {}, 0
+        for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
+            start = end = -(-end // ALIGN) * ALIGN
+            for i, tensor in enumerate(tensors):
+                if tensor.dtype == dtype:
+                    offsets[i], end = end, end + tensor.numel() * tensor.element_size()
+            regions[dtype] = (start, end)
         buffer = torch.empty(end, dtype=torch.uint8)
-        views = []
-        for offset, tensor in found:
-            view = _view(buffer, offset, tensor.dtype, tensor.shape)
-            view.copy_(tensor.detach())
-            views.append(view)
-        return cls(skeleton, buffer, views)
+        views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
+        sources = [t.detach() for t in tensors]
+        if all(t.device.type == "cpu" for t in sources):
+            torch._foreach_copy_(views, sources)  # one call, not one per tensor
+        else:
+            for view, source in zip(views, sources, strict=True):
+                view.copy_(source)
+
+        def place(value: Any) -> Any:
+            if isinstance(value, tuple) and len(value) == 2 and value[0] == TENSOR:
+                tensor = tensors[value[1]]
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                return (TENSOR, offsets[value[1]], dtype, tuple(tensor.shape))
+            if isinstance(value, dict):
+                return {k: place(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(place(v) for v in value)
+            return value
+
+        return cls(place(skeleton), buffer, views, regions)
 
     def all_finite(self) -> bool:
-        """No NaN or inf in the floating-point tensors."""
+        """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
+        (a NaN or inf anywhere makes it NaN or inf; finite weights cannot overflow it)."""
         import torch
 
-        return all(not v.is_floating_point() or bool(torch.isfinite(v).all()) for v in self.views)
+        summed = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        for dtype, (start, end) in self.regions.items():
+            if dtype.is_floating_point:
+                run = self.buffer[start:end].view(dtype)
+                run = run if dtype in summed else run.double()  # float8: no sum of its own
+                if not bool(run.sum(dtype=torch.float64).isfinite()):
+                    return False
+        return True
 
 
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
