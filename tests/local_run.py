@@ -115,7 +115,9 @@ def _rank_context() -> Any:
     """Ranks start as forks of one server process that imported torch and the worker once
     (a fresh interpreter per rank and attempt spends seconds importing them, most of a short
     attempt); the server never runs a torch op or a thread of this process, so its forks are
-    as clean as spawned ones."""
+    as clean as spawned ones. They inherit the server's environment, as it was when the
+    session's first world-2 attempt started it: a test's ``monkeypatch.setenv`` does not
+    reach them."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.local_run"])
     return ctx

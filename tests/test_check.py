@@ -179,9 +179,12 @@ def test_command_exits_non_zero_with_one_line_per_file(tmp_path: Path) -> None:
     ]
 
 
-def test_only_config_dir_needs_a_config_dir(capsys) -> None:
+def test_only_config_dir_needs_a_config_dir_with_configs_in_it(tmp_path: Path, capsys) -> None:
     assert main(["--only-config-dir"]) == 2
     assert "--only-config-dir needs --config-dir DIR" in capsys.readouterr().err
+    # A wrong path in a CI step must not pass as "nothing wrong".
+    assert main(["--config-dir", str(tmp_path), "--only-config-dir"]) == 2
+    assert "no config files in it" in capsys.readouterr().err
 
 
 def test_missing_config_dir_is_a_usage_error(tmp_path: Path, capsys) -> None:

@@ -248,28 +248,36 @@ def test_cli_refuses_bad_override_fast_with_one_line(tmp_path):
 
 
 def test_a_gpu_job_on_a_machine_without_gpus_is_refused_before_ray_starts(tmp_path, monkeypatch):
-    import ray
     import torch
 
+    from ftjob.driver.cluster import check_local_gpus
     from ftjob.driver.runner import prepare
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # this machine, as Ray sees it
+    gpus = 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)  # this machine, as torch sees it
     images = make_image_tree(tmp_path / "images", classes=2, train_per_class=4, val_per_class=2)
-    for cluster in ("ray.local_nodes=1", "ray.local_nodes=3"):  # embedded, simulated
-        job = compose_job(
+
+    def job(*overrides: str) -> Any:
+        return compose_job(
             "+experiment=imagenet_ft",
             f"dataset.path={images}",
             "chaos=disabled",
             "ray.address=null",  # a cluster ftjob starts on this machine
             "trainer.num_workers=2",
-            cluster,
+            *overrides,
         )
-        with pytest.raises(
-            JobError, match=r"needs 2 GPUs but the cluster has 0: set trainer\.use_gpu=false"
-        ):
-            prepare(job, str(tmp_path / "run"))
-        assert not ray.is_initialized()
-        assert not (tmp_path / "run").exists()  # nothing written: no lease, no checkpoints dir
+
+    refused = r"needs 2 GPUs but this machine \(where ftjob starts the cluster\) has 0: set trainer\.use_gpu=false"
+    for cluster in ("ray.local_nodes=1", "ray.local_nodes=3"):  # embedded, simulated
+        with pytest.raises(JobError, match=refused):
+            prepare(job(cluster), str(tmp_path / "run"))
+        assert not (tmp_path / "run").exists()  # refused first: no lease, no checkpoints dir
+    check_local_gpus(job("trainer.use_gpu=false", "~trainer.resources_per_worker.GPU"))
+    check_local_gpus(
+        job("ray.address=auto", "checkpoint.storage_path=s3://bucket/runs")
+    )  # an existing cluster: asked of Ray
+    gpus = 1
+    check_local_gpus(job())  # 2 workers on 1 GPU: Ray's resource check says so, once started
 
 
 def _ftjob(args: list[str], tmp_path, **env: str) -> subprocess.Popen[str]:

@@ -59,6 +59,14 @@ def dashboard_get(port: int, path: str) -> Any:
         return json.load(answer)
 
 
+def job_logs(port: int, submission_id: str) -> str:
+    """A job's logs so far ("" while the dashboard cannot answer: asked again)."""
+    try:
+        return str(dashboard_get(port, f"/api/jobs/{submission_id}/logs")["logs"])
+    except (urllib.error.URLError, TimeoutError, KeyError):
+        return ""
+
+
 def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
     """`ray start --head --block` with its dashboard and job server on loopback, in a process
     group of its own (ended by the caller, by pid); returns once the dashboard answers."""
@@ -173,10 +181,7 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
         deadline = time.monotonic() + 240
         # Read through the dashboard's REST API: a `ray job logs` per poll is a Python process
         # (~2 s of CPU) taken from the job on a small machine.
-        while (
-            "checkpoint step 10 committed"
-            not in dashboard_get(dashboard, "/api/jobs/ftjob-stopped/logs")["logs"]
-        ):
+        while "checkpoint step 10 committed" not in job_logs(dashboard, "ftjob-stopped"):
             assert time.monotonic() < deadline, "the second job never committed a checkpoint"
             time.sleep(1)
         stopped = ray_cli("job", "stop", "--address", address, "ftjob-stopped")

@@ -174,13 +174,19 @@ def _simultaneous_drivers(url: str, options: dict[str, Any], count: int) -> list
         )
         for _ in range(count)
     ]
-    for proc in procs:  # every interpreter has imported ftjob and built its lease
-        assert proc.stdout is not None and proc.stdout.readline() == "ready\n", proc.stderr
-    at = time.time() + 0.5
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write(f"{at}\n")
-        proc.stdin.flush()
+    try:
+        for proc in procs:  # every interpreter has imported ftjob and built its lease
+            assert proc.stdout is not None and proc.stdin is not None
+            if proc.stdout.readline() != "ready\n":
+                raise AssertionError(proc.communicate(timeout=30)[1])
+        at = time.time() + 0.5
+        for proc in procs:
+            proc.stdin.write(f"{at}\n")
+            proc.stdin.flush()
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
     outputs = []
     for proc in procs:
         out, err = proc.communicate(timeout=60)

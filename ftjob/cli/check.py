@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ftjob.check: --config-dir {args.config_dir}: no such directory", file=sys.stderr)
         return 2
     verdicts = check_all(args.config_dir, args.only_config_dir)
+    if not verdicts:
+        print(
+            f"ftjob.check: --config-dir {args.config_dir}: no config files in it", file=sys.stderr
+        )
+        return 2
     for verdict in verdicts:
         print(verdict.line())
     counts = {s: sum(v.status == s for v in verdicts) for s in (OK, NEEDS, ERROR)}

@@ -771,7 +771,7 @@ class TrainerConfig:
             "resources_per_worker",
             self.resources_per_worker,
             f"asks for {gpus:g} GPU per worker while trainer.use_gpu=false: set trainer.use_gpu=true, "
-            "or drop the GPU with 'trainer.resources_per_worker={CPU: 1}'",
+            "or drop the GPU with '~trainer.resources_per_worker.GPU'",
         )
         bad = {k: v for k, v in self.resources_per_worker.items() if v < 0}
         _require(

@@ -208,7 +208,8 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 local.shutdown()
 
 
-_CPU_HINT = "set trainer.use_gpu=false 'trainer.resources_per_worker={CPU: 1}' to train on CPUs"
+# `~`: a dict given on the command line is merged into the config's, so `={CPU: 1}` keeps GPU.
+_CPU_HINT = "set trainer.use_gpu=false '~trainer.resources_per_worker.GPU' to train on CPUs"
 
 
 def _starting_workers(job: JobConfig) -> tuple[int, str]:
@@ -222,12 +223,12 @@ def _starting_workers(job: JobConfig) -> tuple[int, str]:
     )
 
 
-def _check_gpu_count(job: JobConfig, have: float) -> None:
+def _check_gpu_count(job: JobConfig, have: float, where: str = "the cluster has") -> None:
     n, _ = _starting_workers(job)
     need = n * float(job.trainer.resources_per_worker.get("GPU", 1.0))
     if have < need:
         raise JobError(
-            f"trainer.use_gpu=true needs {need:g} GPUs but the cluster has {have:g}: "
+            f"trainer.use_gpu=true needs {need:g} GPUs but {where} {have:g}: "
             f"{_CPU_HINT}, or connect to a GPU cluster with ray.address"
         )
 
@@ -240,7 +241,7 @@ def check_local_gpus(job: JobConfig) -> None:
     import torch
 
     if torch.cuda.device_count() == 0:
-        _check_gpu_count(job, 0.0)
+        _check_gpu_count(job, 0.0, "this machine (where ftjob starts the cluster) has")
 
 
 def check_resources(job: JobConfig) -> None:

@@ -118,7 +118,8 @@ class Flat:
 
     def all_finite(self) -> bool:
         """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
-        (a NaN or inf anywhere makes it NaN or inf; finite weights cannot overflow it)."""
+        (a NaN or inf anywhere makes it NaN or inf); a sum that is not finite is confirmed
+        element by element (float64 values near its limit can overflow their sum)."""
         import torch
 
         summed = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -126,7 +127,8 @@ class Flat:
             if dtype.is_floating_point:
                 run = self.buffer[start:end].view(dtype)
                 run = run if dtype in summed else run.double()  # float8: no sum of its own
-                if not bool(run.sum(dtype=torch.float64).isfinite()):
+                finite = bool(run.sum(dtype=torch.float64).isfinite())
+                if not finite and not bool(torch.isfinite(run).all()):
                     return False
         return True
 
