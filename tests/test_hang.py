@@ -382,3 +382,24 @@ def test_a_rank_stopped_while_it_waited_for_data_is_found_at_the_floor_not_the_l
     hang = d.check(15.0)
     assert hang is not None and hang["rank"] == 0 and hang["heartbeats_stopped"]
     assert hang["timeout_s"] == 10.0
+
+
+def test_a_stopped_rank_is_found_at_the_floor_while_the_other_waits_for_its_data():
+    # Rank 1 is stopped mid-step (SIGSTOP); rank 0 is left waiting for its next batch, which
+    # the data split they share holds back until every rank asks. The waiting rank's data
+    # timeout (120 s) must not hide the stopped one.
+    d = detector(HangPolicy(min_timeout=10.0, max_timeout=300.0))
+    d.times.observe("data", [0.1] * 5)
+    d.times.observe("step", [0.2] * 5)
+    for t in range(1, 4):
+        d.beat(0, 0, beat("step", 0.1, step=t), now=float(t))
+        d.beat(0, 1, beat("step", 0.1, step=t), now=float(t))
+    found = {}
+    for t in range(4, 20):  # rank 0 beats on, in its data wait; rank 1 is silent
+        d.beat(0, 0, beat("data", t - 3.0, step=3), now=float(t))
+        if (hang := d.check(float(t))) is not None:
+            found[t] = hang
+    [(t, hang)] = found.items()
+    assert t == 14  # the 10 s floor past the last progress (2.9), not the data wait's 120 s
+    assert hang["rank"] == 1 and hang["heartbeats_stopped"] and hang["timeout_s"] == 10.0
+    assert hang["others"] == {0: "data"}

@@ -184,8 +184,14 @@ class HangDetector:
         newest = max(s.progress for s in self.ranks.values())
         if not overdue or now - newest <= min(timeouts, default=0.0):
             return None  # some rank still moves: the others are waiting for it
-        if any(s.section == "data" and r not in overdue for r, s in self.ranks.items()):
-            return None  # a rank waits for its data within the time waits take: not a hang
+        stopped = any(now - self.ranks[r].beat > silent for r in overdue)
+        if not stopped and any(
+            s.section == "data" and r not in overdue for r, s in self.ranks.items()
+        ):
+            # A rank waits for its data within the time waits take: not a hang -- unless an
+            # overdue rank's heartbeats stopped: a stopped process is one, and the data split
+            # the ranks share can be what the waiting rank waits on (it feeds every rank).
+            return None
 
         def suspicion(rank: int) -> tuple[bool, float]:
             s = self.ranks[rank]
