@@ -57,6 +57,22 @@ def state_bytes(state: Any) -> int:
 ALIGN = 64  # where each dtype's run of tensors starts in a flat buffer
 
 
+def _replace(value: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any]) -> Any:
+    """``value`` (dicts, lists, tuples) with every ``is_leaf`` item replaced by ``leaf(item)``,
+    in depth-first order."""
+    if is_leaf(value):
+        return leaf(value)
+    if isinstance(value, dict):
+        return {k: _replace(v, is_leaf, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace(v, is_leaf, leaf) for v in value)
+    return value
+
+
+def _is_marker(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR
+
+
 @dataclass(frozen=True)
 class Flat:
     """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
@@ -74,19 +90,11 @@ class Flat:
         """The stall: each tensor copied once, into its place in the buffer."""
         import torch
 
+        def is_tensor(value: Any) -> bool:
+            return isinstance(value, torch.Tensor)
+
         tensors: list[Any] = []
-
-        def strip(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-                return (TENSOR, len(tensors) - 1)  # its offset, once the layout is known
-            if isinstance(value, dict):
-                return {k: strip(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(strip(v) for v in value)
-            return value
-
-        skeleton = strip(state)
+        _replace(state, is_tensor, tensors.append)  # the tensors, in the state's order
         offsets, regions, end = [0] * len(tensors), {}, 0
         for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
             start = end = -(-end // ALIGN) * ALIGN
@@ -103,18 +111,13 @@ class Flat:
             for view, source in zip(views, sources, strict=True):
                 view.copy_(source)
 
-        def place(value: Any) -> Any:
-            if isinstance(value, tuple) and len(value) == 2 and value[0] == TENSOR:
-                tensor = tensors[value[1]]
-                dtype = str(tensor.dtype).removeprefix("torch.")
-                return (TENSOR, offsets[value[1]], dtype, tuple(tensor.shape))
-            if isinstance(value, dict):
-                return {k: place(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(place(v) for v in value)
-            return value
+        placed = iter(zip(offsets, tensors, strict=True))  # the same order, walked again
 
-        return cls(place(skeleton), buffer, views, regions)
+        def marker(_: Any) -> tuple[str, int, str, tuple[int, ...]]:
+            offset, tensor = next(placed)
+            return (TENSOR, offset, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+        return cls(_replace(state, is_tensor, marker), buffer, views, regions)
 
     def all_finite(self) -> bool:
         """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
@@ -172,17 +175,11 @@ def unpack(files: dict[str, Buffer], name: str, device: Any = None) -> Any:
     if device is not None:
         buffer = buffer.to(device, copy=True)
 
-    def fill(value: Any) -> Any:
-        if isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR:
-            _, offset, dtype, shape = value
-            return _view(buffer, offset, getattr(torch, dtype), shape)
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
-        return value
+    def tensor(marker: tuple[str, int, str, tuple[int, ...]]) -> Any:
+        _, offset, dtype, shape = marker
+        return _view(buffer, offset, getattr(torch, dtype), shape)
 
-    return fill(state)
+    return _replace(state, _is_marker, tensor)
 
 
 class MemoryTier:
