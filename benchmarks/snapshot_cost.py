@@ -1,7 +1,8 @@
 """What one memory-tier snapshot costs, taken apart: digits' training state (small_cnn + Adam,
 ~1.1 MB) sent to the run's holder (a Ray actor on embedded Ray, as in a run), one torch thread
 as in a Ray Train worker. Prints per-phase milliseconds (wall and this process's CPU), then
-whole snapshots: this process's CPU and the holder's (from /proc).
+whole snapshots both ways a rank hands them to the holder (sent through Ray; written into the
+holder's shared-memory ring): this process's CPU and the holder's (from /proc).
 
     python benchmarks/snapshot_cost.py [--snapshots 200]
 """
@@ -69,17 +70,28 @@ def main() -> None:
         same_size = np.zeros(snapshot.nbytes, np.uint8)
         phase("ray.put of as many bytes", n, lambda: ray.put(same_size))
 
-        tier = MemoryTier(holder, MemoryConfig(enabled=True), 0, M.MetricSet(), ray.get, print)
-        held, cpu, wall = cpu_seconds(holder_pid), time.process_time(), time.perf_counter()
-        for step in range(1, n + 1):
-            tier.take(step, state(), lambda: records)
+        # Whole snapshots, both ways a rank hands them over: sent through Ray (a rank on
+        # another machine than the holder's) and written into the holder's ring (its machine).
+        costs = {}
+        for channel in ("sent", "ring"):
+            tier = MemoryTier(holder, MemoryConfig(enabled=True), 0, M.MetricSet(), ray.get, print)
+            if channel == "sent":
+                tier.ring = False  # as where the ring cannot be mapped
+            tier.take(0, state(), lambda: records)  # the ring is made with the first one
             tier.wait()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        held = cpu_seconds(holder_pid) - held
-        print(
-            f"whole snapshot ({snapshot.nbytes / 2**20:.2f} MB): wall {1e3 * wall / n:.2f} ms, "
-            f"worker cpu {1e3 * cpu / n:.2f} ms, holder cpu {1e3 * held / n:.2f} ms"
-        )
+            held, cpu, wall = cpu_seconds(holder_pid), time.process_time(), time.perf_counter()
+            for step in range(1, n + 1):
+                tier.take(step, state(), lambda: records)
+                tier.wait()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            held = cpu_seconds(holder_pid) - held
+            costs[channel] = cpu + held
+            print(
+                f"whole snapshot, {channel} ({snapshot.nbytes / 2**20:.2f} MB): wall "
+                f"{1e3 * wall / n:.2f} ms, worker cpu {1e3 * cpu / n:.2f} ms, holder cpu "
+                f"{1e3 * held / n:.2f} ms"
+            )
+        print(f"snapshot cpu ring/sent = {costs['ring'] / costs['sent']:.2f}")
     finally:
         ray.shutdown()
 

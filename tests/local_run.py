@@ -45,6 +45,7 @@ class LocalRun:
     prep: Prepared
     errors: list[str] = field(default_factory=list)
     watch_actions: list[dict[str, Any]] = field(default_factory=list)  # hangs, stragglers
+    lines: list[str] = field(default_factory=list)  # the progress lines the driver prints
 
 
 class _Locked:
@@ -235,7 +236,7 @@ def run_locally(
                 fit = FitOutcome(first, preemption_budget_exhausted=True)
                 break
         watching.set()
-        snapshot = handle.snapshot.remote()
+        snapshot, lines = handle.snapshot.remote(), handle.poll.remote(0)[0]
         if broken:
             raise AssertionError("the hang and straggler watch failed") from broken[0]
     finally:
@@ -255,4 +256,4 @@ def run_locally(
         driver_storage=prep.fs.snapshot_stats(),
         run_started=started,
     )
-    return LocalRun(summary, snapshot, prep, errors, actions)
+    return LocalRun(summary, snapshot, prep, errors, actions, lines)

@@ -282,11 +282,25 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def tiered(tmp_path: Path) -> tuple[SnapshotHolder, Checkpointer, FakeLedger]:
-    """A checkpointer with the memory tier on, its holder called directly (a 1 MB cap)."""
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+@pytest.fixture(params=["ring", "sent"])
+def channel(request: pytest.FixtureRequest) -> str:
+    """How snapshots reach the holder: written into its shared-memory ring (a rank on its
+    machine), or sent to it (any other; here: a cap with no room for a ring)."""
+    return request.param
+
+
+def tiered(tmp_path: Path, channel: str) -> tuple[SnapshotHolder, Checkpointer, FakeLedger]:
+    """A checkpointer with the memory tier on, its holder called directly."""
+    holder = SnapshotHolder(cap_bytes=2**20 if channel == "sent" else 2**24, keep=2)
     checkpointer, ledger = make(tmp_path, holder=DirectHandle(holder))
     return holder, checkpointer, ledger
+
+
+def held(holder: SnapshotHolder, step: int) -> Snapshot:
+    """The snapshot of ``step`` as the holder holds it (in the ring: its memory, not a copy)."""
+    found = holder.ring.read(step) if holder.ring is not None else holder.get(step)
+    assert found is not None
+    return found
 
 
 def step_done(checkpointer: Checkpointer, state: TrainState, model: Any, optimizer: Any) -> None:
@@ -295,8 +309,10 @@ def step_done(checkpointer: Checkpointer, state: TrainState, model: Any, optimiz
     checkpointer.memory.wait()
 
 
-def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: Path) -> None:
-    holder, checkpointer, _ = tiered(tmp_path)
+def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(
+    tmp_path: Path, channel: str
+) -> None:
+    holder, checkpointer, _ = tiered(tmp_path, channel)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
     for step in (11, 12, 13):  # each a step on: the newest two are held
@@ -304,6 +320,7 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: 
         optimizer.step()
         step_done(checkpointer, TrainState(step=step, position=32 * step), model, optimizer)
     assert holder.steps() == [13, 12]
+    assert (holder.ring is not None) == (channel == "ring")
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOTS) == 3
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) > 0
     expected = weights(model)
@@ -321,20 +338,16 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(tmp_path: 
 
 
 def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, channel: str
 ) -> None:
-    holder, checkpointer, ledger = tiered(tmp_path)
+    holder, checkpointer, ledger = tiered(tmp_path, channel)
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
     saved = weights(model)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
     step_done(checkpointer, TrainState(step=11, position=352), model, optimizer)
-    good = holder.get(11)
-    damaged = dict(good.files)
-    damaged["model.pt#tensors"] = damaged["model.pt#tensors"].copy()
-    damaged["model.pt#tensors"][0] ^= 0x01
-    holder.snapshots[11] = Snapshot(11, damaged, good.digests)  # a bit flipped in memory
+    held(holder, 11).files["model.pt#tensors"][0] ^= 0x01  # a bit flipped in memory
 
     fresh, fresh_optimizer = model_and_optimizer(1)
     restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
@@ -348,9 +361,9 @@ def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoin
 
 
 def test_a_durable_checkpoint_as_new_as_the_snapshot_wins_and_no_snapshot_is_taken_with_it(
-    tmp_path: Path,
+    tmp_path: Path, channel: str
 ) -> None:
-    holder, checkpointer, _ = tiered(tmp_path)
+    holder, checkpointer, _ = tiered(tmp_path, channel)
     model, optimizer = model_and_optimizer(0)
     step_done(checkpointer, TrainState(step=4, position=128), model, optimizer)
     checkpointer.maybe_save(TrainState(step=5, epoch=1), model, optimizer, True)  # epoch end
@@ -360,8 +373,10 @@ def test_a_durable_checkpoint_as_new_as_the_snapshot_wins_and_no_snapshot_is_tak
     assert restored is not None and restored.tier == "storage" and restored.state.step == 5
 
 
-def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: Path) -> None:
-    holder, checkpointer, ledger = tiered(tmp_path)
+def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(
+    tmp_path: Path, channel: str
+) -> None:
+    holder, checkpointer, ledger = tiered(tmp_path, channel)
     checkpointer.memory.cap_mb = 1e-4  # 100 bytes: the Linear(4, 3) and AdamW's state exceed it
     model, optimizer = model_and_optimizer(0)
     for step in (1, 2):
@@ -372,8 +387,10 @@ def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(tmp_path: 
     assert "checkpoint.memory.max_mb" in said[0]
 
 
-def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(tmp_path: Path) -> None:
-    holder, checkpointer, _ = tiered(tmp_path)
+def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(
+    tmp_path: Path, channel: str
+) -> None:
+    holder, checkpointer, _ = tiered(tmp_path, channel)
     model, optimizer = model_and_optimizer(0)
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
@@ -382,8 +399,7 @@ def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(tmp_p
     with torch.no_grad():
         model.weight[0, 0] = 0.0
     step_done(checkpointer, TrainState(step=4), model, optimizer)
-    held = holder.get(4)
-    assert held is not None
-    assert checkpointer.memory.chosen(4, held.digests) is not None
+    digests = held(holder, 4).digests
+    assert checkpointer.memory.chosen(4, digests) is not None
     with pytest.raises(RuntimeError, match="does not verify here, or is another one"):
-        checkpointer.memory.chosen(4, {**held.digests, "model.pt": "0" * 64})
+        checkpointer.memory.chosen(4, {**digests, "model.pt": "0" * 64})

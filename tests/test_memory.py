@@ -4,13 +4,19 @@ test_worker_local.py and the elastic run, test_chaos_e2e.py.)"""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ftjob.storage.memory import Snapshot, SnapshotHolder
+from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all
 from ftjob.worker.snapshots import Flat, pack, unpack
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def snapshot(step: int, size: int = 100) -> Snapshot:
@@ -122,3 +128,71 @@ def test_a_nan_or_inf_in_any_floating_tensor_is_found_and_integers_are_not_check
         flat = Flat.copy_of(state(bad))
         assert not flat.all_finite(), bad
         torch.testing.assert_close(flat.views[-1], bad, rtol=0, atol=0, equal_nan=True)
+
+
+WRITER = """
+import json, os, sys
+import numpy as np
+from ftjob.storage.memory import Ring, digest_all
+ring = Ring.attach(json.loads(sys.argv[1]))
+slot, payload = ring.claim()
+payload[:4] = np.frombuffer(b"abcd", np.uint8)
+files = {"model.pt#tensors": payload[:4], "state.json": b"{}"}
+payload[64:66] = np.frombuffer(b"{}", np.uint8)
+ring.commit(slot, 5, {"model.pt#tensors": (0, 4, True), "state.json": (64, 2, False)},
+            digest_all(files))
+slot, payload = ring.claim()  # the next one: half written when the process dies
+payload[:4] = 7
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_rank_on_the_holders_machine_writes_into_its_ring_and_a_torn_write_is_never_offered() -> (
+    None
+):
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    address = holder.channel(4096)
+    assert address is not None and holder.channel(4096) == address  # one ring
+    writer = subprocess.run([sys.executable, "-c", WRITER, json.dumps(address)], cwd=ROOT)
+    assert writer.returncode == -9  # killed between its claim and its commit
+    assert holder.steps() == [5]  # the committed one; the torn one is not listed
+    ref = holder.get(5)
+    assert isinstance(ref, RingRef) and ref.step == 5
+    snapshot = holder.ring.read(5)
+    assert snapshot is not None and snapshot.verify() is None
+    assert (
+        bytes(snapshot.files["model.pt#tensors"]) == b"abcd"
+        and snapshot.files["state.json"] == b"{}"
+    )
+    copy = holder.copy(5)  # for a reader that cannot map the ring: its own memory
+    holder.ring.read(5).files["model.pt#tensors"][0] ^= 1  # a bit flipped in the ring
+    assert "model.pt#tensors does not match" in holder.ring.read(5).verify()
+    assert copy.verify() is None
+    holder.discard(5)
+    assert holder.steps() == [] and holder.stats()["taken"] == 1
+
+
+def test_only_a_process_that_can_map_the_holders_ring_writes_into_it() -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    address = holder.channel(4096)
+    assert Ring.attach(address) is not None
+    assert Ring.attach({**address, "token": "00" * 16}) is None  # another ring behind that path
+    assert Ring.attach({**address, "path": "/proc/0/fd/0"}) is None  # another machine's
+    assert holder.channel(8192) is None  # bigger than its slots: sent instead
+    # keep + 1 slots must fit in the cap, beside what was sent
+    assert SnapshotHolder(cap_bytes=2**20, keep=2).channel(2**19) is None
+
+
+def test_the_ring_keeps_the_newest_and_drops_the_lost_attempts_later_snapshots() -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    ring = Ring.attach(holder.channel(4096))
+    for step in (1, 2, 3, 4):
+        slot, payload = ring.claim()
+        payload[:8] = step
+        files = {"model.pt#tensors": payload[:8]}
+        ring.commit(slot, step, {"model.pt#tensors": (0, 8, True)}, digest_all(files))
+        ring.keep_newest(2)
+    assert holder.steps() == [4, 3]
+    assert holder.stats()["taken"] == 4 and holder.stats()["dropped"] == 2
+    assert holder.drop_after(3) == [4] and holder.steps() == [3]
+    assert holder.ring.read(3).verify() is None

@@ -76,6 +76,10 @@ def test_with_the_memory_tier_a_failure_loses_one_step_and_the_weights_match_an_
     assert first["checkpoint"] == "memory:step_000000014" and first["load_s"] > 0
     assert m[M.CHECKPOINT_MEMORY_RESTORES] == 2 and m[M.CHECKPOINT_MEMORY_SNAPSHOTS] > 30
     assert m[M.CHECKPOINT_MEMORY_SNAPSHOT_TIME] > 0
+    # Rank 0 and the holder (the manager's process) share a machine: the snapshots went into
+    # the holder's shared memory, no call each; the restores read them there.
+    shared = "memory tier: snapshots go into the holder's shared memory (this machine)"
+    assert run.lines.count(shared) == 3, run.lines  # once an attempt
     assert all(exactly_once(a) for a in s["audit"])
     # The final checkpoint is a durable one, as always; its weights are bit for bit those of
     # the same job without failures.

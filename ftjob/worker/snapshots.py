@@ -3,7 +3,9 @@
 Taking: every ``every_n_steps`` steps rank 0 copies the model's and optimizer's tensors (the
 only part on the training thread: a memory copy, so the next step can change the weights) and
 hands the copy to a background thread, which packs it (:func:`pack`: each tensor's bytes as an
-array, the rest as small files), digests it and gives it to the run's holder. One snapshot is
+array, the rest as small files), digests it and gives it to the run's holder. On the holder's
+machine the copy is made straight into a slot of the holder's ring (shared memory; the thread
+commits the slot, nothing is sent); elsewhere the thread sends it through Ray. One snapshot is
 in flight at a time; a due snapshot while one is still being sent is skipped (training never
 waits for the tier). The state is the same on every rank (DDP), so rank 0's copy serves all of
 them.
@@ -25,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.storage.memory import Buffer, Snapshot
+from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all
 
 MEMORY_PREFIX = "memory:"
 TENSOR = "ftjob.tensor"  # (TENSOR, offset, dtype, shape) stands for a tensor in a skeleton
@@ -86,8 +90,9 @@ class Flat:
     regions: dict[Any, tuple[int, int]]
 
     @classmethod
-    def copy_of(cls, state: Any) -> Flat:
-        """The stall: each tensor copied once, into its place in the buffer."""
+    def copy_of(cls, state: Any, alloc: Callable[[int], Any] | None = None) -> Flat:
+        """The stall: each tensor copied once, into its place in the buffer (``alloc(n)``:
+        where the buffer lies, a uint8 tensor of ``n`` bytes; a new one by default)."""
         import torch
 
         def is_tensor(value: Any) -> bool:
@@ -102,7 +107,7 @@ class Flat:
                 if tensor.dtype == dtype:
                     offsets[i], end = end, end + tensor.numel() * tensor.element_size()
             regions[dtype] = (start, end)
-        buffer = torch.empty(end, dtype=torch.uint8)
+        buffer = torch.empty(end, dtype=torch.uint8) if alloc is None else alloc(end)
         views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
         sources = [t.detach() for t in tensors]
         if all(t.device.type == "cpu" for t in sources):
@@ -139,6 +144,48 @@ class Flat:
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
     """The tensor of ``dtype`` and ``shape`` stored at ``offset`` of a flat uint8 buffer."""
     return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+class Arena:
+    """Buffers laid out one after another in a ring slot's payload (a uint8 array): a
+    snapshot's tensors are copied straight into the memory the holder reads."""
+
+    class Full(Exception):
+        pass
+
+    def __init__(self, payload: np.ndarray) -> None:
+        self.payload, self.end = payload, 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        start = -(-self.end // ALIGN) * ALIGN
+        if start + nbytes > len(self.payload):
+            raise Arena.Full(f"{start + nbytes} bytes do not fit a slot of {len(self.payload)}")
+        self.end = start + nbytes
+        return self.payload[start : self.end]
+
+    def tensor(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.from_numpy(self.take(nbytes))
+
+    def place(self, files: dict[str, Buffer]) -> dict[str, tuple[int, int, bool]]:
+        """Where each file lies in the payload -- (offset, length, is an array) -- copying in
+        those that are not there yet (the skeletons and records :func:`pack` made)."""
+        base, layout = self.payload.ctypes.data, {}
+        for name, data in files.items():
+            if isinstance(data, np.ndarray):
+                offset = data.ctypes.data - base
+                if not (0 <= offset and offset + data.nbytes <= len(self.payload)):
+                    offset = self._copy_in(data)
+                layout[name] = (offset, data.nbytes, True)
+            else:
+                layout[name] = (self._copy_in(np.frombuffer(data, np.uint8)), len(data), False)
+        return layout
+
+    def _copy_in(self, data: np.ndarray) -> int:
+        view = self.take(data.nbytes)
+        view[:] = data
+        return view.ctypes.data - self.payload.ctypes.data
 
 
 def pack(states: dict[str, Flat], records: dict[str, Any]) -> dict[str, Buffer]:
@@ -196,6 +243,9 @@ class MemoryTier:
         log: Callable[[str], None],
     ) -> None:
         self.holder, self.every, self.cap_mb = holder, config.every_n_steps, config.max_mb
+        self.keep = config.keep
+        self.ring: Ring | bool | None = None  # None: not asked yet; False: snapshots are sent
+        self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
         self.enabled = holder is not None
         self._sending: threading.Thread | None = None
@@ -212,33 +262,92 @@ class MemoryTier:
     ) -> None:
         """Rank 0, after ``step``: copy the state (the stall) and send it in the background.
         ``tensors``: file name -> state dict (model, optimizer); ``records``: the JSON files
-        of the snapshot (state.json, config.json), built now."""
+        of the snapshot (state.json, config.json), built now. On the holder's machine the
+        copy goes straight into a slot of the holder's ring, and nothing is sent."""
         if self._sending is not None and self._sending.is_alive():
             self.skipped += 1  # the previous one is still being sent: training goes on
             return
         start = time.perf_counter()
-        size = state_bytes(tensors) / 2**20
-        if size > self.cap_mb:
+        size = state_bytes(tensors)
+        if size / 2**20 > self.cap_mb:
             self._turn_off(
-                f"the training state ({size:.0f} MB) does not fit in "
+                f"the training state ({size / 2**20:.0f} MB) does not fit in "
                 f"checkpoint.memory.max_mb={self.cap_mb:g}"
             )
             return
-        copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
+        if self.ring is None:
+            self.ring = self._open_ring(size)
+        slot, arena = None, None
+        if self.ring:
+            slot, payload = self.ring.claim()
+            arena = Arena(payload)
+        try:
+            copied = {
+                name: Flat.copy_of(state, arena.tensor if arena else None)
+                for name, state in tensors.items()
+            }
+        except Arena.Full:  # the state outgrew the slots: this one goes through Ray
+            self.ring.release(slot)
+            slot = arena = None
+            copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
         files_records = records()
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, time.perf_counter() - start)
         self._sending = threading.Thread(
             target=self._send,
-            args=(step, copied, files_records),
+            args=(step, copied, files_records, slot, arena),
             name="ftjob-snapshot",
             daemon=True,
         )
         self._sending.start()
 
-    def _send(self, step: int, states: dict[str, Flat], records: dict[str, Any]) -> None:
+    def _open_ring(self, state_size: int) -> Ring | bool:
+        """The holder's ring when this rank can write into it, else False (snapshots are sent):
+        slots with room for the state and its skeletons, ``keep + 1`` of them."""
+        slot_bytes = state_size + state_size // 8 + 2**20
+        try:
+            address = self.fetch(self.holder.channel.remote(slot_bytes))
+        except holder_errors():
+            return False
+        ring = self._attach(address) if address else None
+        self.log(
+            "memory tier: snapshots go into the holder's shared memory (this machine)"
+            if ring is not None
+            else "memory tier: snapshots are sent to the holder through Ray"
+        )
+        return ring or False
+
+    def _attach(self, address: dict[str, Any]) -> Ring | None:
+        """This process's mapping of the holder's ring (one per ring), or None: it cannot
+        map it (another machine)."""
+        key = address["path"] + address["token"]
+        if key not in self._rings:
+            self._rings[key] = Ring.attach(address)
+        return self._rings[key]
+
+    def _send(
+        self,
+        step: int,
+        states: dict[str, Flat],
+        records: dict[str, Any],
+        slot: int | None,
+        arena: Arena | None,
+    ) -> None:
         if not all(flat.all_finite() for flat in states.values()):
+            if slot is not None:
+                self.ring.release(slot)
             return  # diverged weights are never held (nor restored)
-        snapshot = Snapshot.of(step, pack(states, records))
+        files = pack(states, records)
+        if slot is not None:
+            try:
+                layout = arena.place(files)
+            except Arena.Full:
+                self.ring.release(slot)
+                return
+            self.ring.commit(slot, step, layout, digest_all(files))
+            self.ring.keep_newest(self.keep)
+            self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
+            return
+        snapshot = Snapshot.of(step, files)
         del states  # its arrays are views of the copy: the copy stays until the holder has it
         try:
             answer = self.fetch(self.holder.put.remote(snapshot))
@@ -325,6 +434,8 @@ class MemoryTier:
     def get(self, step: int) -> Snapshot | None:
         """The snapshot of ``step`` if it verifies (else dropped from the holder, said)."""
         snapshot, why = self.fetch(self.holder.get.remote(step)), None
+        if isinstance(snapshot, RingRef):
+            snapshot = self._read_ring(snapshot)
         if snapshot is not None and not isinstance(snapshot, Snapshot):
             try:  # its ObjectRef: read from Ray's object store
                 snapshot = self.fetch(snapshot)
@@ -337,5 +448,14 @@ class MemoryTier:
         self.log(f"memory snapshot of step {step} is not usable ({why}): skipped")
         return None
 
+    def _read_ring(self, ref: RingRef) -> Any:
+        """A snapshot in the holder's ring: read in place where this process can map the
+        ring (its arrays are the ring's memory: loaded before the next snapshot is written),
+        else a copy from the holder."""
+        ring = self._attach(ref.address)
+        if ring is not None:
+            return ring.read(ref.step)
+        return self.fetch(self.holder.copy.remote(ref.step))
 
-__all__ = ["MEMORY_PREFIX", "Flat", "MemoryTier", "pack", "state_bytes", "unpack"]
+
+__all__ = ["MEMORY_PREFIX", "Arena", "Flat", "MemoryTier", "pack", "state_bytes", "unpack"]
