@@ -147,6 +147,11 @@ def throughput_bench(runs: int) -> None:
                     f"tier {name}: {rates[name][-1]:.0f} img/s, snapshots {snaps:.0f}, stalled {stall:.2f} s"
                 )
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    # Each run beside the one before it: the machine drifts between pairs more than within one.
+    pairs = [a / b for a, b in zip(rates["on"], rates["off"], strict=True)]
+    print(
+        f"paired runs on/off: {' '.join(f'{p:.3f}' for p in pairs)}, median {statistics.median(pairs):.3f}"
+    )
     print(f"memory-tier throughput on/off = {on / off:.3f}")
 
 

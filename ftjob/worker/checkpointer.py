@@ -431,7 +431,7 @@ class Checkpointer:
         """Stop the upload thread (an attempt that ends early) and drop local scratch; the
         memory snapshot in flight gets a few seconds to reach the holder."""
         if self.memory is not None:
-            self.memory.wait(timeout=5.0)
+            self.memory.close(timeout=5.0)
         if self.uploader is not None:
             self.uploader.abandon()
         shutil.rmtree(self.local_root, ignore_errors=True)

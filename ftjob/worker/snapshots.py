@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import queue
 import threading
 import time
 import warnings
@@ -248,7 +249,12 @@ class MemoryTier:
         self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
         self.enabled = holder is not None
-        self._sending: threading.Thread | None = None
+        # One thread sends (or commits) the snapshots, one at a time; `_idle` while none is
+        # in flight.
+        self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
         self._offered: Snapshot | None = None  # rank 0: the snapshot a restore chose
         self.skipped = 0
 
@@ -264,7 +270,7 @@ class MemoryTier:
         ``tensors``: file name -> state dict (model, optimizer); ``records``: the JSON files
         of the snapshot (state.json, config.json), built now. On the holder's machine the
         copy goes straight into a slot of the holder's ring, and nothing is sent."""
-        if self._sending is not None and self._sending.is_alive():
+        if not self._idle.is_set():
             self.skipped += 1  # the previous one is still being sent: training goes on
             return
         start = time.perf_counter()
@@ -292,13 +298,20 @@ class MemoryTier:
             copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
         files_records = records()
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, time.perf_counter() - start)
-        self._sending = threading.Thread(
-            target=self._send,
-            args=(step, copied, files_records, slot, arena),
-            name="ftjob-snapshot",
-            daemon=True,
-        )
-        self._sending.start()
+        self._idle.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="ftjob-snapshot", daemon=True)
+            self._thread.start()
+        self._work.put((step, copied, files_records, slot, arena))
+
+    def _serve(self) -> None:
+        while (work := self._work.get()) is not None:
+            try:
+                self._send(*work)
+            except Exception as exc:  # never silently: the tier goes off, storage remains
+                self._turn_off(f"a snapshot failed ({type(exc).__name__}: {exc})")
+            finally:
+                self._idle.set()
 
     def _open_ring(self, state_size: int) -> Ring | bool:
         """The holder's ring when this rank can write into it, else False (snapshots are sent):
@@ -365,10 +378,19 @@ class MemoryTier:
             self.log(f"memory tier off for this run: {why}; restores read storage")
 
     def wait(self, timeout: float | None = None) -> None:
-        """Until the snapshot in flight, if any, is held (or ``timeout`` seconds): an attempt
-        that ends (an error, a notice) first lets its newest snapshot reach the holder."""
-        if self._sending is not None:
-            self._sending.join(timeout)
+        """Until the snapshot in flight, if any, is held (or ``timeout`` seconds)."""
+        self._idle.wait(timeout)
+
+    def close(self, timeout: float) -> None:
+        """An attempt that ends (an error, a notice) first lets its newest snapshot reach the
+        holder (up to ``timeout`` seconds); then the sending thread ends."""
+        self.wait(timeout)
+        if self._thread is not None:
+            try:
+                self._work.put_nowait(None)
+            except queue.Full:  # cannot be: the one in flight was taken off the queue
+                pass
+            self._thread = None
 
     def restored(self, step: int) -> None:
         """After every restore (of either tier, or of nothing: step 0), rank 0 drops the
