@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all
@@ -196,3 +197,51 @@ def test_the_ring_keeps_the_newest_and_drops_the_lost_attempts_later_snapshots()
     assert holder.stats()["taken"] == 4 and holder.stats()["dropped"] == 2
     assert holder.drop_after(3) == [4] and holder.steps() == [3]
     assert holder.ring.read(3).verify() is None
+
+
+@pytest.mark.ray
+def test_through_ray_a_snapshot_outlives_its_sender_and_a_reader_elsewhere_gets_a_copy() -> None:
+    """The holder as a run starts it (a Ray actor on embedded Ray), for ranks that cannot map
+    its ring (another machine): snapshots sent through Ray, kept in the holder's object store
+    after the sending process is gone; a ring snapshot copied out for such a reader."""
+    import ray
+
+    from ftjob import metrics as M
+    from ftjob.config import MemoryConfig
+    from ftjob.storage.memory import start_holder
+    from ftjob.worker.snapshots import MemoryTier
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    state = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict()}
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        holder = start_holder(64, 2)
+        config = MemoryConfig(enabled=True)
+
+        @ray.remote(num_cpus=0, max_calls=1)
+        def sender(step: int) -> None:  # a process that sends one snapshot, then ends
+            tier = MemoryTier(holder, config, 0, M.MetricSet(), ray.get, print)
+            tier.ring = False  # as a rank on another machine
+            tier.take(step, state, lambda: {"state.json": {"step": step}})
+            tier.close(timeout=30)
+
+        ray.get(sender.remote(7))  # its worker process exits after (max_calls)
+        reader = MemoryTier(holder, config, 1, M.MetricSet(), ray.get, print)
+        sent = reader.get(7)
+        assert sent is not None and sent.verify() is None
+        back = unpack(sent.files, "model.pt")
+        assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+        # A ring snapshot (written by a rank on the holder's machine: here, this process)...
+        writer = MemoryTier(holder, config, 0, M.MetricSet(), ray.get, print)
+        writer.take(8, state, lambda: {"state.json": {"step": 8}})
+        writer.close(timeout=30)
+        assert isinstance(writer.ring, Ring) and ray.get(holder.steps.remote()) == [8, 7]
+        # ...for a reader that cannot map the ring: a copy, through Ray.
+        copy = ray.get(ray.get(holder.copy.remote(8)))
+        assert copy.verify() is None and copy.digests == writer.get(8).digests
+    finally:
+        ray.shutdown()
