@@ -139,7 +139,8 @@ class MemoryConfig:
     """Snapshots held; older ones are dropped."""
     max_mb: float = 2048.0
     """Memory the held snapshots may take; a state bigger than this turns the tier off for
-    the run, with one line."""
+    the run, with one line. On the holder's machine its ring takes ``keep + 1`` slots of about
+    the state's size up front; where they do not fit, snapshots are sent through Ray."""
 
     def __post_init__(self) -> None:
         _at_least(self, "every_n_steps", 1)
