@@ -403,3 +403,22 @@ def test_diverged_weights_are_never_held_and_ranks_refuse_another_snapshot(
     assert checkpointer.memory.chosen(4, digests) is not None
     with pytest.raises(RuntimeError, match="does not verify here, or is another one"):
         checkpointer.memory.chosen(4, {**digests, "model.pt": "0" * 64})
+
+
+def test_a_snapshot_that_fails_turns_the_tier_off_with_a_line_and_nothing_waits_on_it(
+    tmp_path: Path, channel: str
+) -> None:
+    holder, checkpointer, ledger = tiered(tmp_path, channel)
+    tier = checkpointer.memory
+    model, optimizer = model_and_optimizer(0)
+    state = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict()}
+    tier.take(1, state, lambda: {"state.json": {"step": object()}})  # cannot be written as JSON
+    tier.wait(timeout=30)
+    assert not tier.enabled and not tier.due(2) and holder.steps() == []
+    said = [args[0] for name, args in ledger.calls if name == "log"]
+    assert any("memory tier off for this run: a snapshot failed (TypeError" in s for s in said)
+    sender = tier._thread
+    assert sender is not None and sender.is_alive()  # it lived through the failure
+    tier.close(timeout=30)
+    sender.join(timeout=10)
+    assert not sender.is_alive()  # and ends with the attempt

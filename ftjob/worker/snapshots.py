@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import queue
 import threading
@@ -33,6 +34,8 @@ import numpy as np
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all
+
+logger = logging.getLogger(__name__)
 
 MEMORY_PREFIX = "memory:"
 TENSOR = "ftjob.tensor"  # (TENSOR, offset, dtype, shape) stands for a tensor in a skeleton
@@ -308,7 +311,8 @@ class MemoryTier:
         while (work := self._work.get()) is not None:
             try:
                 self._send(*work)
-            except Exception as exc:  # never silently: the tier goes off, storage remains
+            except Exception as exc:  # the thread's boundary: it must live on to serve `close`
+                logger.exception("memory tier: a snapshot failed")  # the bug, in the worker log
                 self._turn_off(f"a snapshot failed ({type(exc).__name__}: {exc})")
             finally:
                 self._idle.set()
