@@ -16,7 +16,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig, MemoryConfig
 from ftjob.storage.fs import RetryingFileSystem
-from ftjob.storage.memory import Snapshot, SnapshotHolder
+from ftjob.storage.memory import Ring, Snapshot, SnapshotHolder
 from ftjob.storage.retry import RetryPolicy
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
 from ftjob.worker.context import DirectHandle
@@ -320,7 +320,7 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(
         optimizer.step()
         step_done(checkpointer, TrainState(step=step, position=32 * step), model, optimizer)
     assert holder.steps() == [13, 12]
-    assert (holder.ring is not None) == (channel == "ring")
+    assert isinstance(checkpointer.memory.ring, Ring) == (channel == "ring")  # written there
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOTS) == 3
     assert checkpointer.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) > 0
     expected = weights(model)
@@ -422,3 +422,22 @@ def test_a_snapshot_that_fails_turns_the_tier_off_with_a_line_and_nothing_waits_
     tier.close(timeout=30)
     sender.join(timeout=10)
     assert not sender.is_alive()  # and ends with the attempt
+
+
+def test_a_state_that_outgrows_the_ring_is_sent_with_a_line(tmp_path: Path) -> None:
+    holder, checkpointer, ledger = tiered(tmp_path, "ring")
+    tier = checkpointer.memory
+    model, optimizer = model_and_optimizer(0)
+    tier.take(1, {"model.pt": model.state_dict()}, lambda: {})
+    tier.wait(timeout=30)
+    assert isinstance(tier.ring, Ring) and holder.steps() == [1]
+    grown = {"model.pt": {**model.state_dict(), "extra": torch.zeros(2**19)}}  # 2 MB more
+    tier.take(2, grown, lambda: {})
+    tier.wait(timeout=30)
+    assert tier.ring is False and holder.steps() == [2, 1]  # 2: sent; 1: still in the ring
+    assert tier.get(2) is not None and tier.get(1) is not None
+    said = [args[0] for name, args in ledger.calls if name == "log"]
+    assert (
+        said.count("memory tier: the state outgrew the holder's shared memory; sent through Ray")
+        == 1
+    )

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all
+from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
 from ftjob.worker.snapshots import Flat, pack, unpack
 
 ROOT = Path(__file__).resolve().parents[1]
+HERE = machine()
 
 
 def snapshot(step: int, size: int = 100) -> Snapshot:
@@ -152,8 +153,8 @@ def test_a_rank_on_the_holders_machine_writes_into_its_ring_and_a_torn_write_is_
     None
 ):
     holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    address = holder.channel(4096)
-    assert address is not None and holder.channel(4096) == address  # one ring
+    address = holder.channel(4096, HERE)
+    assert address is not None and holder.channel(4096, HERE) == address  # one ring
     writer = subprocess.run([sys.executable, "-c", WRITER, json.dumps(address)], cwd=ROOT)
     assert writer.returncode == -9  # killed between its claim and its commit
     assert holder.steps() == [5]  # the committed one; the torn one is not listed
@@ -175,18 +176,24 @@ def test_a_rank_on_the_holders_machine_writes_into_its_ring_and_a_torn_write_is_
 
 def test_only_a_process_that_can_map_the_holders_ring_writes_into_it() -> None:
     holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    address = holder.channel(4096)
+    address = holder.channel(4096, HERE)
     assert Ring.attach(address) is not None
     assert Ring.attach({**address, "token": "00" * 16}) is None  # another ring behind that path
     assert Ring.attach({**address, "path": "/proc/0/fd/0"}) is None  # another machine's
-    assert holder.channel(8192) is None  # bigger than its slots: sent instead
+    assert Ring.attach({**address, "path": "/etc/passwd"}) is None  # never another path
+    assert holder.channel(4096, "another machine") is None
+    assert holder.channel(8192, HERE) is None  # bigger than its slots: sent instead
     # keep + 1 slots must fit in the cap, beside what was sent
-    assert SnapshotHolder(cap_bytes=2**20, keep=2).channel(2**19) is None
+    assert SnapshotHolder(cap_bytes=2**20, keep=2).channel(2**19, HERE) is None
+    # A ring made for a writer that then could not map it gives its room back to sent ones.
+    unused = SnapshotHolder(cap_bytes=2**20, keep=1)
+    assert unused.channel(2**18, HERE) is not None
+    assert unused.put(snapshot(1, size=2**19 + 2**18))["kept"] and unused.ring is None
 
 
 def test_the_ring_keeps_the_newest_and_drops_the_lost_attempts_later_snapshots() -> None:
     holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    ring = Ring.attach(holder.channel(4096))
+    ring = Ring.attach(holder.channel(4096, HERE))
     for step in (1, 2, 3, 4):
         slot, payload = ring.claim()
         payload[:8] = step

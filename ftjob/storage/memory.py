@@ -20,7 +20,9 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import secrets
+import stat
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +80,17 @@ class Snapshot:
         return Snapshot(self.step, files, self.digests, self.taken)
 
 
+def machine() -> str:
+    """Which kernel and pid namespace this process runs in: two processes that agree can map
+    each other's memory files through ``/proc/<pid>/fd``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
 class Ring:
     """Snapshot slots in one block of shared memory: the channel from a rank to the holder on
     its machine that costs no call per snapshot (the Ray path costs an actor call carrying the
@@ -97,12 +110,13 @@ class Ring:
     no snapshot is being written (a restore, before training resumes)."""
 
     MAGIC = b"ftjob-snapshots1"
+    TOKEN = 16
     HEAD = 64  # magic, token, taken, dropped
     SLOT_HEAD = 64 * 1024  # state, step, JSON length, JSON
     EMPTY, WRITING, COMMITTED = 0, 1, 2
 
-    def __init__(self, memory: mmap.mmap, address: dict[str, Any]) -> None:
-        self.memory, self.address = memory, address
+    def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int | None = None) -> None:
+        self.memory, self.address, self.fd = memory, address, fd  # fd: the holder's, kept open
         self.slots, self.slot_bytes = address["slots"], address["slot_bytes"]
 
     @classmethod
@@ -117,6 +131,7 @@ class Ring:
     def create(cls, slots: int, slot_bytes: int) -> Ring:
         """A new ring, its memory reserved now (a machine short of it says so here, not with a
         bus error in the middle of a snapshot). Raises OSError where there is no memfd."""
+        slot_bytes = -(-slot_bytes // 64) * 64  # every payload starts 64-byte aligned
         size = cls.size(slots, slot_bytes)
         fd = os.memfd_create("ftjob-snapshots", os.MFD_CLOEXEC)
         try:
@@ -126,50 +141,55 @@ class Ring:
         except OSError:
             os.close(fd)
             raise
-        token = secrets.token_bytes(16)
-        memory[: len(cls.MAGIC) + 16] = cls.MAGIC + token
+        token = secrets.token_bytes(cls.TOKEN)
+        memory[: len(cls.MAGIC) + cls.TOKEN] = cls.MAGIC + token
         address = {
             "path": f"/proc/{os.getpid()}/fd/{fd}",
             "token": token.hex(),
             "slots": slots,
             "slot_bytes": slot_bytes,
         }
-        ring = cls(memory, address)
-        ring.fd = fd  # kept open: the memory lives while the holder does
-        return ring
+        return cls(memory, address, fd)  # the fd kept open: the memory lives while the holder does
 
     @classmethod
     def attach(cls, address: dict[str, Any]) -> Ring | None:
         """The holder's ring, when this process can map it (same machine, and the token
         matches), else None."""
+        if not re.fullmatch(r"/proc/\d+/fd/\d+", str(address.get("path"))):
+            return None  # only a holder's memory file, never another path
         try:
             fd = os.open(address["path"], os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             size = cls.size(address["slots"], address["slot_bytes"])
-            if os.fstat(fd).st_size != size:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != size:
                 return None
             memory = mmap.mmap(fd, size)
         except OSError:
             return None
         finally:
             os.close(fd)  # the mapping keeps the memory
-        if memory[: len(cls.MAGIC) + 16] != cls.MAGIC + bytes.fromhex(address["token"]):
+        if memory[: len(cls.MAGIC) + cls.TOKEN] != cls.MAGIC + bytes.fromhex(address["token"]):
             memory.close()
             return None
         return cls(memory, address)
 
     def close(self) -> None:
-        self.memory.close()
-        if (fd := getattr(self, "fd", None)) is not None:
-            os.close(fd)
+        """The holder lets its ring go (its memory goes once no process maps it)."""
+        if self.fd is not None:
+            os.close(self.fd)
             self.fd = None
+        try:
+            self.memory.close()
+        except BufferError:  # arrays still view it: the mapping goes with the last of them
+            pass
 
     # -- counts and slot headers ------------------------------------------------------------
 
     def _count(self, which: int, add: int = 0) -> int:
-        at = len(self.MAGIC) + 16 + 8 * which
+        at = len(self.MAGIC) + self.TOKEN + 8 * which  # one writer: its rank
         value = struct.unpack_from("<Q", self.memory, at)[0] + add
         if add:
             struct.pack_into("<Q", self.memory, at, value)
@@ -201,12 +221,9 @@ class Ring:
 
     def claim(self) -> tuple[int, np.ndarray]:
         """A slot to write the next snapshot into, marked as being written, and its payload:
-        an empty slot, else the oldest snapshot's (never the newest: there are >= 2 slots)."""
-        held = self.committed()
-        free = [s for s in range(self.slots) if s not in held.values()]
-        slot = free[0] if free else held[min(held)]
-        if not free:
-            self._count(1, add=1)
+        one not committed (the writer keeps at most ``slots - 1`` committed, :meth:`keep_newest`)."""
+        held = set(self.committed().values())
+        slot = next(s for s in range(self.slots) if s not in held)
         self._set_state(slot, self.WRITING)
         return slot, self.payload(slot)
 
@@ -223,7 +240,9 @@ class Ring:
     ) -> None:
         """Slot ``slot`` holds the snapshot of ``step``: each file at (offset, length, is an
         array) of the payload, with its digest. Then the oldest beyond ``keep`` go."""
-        header = json.dumps({"files": layout, "digests": digests, "taken": time.time()}).encode()
+        header = json.dumps(
+            {"step": step, "files": layout, "digests": digests, "taken": time.time()}
+        ).encode()
         if 24 + len(header) > self.SLOT_HEAD:
             raise ValueError(f"a snapshot header of {len(header)} bytes does not fit a slot's")
         start = self._start(slot)
@@ -266,6 +285,8 @@ class Ring:
             header = json.loads(bytes(self.memory[start + 24 : start + 24 + length]))
         except ValueError:
             return None  # a header overwritten under the reader: not this snapshot
+        if header.get("step") != step:
+            return None
         payload, files = self.payload(slot), {}
         for name, (offset, size, is_array) in header["files"].items():
             data = payload[offset : offset + size]
@@ -299,11 +320,14 @@ class SnapshotHolder:
         self.taken = self.dropped = 0
         self.ring: Ring | None = None
 
-    def channel(self, slot_bytes: int) -> dict[str, Any] | None:
-        """The ring's address for a writer whose snapshots take at most ``slot_bytes``
-        (creating the ring the first time), or None: the writer sends them (:meth:`put`).
-        None when ``keep + 1`` such slots do not fit in the cap, when the ring has smaller
-        slots, or where there is no shared memory to make one."""
+    def channel(self, slot_bytes: int, where: str) -> dict[str, Any] | None:
+        """The ring's address for a writer on machine ``where`` (:func:`machine`) whose
+        snapshots take at most ``slot_bytes`` (creating the ring the first time), or None:
+        the writer sends them (:meth:`put`). None for a writer on another machine, when
+        ``keep + 1`` such slots do not fit in the cap, when the ring has smaller slots, or
+        where there is no shared memory to make one."""
+        if not where or where != machine():
+            return None
         if self.ring is None:
             slots = self.keep + 1  # the newest `keep`, and the one being written
             if Ring.size(slots, slot_bytes) > self.cap_bytes - self._sent_bytes():
@@ -320,6 +344,9 @@ class SnapshotHolder:
         it keeps its copy in Ray's object store, owned by itself: a reader on this node maps
         it without a copy."""
         room = self.cap_bytes - self._ring_bytes()
+        if snapshot.nbytes > room and self.ring is not None and not self.ring.counts()[0]:
+            self.ring.close()  # made for a writer that never wrote into it: its room back
+            self.ring, room = None, self.cap_bytes
         if snapshot.nbytes > room:
             return {
                 "kept": False,
@@ -423,5 +450,6 @@ __all__ = [
     "SnapshotHolder",
     "digest",
     "digest_all",
+    "machine",
     "start_holder",
 ]

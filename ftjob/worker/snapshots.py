@@ -33,7 +33,7 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all
+from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all, machine
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class Arena:
     snapshot's tensors are copied straight into the memory the holder reads."""
 
     class Full(Exception):
-        pass
+        """The snapshot does not fit the slot."""
 
     def __init__(self, payload: np.ndarray) -> None:
         self.payload, self.end = payload, 0
@@ -295,8 +295,8 @@ class MemoryTier:
                 name: Flat.copy_of(state, arena.tensor if arena else None)
                 for name, state in tensors.items()
             }
-        except Arena.Full:  # the state outgrew the slots: this one goes through Ray
-            self.ring.release(slot)
+        except Arena.Full:
+            self._outgrew_ring(slot)
             slot = arena = None
             copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
         files_records = records()
@@ -322,7 +322,7 @@ class MemoryTier:
         slots with room for the state and its skeletons, ``keep + 1`` of them."""
         slot_bytes = state_size + state_size // 8 + 2**20
         try:
-            address = self.fetch(self.holder.channel.remote(slot_bytes))
+            address = self.fetch(self.holder.channel.remote(slot_bytes, machine()))
         except holder_errors():
             return False
         ring = self._attach(address) if address else None
@@ -332,6 +332,12 @@ class MemoryTier:
             else "memory tier: snapshots are sent to the holder through Ray"
         )
         return ring or False
+
+    def _outgrew_ring(self, slot: int) -> None:
+        """The state outgrew the ring's slots: this snapshot and the rest are sent."""
+        self.ring.release(slot)
+        self.ring = False
+        self.log("memory tier: the state outgrew the holder's shared memory; sent through Ray")
 
     def _attach(self, address: dict[str, Any]) -> Ring | None:
         """This process's mapping of the holder's ring (one per ring), or None: it cannot
@@ -357,13 +363,13 @@ class MemoryTier:
         if slot is not None:
             try:
                 layout = arena.place(files)
-            except Arena.Full:
-                self.ring.release(slot)
+            except Arena.Full:  # sent instead (its arrays still lie in the slot: not reused)
+                self._outgrew_ring(slot)
+            else:
+                self.ring.commit(slot, step, layout, digest_all(files))
+                self.ring.keep_newest(self.keep)
+                self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
                 return
-            self.ring.commit(slot, step, layout, digest_all(files))
-            self.ring.keep_newest(self.keep)
-            self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
-            return
         snapshot = Snapshot.of(step, files)
         del states  # its arrays are views of the copy: the copy stays until the holder has it
         try:
@@ -391,8 +397,8 @@ class MemoryTier:
         self.wait(timeout)
         if self._thread is not None:
             try:
-                self._work.put_nowait(None)
-            except queue.Full:  # cannot be: the one in flight was taken off the queue
+                self._work.put(None, timeout=5.0)
+            except queue.Full:  # the thread is stuck in a call to a holder that is gone
                 pass
             self._thread = None
 
