@@ -257,3 +257,17 @@ def run_locally(
         run_started=started,
     )
     return LocalRun(summary, snapshot, prep, errors, actions, lines)
+
+
+def stop_when(condition: Any, reason: str = "SIGTERM") -> Any:
+    """A driver told to stop (SIGTERM) the moment ``condition(snapshot)`` holds."""
+
+    def during(ledger: Any) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if condition(ledger.snapshot.remote()):
+                ledger.request_stop.remote(reason, time.time())
+                return
+            time.sleep(0.05)
+
+    return during

@@ -121,7 +121,8 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
     `ray job submit --working-dir` runs a job on real image files, decoded by Ray Data on the
     cluster, that succeeds and leaves the cluster up; the dashboard's Train view lists the run,
     its attempt and its workers; `ray job stop` on a second job is a preemption notice: a
-    just-in-time checkpoint, status preempted, the resume command, no training worker left."""
+    just-in-time checkpoint, status preempted, the resume command (printed, and in the
+    summary), no training worker left."""
     port, dashboard = _free_port(), _free_port()
     address = f"http://127.0.0.1:{dashboard}"
     head = head_node(port, dashboard)
@@ -192,6 +193,8 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
         jit_step = int(s["error"].rsplit(" ", 1)[-1])
         assert jit_step >= 10 and s["checkpoints"]["latest"].endswith(f"step_{jit_step:09d}")
         assert "resume=true" in s["resume_command"] and "name=stopped" in s["resume_command"]
+        assert s["metrics"][M.PREEMPTION_COUNT] == 1
+        assert "to continue from" in job_logs(dashboard, "ftjob-stopped")
         deadline = time.monotonic() + 60
         while ray_train_workers():  # torn down with the job's driver
             assert time.monotonic() < deadline, "training workers outlived the stopped job"

@@ -1,16 +1,16 @@
-"""End-to-end signals: SIGTERM to the driver and SIGTERM to a training worker, each notice a
-just-in-time checkpoint of the current step (no step lost, every sample trained once); then
-SIGSTOP to a training worker: a hang, found by its silence, its stack read, the worker SIGKILLed
-and the group restarted by Ray Train. Also: one driver per run, and a resume past a damaged
-checkpoint. (A node drained with notice, Ray's drain API, is in the S3 run: test_s3.py; a slow
-rank named as a straggler, a slow upload that is no hang and the restart-loop guard are tested
-in-process: test_worker_local.py; the hang and straggler decisions in test_hang.py.)"""
+"""End-to-end signals on Ray: a resume past a damaged checkpoint by one driver (a second is
+refused), a SIGTERM to a training worker, a notice with a just-in-time checkpoint of the
+current step (no step lost, every sample trained once); then SIGSTOP to a training worker: a
+hang, found by its silence, its stack read, the worker SIGKILLed and the group restarted by
+Ray Train. (SIGTERM to the driver, as `ray job stop` sends it, is in test_e2e.py; a node
+drained with notice, Ray's drain API, in the S3 run: test_s3.py; a slow rank named as a
+straggler, a slow upload that is no hang and the restart-loop guard are tested in-process:
+test_worker_local.py; the hang and straggler decisions in test_hang.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 from pathlib import Path
 
@@ -18,7 +18,8 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.helpers import read_until, run_ftjob, start_ftjob
+from tests.helpers import compose_job, read_until, run_ftjob, start_ftjob
+from tests.local_run import run_locally, stop_when
 
 pytestmark = pytest.mark.ray
 
@@ -47,14 +48,13 @@ def train_worker_pids(root: int) -> list[int]:
     return sorted(found)
 
 
-def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_a_worker_sigterm_and_a_hang(
-    tmp_path,
-):
-    """A driver told to stop (SIGTERM: Kubernetes, SLURM, ray job stop) saves its current step
-    and says how to resume, while a second driver for the run is refused; the resume falls
-    back past a damaged checkpoint (quarantined, never deleted), a SIGTERM to one of its
-    training workers (a pod stopping it) saves that step too, a worker stopped later (SIGSTOP)
-    is found hung within 30 s by the learned timeouts, and every sample is trained once."""
+def test_a_resume_past_a_damaged_checkpoint_one_driver_a_worker_sigterm_and_a_hang(tmp_path):
+    """A run stopped with a just-in-time checkpoint (the driver told to stop, here in-process;
+    `ray job stop`, a SIGTERM to a real driver, is test_e2e.py's) is resumed by a driver on
+    Ray: it falls back past the damaged just-in-time checkpoint (quarantined, never deleted)
+    while a second driver for the run is refused, naming the holder; a SIGTERM to one of its
+    training workers (a pod stopping it) saves that step; a worker stopped later (SIGSTOP) is
+    found hung within 30 s by the learned timeouts; every sample is trained once."""
     storage = tmp_path / "store"
     job = [
         "+experiment=digits_ft",
@@ -63,34 +63,16 @@ def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_a_worker_
         f"checkpoint.storage_path={storage}",
         "trainer.audit_samples=true",
     ]
-    run_dir = tmp_path / "first"
-    first = start_ftjob(job, run_dir, tmp_path)
-    lines: list[str] = []
-    try:
-        read_until(first, "checkpoints: ", lines, timeout=120)
-        # A second driver for the same run, while the first lives: refused, naming the holder.
-        second, _ = run_ftjob(job, tmp_path / "second", timeout=120)
-        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
-        assert "being trained by another driver" in second.stderr
-        assert f":{first.pid}" in second.stderr
-        read_until(first, "checkpoint step 20 committed", lines, timeout=240)
-        first.send_signal(signal.SIGTERM)
-        out, _ = first.communicate(timeout=120)
-        lines.append(out)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 143, "".join(lines)[-4000:]
-    s = json.loads((run_dir / "summary.json").read_text())
-    assert s["status"] == "preempted"
-    assert "after a just-in-time checkpoint of step" in s["error"]
+    first = run_locally(
+        compose_job(*job),
+        tmp_path / "first",
+        during=stop_when(lambda snap: any(a["max_step"] >= 21 for a in snap["attempts"])),
+    )
+    s = first.summary
+    assert s["status"] == "preempted", (s["error"], first.errors)
     jit_step = int(s["error"].rsplit(" ", 1)[-1])
     latest = s["checkpoints"]["latest"]
     assert jit_step > 20 and latest.endswith(f"step_{jit_step:09d}")
-    assert s["metrics"][M.PREEMPTION_COUNT] == 1
-    command = s["resume_command"]
-    assert "name=term" in command and "resume=true" in command and "trainer.epochs=3" in command
-    assert any("to continue from" in line for line in lines)
 
     # The just-in-time checkpoint is damaged while nobody runs: the resume must fall back to
     # the one before it.
@@ -107,9 +89,15 @@ def test_sigterm_to_the_driver_then_a_resume_past_a_damaged_checkpoint_a_worker_
     # progress line): after the worker SIGTERM's restart (~step 32) and the new attempt's
     # settling steps, so its timeouts are learned, and mid-epoch.
     hang = ["chaos=hang", "chaos.at_steps=[50]"]
-    resumed = start_ftjob([*shlex.split(command)[3:], *hang], run_dir, tmp_path)
-    lines = []
+    resumed = start_ftjob([*job, "resume=true", *hang], run_dir, tmp_path)
+    lines: list[str] = []
     try:
+        read_until(resumed, "checkpoints: ", lines, timeout=120)
+        # A second driver for the same run, while the first lives: refused, naming the holder.
+        second, _ = run_ftjob([*job, "resume=true"], tmp_path / "second", timeout=120)
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "being trained by another driver" in second.stderr
+        assert f":{resumed.pid}" in second.stderr
         read_until(resumed, "loss", lines, timeout=240)  # a progress line: training again
         [worker, *_] = train_worker_pids(resumed.pid)
         os.kill(worker, signal.SIGTERM)

@@ -19,7 +19,7 @@ import torch
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
 from tests.helpers import compose_job
-from tests.local_run import run_locally
+from tests.local_run import run_locally, stop_when
 
 pytestmark = pytest.mark.worker
 
@@ -173,20 +173,6 @@ def test_a_run_resumed_by_name_on_fewer_workers_continues_exactly(tmp_path: Path
     assert epoch0["resumed_at"] == 10 * 64
     assert epoch0["unique"] == 12 * 64 and epoch0["missing"] == 0
     assert epoch1["unique"] == 1408 and epoch1["missing"] == 0 and epoch1["duplicates"] == 0
-
-
-def stop_when(condition: Any, reason: str = "SIGTERM") -> Any:
-    """A driver told to stop (SIGTERM) the moment ``condition(snapshot)`` holds."""
-
-    def during(ledger: Any) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if condition(ledger.snapshot.remote()):
-                ledger.request_stop.remote(reason, time.time())
-                return
-            time.sleep(0.05)
-
-    return during
 
 
 def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(tmp_path: Path):
