@@ -11,7 +11,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.cli.report import main as report
-from ftjob.reporting.timeline import marks, phase_spans, write_timeline
+from ftjob.reporting.timeline import marks, phase_spans, training_label, write_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_000_000.0
@@ -101,6 +101,13 @@ def test_every_phase_is_drawn_at_its_real_length_after_its_cause() -> None:
         ("hang", 85.0),
         ("notice", 70.0),
     ]
+
+
+def test_the_training_band_names_the_waits_it_spans() -> None:
+    # The band is everything no phase covers: its legend says what besides training it holds.
+    buckets = {"training": 2.8, "data_wait": 5.2, "validation": 0.24, "checkpoint": 0.01}
+    assert training_label(buckets) == "training (2.8 s)\nwith data wait 5.2, validation 0.2 s"
+    assert training_label({"training": 3.0}) == "training (3.0 s)"
 
 
 def test_the_picture_is_written_and_the_report_command_draws_it_again(

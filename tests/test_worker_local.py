@@ -54,6 +54,8 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     assert steps == sorted(set(steps)) and 40 in steps and steps[-1] == 44
     assert [a["epoch"] for a in s["audit"]] == [0, 1]
     assert all(exactly_once(a) and a["unique"] == 1408 for a in s["audit"])
+    t = s["timing"]  # the first attempt's train function started before its first step
+    assert t["started"] <= t["workers_started"] < t["first_step"] < t["finished"]
 
 
 def final_weights(run: Any) -> dict[str, torch.Tensor]:

@@ -297,6 +297,7 @@ def build_summary(
             "resizes": resizes,
             "timing": {
                 "started": snap["started"],
+                "workers_started": snap["attempts"][0]["started"] if snap["attempts"] else None,
                 "first_step": first["time"] if first else None,
                 "finished": snap["finished"],
             },

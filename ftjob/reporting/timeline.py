@@ -149,7 +149,7 @@ def _phases(ax: Any, summary: dict[str, Any], found: list[tuple[str, float, str]
     ax.set_ylim(0, 1)
     ax.set_yticks([])
     buckets = (summary.get("goodput") or {}).get("buckets") or {}
-    handles = [Patch(color="#c8e6c9", label=f"training ({finite(buckets.get('training')):.1f} s)")]
+    handles = [Patch(color="#c8e6c9", label=training_label(buckets))]
     drawn = {name for name, _, _ in spans}
     for name, colour in PHASES.items():
         seconds = finite(buckets.get(name))
@@ -206,3 +206,25 @@ def _quality(
 
 
 __all__ = ["TIMELINE_FILE", "draw_timeline", "marks", "phase_spans", "write_timeline"]
+
+
+# The buckets the training band holds besides training itself (no phase of their own).
+IN_TRAINING = {
+    "data_wait": "data wait",
+    "validation": "validation",
+    "checkpoint": "checkpoints",
+    "redone": "redone steps",
+}
+
+
+def training_label(buckets: dict[str, Any]) -> str:
+    """The training band's legend entry: its training seconds, and the other buckets it spans
+    (waiting for data, validating, checkpointing, steps trained again), so the band's length
+    and its label agree."""
+    label = f"training ({finite(buckets.get('training')):.1f} s)"
+    within = [
+        f"{name} {finite(buckets.get(key)):.1f}"
+        for key, name in IN_TRAINING.items()
+        if finite(buckets.get(key)) >= 0.05
+    ]
+    return label + (f"\nwith {', '.join(within)} s" if within else "")
