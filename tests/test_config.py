@@ -136,6 +136,7 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("checkpoint.storage_path=nosuch://bucket/ck", "checkpoint.storage_path"),
         ("dataset.image_size=4", "dataset.image_size"),
         ("trainer.placement=STRICT", "trainer.placement"),
+        ("trainer.decode_in=gpu", "trainer.decode_in"),
         ("chaos.at_steps=[10]", "chaos.at_steps"),
         ("ray.object_pull_timeout_ms=0", "ray.object_pull_timeout_ms"),
         ("ray.health_check_period_ms=50", "ray.health_check_period_ms"),

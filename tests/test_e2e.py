@@ -141,6 +141,7 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
             "dataset.image_size=16",
             "dataset.resize_size=18",
             "trainer.epochs=3",
+            "trainer.decode_in=ray",  # auto would decode in the workers on a 2-core machine
             "trainer.batch_size=8",
             "trainer.lr=0.01",
             "ray.address=auto",  # the cluster the job's driver runs on

@@ -134,4 +134,5 @@ def test_a_resume_past_a_damaged_checkpoint_one_driver_a_worker_sigterm_and_a_ha
     assert s2["metrics"][M.HANG_COUNT] == 1
     assert 0 < s2["metrics"][M.HANG_DETECTION_TIME] < 30.0
     assert "hang: rank" in console and "stack captured (py-spy)" in console
+    assert "data: decoding in" in console  # where, and why (trainer.decode_in=auto)
     assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs

@@ -602,6 +602,7 @@ class RayConfig:
 
 
 PRECISIONS = ("fp32", "bf16")
+DECODE_PLACES = ("auto", "worker", "ray")
 PLACEMENTS = ("PACK", "SPREAD")
 
 
@@ -631,6 +632,7 @@ class TrainerConfig:
     validation_cache_mb: int = 512
     decode_cpus: float = 1.0
     decode_window_mb: float = 256
+    decode_in: str = "auto"  # worker | ray | auto: where training batches are decoded
     precision: str = "fp32"
     channels_last: bool = False
     placement: str | None = None
@@ -673,6 +675,14 @@ class TrainerConfig:
         )
         self._check_optimisation()
         _require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
+        _require(
+            self.decode_in in DECODE_PLACES,
+            g,
+            "decode_in",
+            self.decode_in,
+            f"must be one of {list(DECODE_PLACES)} (auto: in the training process when its "
+            "node has no core to spare beside the CPU training workers, else in Ray Data)",
+        )
         _require(
             self.decode_window_mb > 0,
             g,

@@ -67,6 +67,29 @@ def configure_ray_data() -> None:
     logging.getLogger("ray.data._internal.execution.streaming_executor").setLevel(logging.WARNING)
 
 
+def decode_in_worker(
+    setting: str, use_gpu: bool, cores: int, local_workers: int, worker_cpus: float
+) -> tuple[bool, str]:
+    """Where a rank decodes its batches (``trainer.decode_in``): in its own process (True) or
+    in Ray Data tasks (False), and why. ``auto``: Ray Data's decode tasks run beside the
+    training process, so they pay only where the node has cores the training does not use --
+    a GPU worker's node, or spare CPUs. CPU training that holds every core of its node
+    (``local_workers x worker_cpus``) would share those cores with the tasks and pay Ray Data's
+    start-up, processes and object-store copies on top (measured on 2 cores, 2 workers, JPEGs:
+    from the first step to the end 10-11.5 s in the process against 15.4-16 s in Ray Data)."""
+    if setting != "auto":
+        return setting == "worker", f"trainer.decode_in={setting}"
+    if use_gpu:
+        return False, "GPU training: Ray Data decodes on the node's CPUs"
+    spare = cores - local_workers * worker_cpus
+    if spare < 1:
+        return True, (
+            f"{cores} cores for {local_workers} CPU training workers of {worker_cpus:g} CPU on "
+            "this node: none to spare for Ray Data's decode tasks"
+        )
+    return False, f"{spare:g} of {cores} cores on this node to spare beside the training"
+
+
 class RayDataStream:
     """Streams catalog rows through ``dataset.decode`` in Ray Data, in the given order."""
 

@@ -183,6 +183,18 @@ def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
     return snap["attempts"][0]["first_step"] if snap["attempts"] else None
 
 
+def _timing(snap: dict[str, Any]) -> dict[str, float | None]:
+    """Wall-clock times: the driver started, the first attempt's train function started on
+    rank 0, its first step ended, the run finished."""
+    first = _first_step(snap)
+    return {
+        "started": snap["started"],
+        "workers_started": snap["attempts"][0]["started"] if snap["attempts"] else None,
+        "first_step": first["time"] if first else None,
+        "finished": snap["finished"],
+    }
+
+
 def summary_metrics(
     snap: dict[str, Any], failures: list[dict[str, Any]], storage: StorageStats
 ) -> dict[str, float]:
@@ -295,12 +307,7 @@ def build_summary(
             **_records(snap, failures, storage, config),
             "world_sizes": [a.get("world_size") for a in snap["attempts"]],
             "resizes": resizes,
-            "timing": {
-                "started": snap["started"],
-                "workers_started": snap["attempts"][0]["started"] if snap["attempts"] else None,
-                "first_step": first["time"] if first else None,
-                "finished": snap["finished"],
-            },
+            "timing": _timing(snap),
             "goodput": accounted,
         }
     )

@@ -44,6 +44,7 @@ class WorkerContext:
     fetch: Callable[[Any], Any]  # the value of an object the driver put in the object store
     prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
     decode_here: bool = False  # decode every window in this process, not in Ray Data tasks
+    local_world: int = 1  # training workers on this node
     drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None
     ray_signals: bool = False  # SIGTERM to this process arrives through Ray's handler
     teardown: Callable[[], None] = wait_to_be_torn_down
@@ -66,6 +67,7 @@ def ray_context(ledger: Any) -> WorkerContext:
     return WorkerContext(
         rank=rank,
         world=ctx.get_world_size(),
+        local_world=ctx.get_local_world_size(),
         device=ray.train.torch.get_device(),
         recorder=RunRecorder(ledger, rank, ray.get),
         where={

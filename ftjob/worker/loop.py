@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from ftjob.data.streams import (
     RayDataStream,
     ResumableIterator,
     ValidationSet,
+    decode_in_worker,
 )
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.policy.elastic import micro_batches
@@ -408,8 +410,16 @@ def open_streams(
     ``decode_here``); and how long positioning took (the skip). ``note`` hears what the user
     should know (a validation set too big to cache)."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
+    here = ctx.decode_here
+    if not here:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        here, why = decode_in_worker(
+            trainer.decode_in, trainer.use_gpu, cores or 1, ctx.local_world, trainer.worker_cpus
+        )
+        if note is not None:
+            note(f"data: decoding {'in the training processes' if here else 'in Ray Data'} ({why})")
     common = {
-        "decode_here": ctx.decode_here,
+        "decode_here": here,
         "seed": trainer.seed,
         "device": device,
         "prefetch_batches": trainer.prefetch_batches,
