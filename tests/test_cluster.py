@@ -97,3 +97,23 @@ def test_the_trainer_leaves_out_ray_trains_dataset_integration_and_keeps_the_res
     names = {type(c).__name__ for c in trainer._create_default_callbacks()}
     assert "DatasetsCallback" not in names
     assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= names
+
+
+def test_decode_tasks_are_asked_for_only_where_batches_decode_in_ray_data() -> None:
+    import ray
+
+    from ftjob.worker.context import _ray_machine
+    from tests.helpers import compose_job
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        one = ("+experiment=digits_ft", "trainer.num_workers=1")
+        # One worker of 1 CPU and its decode task of 1: more than the cluster's one CPU.
+        with pytest.raises(JobError, match=r"need 2: .*trainer\.decode_in=worker"):
+            cluster.check_resources(compose_job(*one))
+        cluster.check_resources(compose_job(*one, "trainer.decode_in=worker"))  # fits
+        # What auto decides on: this process's CPUs, and a cluster of this one machine.
+        cores, one_machine = _ray_machine()
+        assert cores >= 1 and one_machine
+    finally:
+        ray.shutdown()

@@ -221,17 +221,24 @@ def _all_windows(sizer, block_bytes):
     return out
 
 
-def test_batches_decode_in_the_training_process_where_its_node_has_no_core_to_spare():
-    # auto: CPU training that holds every core of its node decodes in its own process.
+def test_batches_decode_in_the_training_process_where_ray_data_has_no_core_to_use():
+    # auto: CPU training that holds every core of a one-machine cluster decodes in-process.
     here, why = decode_in_worker("auto", False, cores=2, local_workers=2, worker_cpus=1.0)
     assert here and "2 cores for 2 CPU training workers" in why and "none to spare" in why
     assert decode_in_worker("auto", False, cores=8, local_workers=2, worker_cpus=4.0)[0]
-    # A core to spare (one worker per node of a 2-core machine), or a GPU: Ray Data.
+    # Less than one decode task's CPUs to spare is none.
+    assert decode_in_worker("auto", False, 2, 1, worker_cpus=1.5)[0]
+    assert decode_in_worker("auto", False, 4, 2, 1.0, decode_cpus=3.0)[0]
+    # A core to spare, a GPU, or other machines in the cluster: Ray Data.
     assert decode_in_worker("auto", False, cores=2, local_workers=1, worker_cpus=1.0) == (
         False,
-        "1 of 2 cores on this node to spare beside the training",
+        "1 of 2 cores on this machine to spare beside the training",
     )
     assert not decode_in_worker("auto", True, cores=2, local_workers=2, worker_cpus=1.0)[0]
+    assert decode_in_worker("auto", False, 2, 2, 1.0, one_machine=False) == (
+        False,
+        "the cluster has other machines for Ray Data's decode tasks",
+    )
     # Said in config, it is what is done.
     assert decode_in_worker("ray", False, 2, 2, 1.0) == (False, "trainer.decode_in=ray")
     assert decode_in_worker("worker", True, 64, 1, 1.0) == (True, "trainer.decode_in=worker")

@@ -193,7 +193,9 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
         assert "after a just-in-time checkpoint of step" in s["error"]
         jit_step = int(s["error"].rsplit(" ", 1)[-1])
         assert jit_step >= 10 and s["checkpoints"]["latest"].endswith(f"step_{jit_step:09d}")
-        assert "resume=true" in s["resume_command"] and "name=stopped" in s["resume_command"]
+        command = s["resume_command"]
+        assert "resume=true" in command and "name=stopped" in command
+        assert "trainer.epochs=30" in command and "ray.address=auto" in command
         assert s["metrics"][M.PREEMPTION_COUNT] == 1
         assert "to continue from" in job_logs(dashboard, "ftjob-stopped")
         deadline = time.monotonic() + 60

@@ -277,6 +277,7 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
                 # takes 1 s more (5 files), longer than a notice takes to arrive (the killer's
                 # poll, then the drain relay's, ~1.5 s).
                 "ray.local_nodes=3",
+                "trainer.decode_in=ray",  # Ray Data's decode through a failure and a drain
                 "chaos=preempt",
                 "chaos.at_steps=[30]",
                 "chaos.notice=10",

@@ -632,7 +632,7 @@ class TrainerConfig:
     validation_cache_mb: int = 512
     decode_cpus: float = 1.0
     decode_window_mb: float = 256
-    decode_in: str = "auto"  # worker | ray | auto: where training batches are decoded
+    decode_in: str = "auto"  # worker | ray | auto: where training and validation batches decode
     precision: str = "fp32"
     channels_last: bool = False
     placement: str | None = None

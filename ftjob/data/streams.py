@@ -68,26 +68,37 @@ def configure_ray_data() -> None:
 
 
 def decode_in_worker(
-    setting: str, use_gpu: bool, cores: int, local_workers: int, worker_cpus: float
+    setting: str,
+    use_gpu: bool,
+    cores: float,
+    local_workers: int,
+    worker_cpus: float,
+    decode_cpus: float = 1.0,
+    one_machine: bool = True,
 ) -> tuple[bool, str]:
-    """Where a rank decodes its batches (``trainer.decode_in``): in its own process (True) or
-    in Ray Data tasks (False), and why. ``auto``: Ray Data's decode tasks run beside the
-    training process, so they pay only where the node has cores the training does not use --
-    a GPU worker's node, or spare CPUs. CPU training that holds every core of its node
-    (``local_workers x worker_cpus``) would share those cores with the tasks and pay Ray Data's
-    start-up, processes and object-store copies on top (measured on 2 cores, 2 workers, JPEGs:
-    from the first step to the end 10-11.5 s in the process against 15.4-16 s in Ray Data)."""
+    """Where a rank decodes its batches, training and validation (``trainer.decode_in``): in
+    its own process (True) or in Ray Data tasks (False), and why. ``auto`` decodes in the
+    process only where Ray Data could gain nothing: the whole cluster is this one machine
+    (``one_machine``) and its CPU training workers (``local_workers x worker_cpus``) hold its
+    cores (``cores``: what this process may use, cgroup limits included), leaving less than
+    one decode task's ``decode_cpus``. Ray Data's tasks would then share the training's cores
+    and add their processes, start-up and object-store copies (measured on 2 cores, 2
+    workers, JPEGs: from the first step to the end 10-11.5 s in the process against
+    15.4-16 s in Ray Data). GPU training, a core to spare, or other machines in the cluster
+    (Ray Data spreads its tasks over them): Ray Data."""
     if setting != "auto":
         return setting == "worker", f"trainer.decode_in={setting}"
     if use_gpu:
-        return False, "GPU training: Ray Data decodes on the node's CPUs"
+        return False, "GPU training: Ray Data decodes on the cluster's CPUs"
+    if not one_machine:
+        return False, "the cluster has other machines for Ray Data's decode tasks"
     spare = cores - local_workers * worker_cpus
-    if spare < 1:
+    if spare < decode_cpus:
         return True, (
-            f"{cores} cores for {local_workers} CPU training workers of {worker_cpus:g} CPU on "
-            "this node: none to spare for Ray Data's decode tasks"
+            f"{cores:g} cores for {local_workers} CPU training workers of {worker_cpus:g} CPU "
+            f"on this one-machine cluster: none to spare for a decode task of {decode_cpus:g}"
         )
-    return False, f"{spare:g} of {cores} cores on this node to spare beside the training"
+    return False, f"{spare:g} of {cores:g} cores on this machine to spare beside the training"
 
 
 class RayDataStream:

@@ -262,13 +262,16 @@ def check_resources(job: JobConfig) -> None:
                 f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
                 f"many GPUs (the largest has {largest:g}): lower it, or {_CPU_HINT}"
             )
-    # Each worker's stream needs a decode task running beside it, or training waits for data.
-    need_cpu = n * (t.worker_cpus + t.decode_cpus)
+    # Each worker's stream needs a decode task running beside it, or training waits for data
+    # (unless its batches are decoded in the training process: trainer.decode_in=worker).
+    decode = 0.0 if t.decode_in == "worker" else t.decode_cpus
+    need_cpu = n * (t.worker_cpus + decode)
     if total.get("CPU", 0.0) < need_cpu:
         raise JobError(
             f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x ({t.worker_cpus:g} CPUs "
-            f"+ trainer.decode_cpus={t.decode_cpus:g} for their data decoding) need {need_cpu:g}: "
-            f"lower {key}, trainer.resources_per_worker.CPU or trainer.decode_cpus"
+            f"+ trainer.decode_cpus={decode:g} for their data decoding) need {need_cpu:g}: "
+            f"lower {key}, trainer.resources_per_worker.CPU or trainer.decode_cpus, or "
+            "decode in the workers (trainer.decode_in=worker)"
         )
     for name, amount in t.resources_per_worker.items():
         if name not in ("CPU", "GPU") and total.get(name, 0.0) < amount * n:

@@ -184,8 +184,8 @@ def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _timing(snap: dict[str, Any]) -> dict[str, float | None]:
-    """Wall-clock times: the driver started, the first attempt's train function started on
-    rank 0, its first step ended, the run finished."""
+    """Wall-clock times: the run ledger started (after the cluster), the first attempt's
+    train function started on rank 0, its first step ended, the run finished."""
     first = _first_step(snap)
     return {
         "started": snap["started"],

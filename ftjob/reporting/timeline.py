@@ -27,6 +27,29 @@ PHASES = {
     "resize": "#00897b",
     "shutdown": "#616161",
 }
+
+# The buckets the training band holds besides training itself (no phase of their own).
+IN_TRAINING = {
+    "data_wait": "data wait",
+    "validation": "validation",
+    "checkpoint": "checkpoints",
+    "redone": "redone steps",
+}
+
+
+def training_label(buckets: dict[str, Any]) -> str:
+    """The training band's legend entry: its training seconds, and the other buckets it spans
+    (waiting for data, validating, checkpointing, steps trained again): most of the band's
+    other seconds."""
+    label = f"training ({finite(buckets.get('training')):.1f} s)"
+    within = [
+        f"{name} {finite(buckets.get(key)):.1f}"
+        for key, name in IN_TRAINING.items()
+        if finite(buckets.get(key)) >= 0.05
+    ]
+    return label + (f"\nwith {', '.join(within)} s" if within else "")
+
+
 MARKS = {"kill": "#b71c1c", "hang": "#4a148c", "notice": "#0d47a1", "failure": "#e65100"}
 
 
@@ -205,26 +228,11 @@ def _quality(
     acc_ax.set_ylim(0, 1)
 
 
-__all__ = ["TIMELINE_FILE", "draw_timeline", "marks", "phase_spans", "write_timeline"]
-
-
-# The buckets the training band holds besides training itself (no phase of their own).
-IN_TRAINING = {
-    "data_wait": "data wait",
-    "validation": "validation",
-    "checkpoint": "checkpoints",
-    "redone": "redone steps",
-}
-
-
-def training_label(buckets: dict[str, Any]) -> str:
-    """The training band's legend entry: its training seconds, and the other buckets it spans
-    (waiting for data, validating, checkpointing, steps trained again), so the band's length
-    and its label agree."""
-    label = f"training ({finite(buckets.get('training')):.1f} s)"
-    within = [
-        f"{name} {finite(buckets.get(key)):.1f}"
-        for key, name in IN_TRAINING.items()
-        if finite(buckets.get(key)) >= 0.05
-    ]
-    return label + (f"\nwith {', '.join(within)} s" if within else "")
+__all__ = [
+    "TIMELINE_FILE",
+    "draw_timeline",
+    "marks",
+    "phase_spans",
+    "training_label",
+    "write_timeline",
+]

@@ -44,7 +44,8 @@ class WorkerContext:
     fetch: Callable[[Any], Any]  # the value of an object the driver put in the object store
     prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
     decode_here: bool = False  # decode every window in this process, not in Ray Data tasks
-    local_world: int = 1  # training workers on this node
+    local_world: int = 1  # training workers on this machine (Ray Train counts by node IP)
+    machine: Callable[[], tuple[float, bool]] = lambda: (1.0, True)  # cores, one-machine cluster
     drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None
     ray_signals: bool = False  # SIGTERM to this process arrives through Ray's handler
     teardown: Callable[[], None] = wait_to_be_torn_down
@@ -68,6 +69,7 @@ def ray_context(ledger: Any) -> WorkerContext:
         rank=rank,
         world=ctx.get_world_size(),
         local_world=ctx.get_local_world_size(),
+        machine=_ray_machine,
         device=ray.train.torch.get_device(),
         recorder=RunRecorder(ledger, rank, ray.get),
         where={
@@ -81,6 +83,17 @@ def ray_context(ledger: Any) -> WorkerContext:
         drain_notice=ray_drain_notice,
         ray_signals=True,
     )
+
+
+def _ray_machine() -> tuple[float, bool]:
+    """The CPUs this process may use (Ray's count: cgroup limits included), and whether every
+    live node of the cluster is on this machine (a simulated cluster, or one node)."""
+    import ray
+    from ray._private.utils import get_num_cpus
+
+    here = ray.util.get_node_ip_address()
+    ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    return float(get_num_cpus()), ips <= {here}
 
 
 class DirectHandle:

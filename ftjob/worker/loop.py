@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,6 +126,7 @@ class Worker:
 
     def __init__(self, spec: WorkerSpec, ctx: WorkerContext) -> None:
         self.started = {"entered": time.perf_counter()}
+        self.entered = time.time()  # the attempt's start, as the run ledger records it
         self.spec, self.ctx, self.job = spec, ctx, spec.job
         self.trainer = spec.job.trainer
         self.record, self.rank, self.world = ctx.recorder, ctx.rank, ctx.world
@@ -170,7 +170,7 @@ class Worker:
     def _start(self) -> None:
         """The attempt's index (rank 0 asks, every rank hears), where this rank runs, its
         heartbeat and checkpointer. A fatal error or a restart loop stops it here."""
-        answer = self.ctx.broadcast(self.record.start_attempt(self.world))
+        answer = self.ctx.broadcast(self.record.start_attempt(self.world, self.entered))
         self.record.attempt = answer["attempt"]
         if answer["stop"] is not None:
             raise JobStopped(answer["stop"])
@@ -406,18 +406,26 @@ def open_streams(
     note: Callable[[str], None] | None = None,
 ) -> tuple[ValidationSet, BatchFeeder, float]:
     """This rank's validation set, and its training batches from ``state``'s position to the
-    end of training, already decoding in Ray Data (or in this process: the context's
-    ``decode_here``); and how long positioning took (the skip). ``note`` hears what the user
-    should know (a validation set too big to cache)."""
+    end of training, already decoding in Ray Data or in this process (the context's
+    ``decode_here``, else ``trainer.decode_in``: :func:`decode_in_worker`); and how long
+    positioning took (the skip). ``note`` hears what the user should know (where the batches
+    are decoded and why; a validation set too big to cache)."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
     here = ctx.decode_here
     if not here:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores, one_machine = ctx.machine()
         here, why = decode_in_worker(
-            trainer.decode_in, trainer.use_gpu, cores or 1, ctx.local_world, trainer.worker_cpus
+            trainer.decode_in,
+            trainer.use_gpu,
+            cores,
+            ctx.local_world,
+            trainer.worker_cpus,
+            trainer.decode_cpus,
+            one_machine,
         )
-        if note is not None:
-            note(f"data: decoding {'in the training processes' if here else 'in Ray Data'} ({why})")
+        if note is not None:  # rank 0's; each rank decides for its own machine
+            where = "in the training processes" if here else "in Ray Data"
+            note(f"data: rank 0 decodes {where} ({why})")
     common = {
         "decode_here": here,
         "seed": trainer.seed,

@@ -44,10 +44,10 @@ class RunRecorder:
 
     # -- asked: the answer steers the worker ---------------------------------------------------
 
-    def start_attempt(self, world: int) -> dict[str, Any] | None:
-        """Rank 0: this attempt's index, and why it must not train (None on other ranks: the
-        caller broadcasts rank 0's answer)."""
-        return self._ask("start_attempt", time.time(), world) if self.leader else None
+    def start_attempt(self, world: int, started: float) -> dict[str, Any] | None:
+        """Rank 0: this attempt's index (it started at ``started``, wall clock), and why it
+        must not train (None on other ranks: the caller broadcasts rank 0's answer)."""
+        return self._ask("start_attempt", started, world) if self.leader else None
 
     def claim_injected_failure(self, step: int) -> bool:
         """Rank 0: is an injected failure (chaos.fail_at_steps) due at this step?"""
