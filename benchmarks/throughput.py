@@ -12,7 +12,8 @@ by default -- through
   (c') the same loop bare: no validation, no checkpoints (the comparison this benchmark
       made before: ftjob doing more work than the loop it was measured against);
   (d) ftjob: the full runner at its defaults, with the ledger, retrying storage and the
-      resumable iterator.
+      resumable iterator; (d') the same decoding in Ray Data (trainer.decode_in=ray) where
+      its default decodes in the training processes (CPU training holding every core).
 Images/s three ways, each to the end of the last epoch's validation and checkpoint:
   - from the workers' start (every sample / seconds from the moment the training function
     starts on rank 0): like for like -- each method's data pipeline start-up, model set-up,
@@ -410,7 +411,7 @@ def raytrain(w: Workload, bare: bool = False) -> Rate:
 # -- (d) ftjob ----------------------------------------------------------------------------------
 
 
-def ftjob(w: Workload) -> Rate:
+def ftjob(w: Workload, decode_in: str = "auto") -> Rate:
     began = time.time()
     from ftjob.config import JobConfig, TrainerConfig
     from ftjob.driver import runner
@@ -424,6 +425,7 @@ def ftjob(w: Workload) -> Rate:
             batch_size=w.batch_size,
             lr=LR,
             lr_schedule="constant",
+            decode_in=decode_in,
         ),
     )
     with tempfile.TemporaryDirectory() as run_dir:
@@ -442,6 +444,7 @@ METHODS = {
     "raytrain": raytrain,
     "raytrain bare": lambda w: raytrain(w, bare=True),
     "ftjob": ftjob,
+    "ftjob ray-data": lambda w: ftjob(w, decode_in="ray"),  # as before trainer.decode_in=auto
 }
 
 
@@ -486,7 +489,8 @@ def main() -> None:
                 )
 
     pairs = [
-        (f"ftjob/{b.replace(' ', '-')}", b) for b in ("raytrain", "raytrain bare", "dataloader")
+        (f"ftjob/{b.replace(' ', '-')}", b)
+        for b in ("raytrain", "raytrain bare", "dataloader", "ftjob ray-data")
     ]
     pairs = [(label, b) for label, b in pairs if "ftjob" in methods and b in methods]
     columns = [*methods, *(label for label, _ in pairs)]
@@ -515,7 +519,7 @@ def main() -> None:
             f"decode, one core: {rate:.1f} images/s; {os.cpu_count()} cores: "
             f"{rate * (os.cpu_count() or 1):.1f} (the bound, before any training)"
         )
-    for label in ("ftjob/raytrain", "ftjob/raytrain-bare"):
+    for label in ("ftjob/raytrain", "ftjob/raytrain-bare", "ftjob/ftjob-ray-data"):
         if label in headline.get("window", {}):
             print(
                 f"{label} = {headline['workers'][label]:.3f} (like for like: from the workers' start)"

@@ -396,6 +396,29 @@ class Worker:
 # -- the pieces, pure or nearly ---------------------------------------------------------------
 
 
+def decodes_here(trainer: Any, ctx: WorkerContext, note: Callable[[str], None] | None) -> bool:
+    """Whether this rank decodes its batches in its own process: the context's
+    ``decode_here`` (a run without Ray), else ``trainer.decode_in`` for this rank's machine
+    (:func:`decode_in_worker`), said once for the run by rank 0 (``note``)."""
+    if ctx.decode_here:
+        return True
+    cores, one_machine = ctx.machine()
+    here, why = decode_in_worker(
+        trainer.decode_in,
+        trainer.use_gpu,
+        cores,
+        ctx.local_world,
+        trainer.worker_cpus,
+        trainer.decode_cpus,
+        one_machine,
+    )
+    if note is not None:
+        note(
+            f"data: rank 0 decodes {'in the training processes' if here else 'in Ray Data'} ({why})"
+        )
+    return here
+
+
 def open_streams(
     dataset: ImageDataset,
     catalogs: dict[str, Any],
@@ -411,23 +434,8 @@ def open_streams(
     positioning took (the skip). ``note`` hears what the user should know (where the batches
     are decoded and why; a validation set too big to cache)."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
-    here = ctx.decode_here
-    if not here:
-        cores, one_machine = ctx.machine()
-        here, why = decode_in_worker(
-            trainer.decode_in,
-            trainer.use_gpu,
-            cores,
-            ctx.local_world,
-            trainer.worker_cpus,
-            trainer.decode_cpus,
-            one_machine,
-        )
-        if note is not None:  # rank 0's; each rank decides for its own machine
-            where = "in the training processes" if here else "in Ray Data"
-            note(f"data: rank 0 decodes {where} ({why})")
     common = {
-        "decode_here": here,
+        "decode_here": decodes_here(trainer, ctx, note),
         "seed": trainer.seed,
         "device": device,
         "prefetch_batches": trainer.prefetch_batches,
