@@ -18,21 +18,23 @@ pytestmark = pytest.mark.ray
 def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_same_batches(
     tmp_path,
 ):
-    """digits_elastic: a node (one of the two workers) is killed at step 20 (a training step,
-    not a time: it lands while there is training left, however fast this machine is); training
-    goes on at world size 1 until the node is back, then grows to 2 after a checkpoint of its
-    step. The kill's recovery is measured in its parts; with the memory tier on, every
-    failure restores from the newest state whichever tier holds it."""
+    """digits_elastic: a worker fails at step 15 and a node (one of the two workers) is
+    killed at step 20 (training steps, not times: they land while there is training left,
+    however fast this machine is); training goes on at world size 1 until the node is back
+    (15 s: 16 epochs leave world 1 work for longer than that on a fast machine), then grows to
+    2 after a checkpoint of its step. The kill's recovery is measured in its parts; with the
+    memory tier on, every failure restores from the newest state whichever tier holds it."""
     proc, s = run_ftjob(
         [
             "+experiment=digits_elastic",
-            "trainer.epochs=6",
+            "trainer.epochs=16",
             "trainer.audit_samples=true",
             "ray.replace_delay=15",
             # The memory tier on: a snapshot after every step, on the driver's node (the
-            # killed node's loss leaves it), and a worker failure late in the run.
+            # killed node's loss leaves it), and a worker failure before the kill (after it,
+            # it would race the grow).
             "checkpoint.memory.enabled=true",
-            "chaos.fail_at_steps=[115]",
+            "chaos.fail_at_steps=[15]",
         ],
         tmp_path,
     )
@@ -50,12 +52,12 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     assert m[M.FAILURES_COUNT] == 2  # the node kill, the worker failure; the grow is none
     [kill] = s["chaos"]["kills"]
     assert kill["kind"] == "node" and kill["target"]["node_id"] and "chaos: kill 1" in proc.stdout
-    failure, injected = s["failures"]
+    injected, failure = s["failures"]
     assert failure["recovered"] and failure["kind"] == "node_kill"
     # Restored from the newest state, whichever tier held it: at most one step trained again.
     assert all(f["lost_steps"] <= 1 for f in s["failures"]), s["failures"]
     assert (injected["restored_step"], injected["tier"], injected["lost_steps"]) == (
-        114,
+        14,
         "memory",
         1,
     )
@@ -72,5 +74,5 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     assert "continuing on 1 of 2 workers" in proc.stdout
     # Every step trained the global batch the data order gives it (whatever the world size),
     # each sample once; and the model learned as an unresized run does.
-    assert len(s["audit"]) == 6 and all(exactly_once(a) for a in s["audit"])
+    assert len(s["audit"]) == 16 and all(exactly_once(a) for a in s["audit"])
     assert m[M.VALIDATION_ACCURACY] >= 0.9
