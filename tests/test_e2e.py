@@ -197,7 +197,10 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
         assert "resume=true" in command and "name=stopped" in command
         assert "trainer.epochs=30" in command and "ray.address=auto" in command
         assert s["metrics"][M.PREEMPTION_COUNT] == 1
-        assert "to continue from" in job_logs(dashboard, "ftjob-stopped")
+        deadline = time.monotonic() + 30  # the job's last lines reach the dashboard after it
+        while "to continue from" not in job_logs(dashboard, "ftjob-stopped"):
+            assert time.monotonic() < deadline, "the stopped job never printed its resume command"
+            time.sleep(1)
         deadline = time.monotonic() + 60
         while ray_train_workers():  # torn down with the job's driver
             assert time.monotonic() < deadline, "training workers outlived the stopped job"

@@ -680,8 +680,8 @@ class TrainerConfig:
             g,
             "decode_in",
             self.decode_in,
-            f"must be one of {list(DECODE_PLACES)} (auto: in the training process when its "
-            "node has no core to spare beside the CPU training workers, else in Ray Data)",
+            f"must be one of {list(DECODE_PLACES)} (auto: in the training process when the "
+            "cluster is one machine whose cores the CPU training workers hold, else in Ray Data)",
         )
         _require(
             self.decode_window_mb > 0,
