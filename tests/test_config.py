@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from ftjob.config import (
     CheckpointConfig,
     ConfigError,
     FailureConfig,
+    JobConfig,
     JobError,
     LoggerConfig,
     RayConfig,
@@ -156,6 +159,43 @@ def test_bad_input_is_refused_naming_the_key(override, key):
         precheck([override])
     assert err.value.key == key
     assert "\n" not in str(err.value)
+
+
+def _float_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every number key of the schema that takes a float (``dict[str, float]``: one entry)."""
+    hints, found = typing.get_type_hints(schema), []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            found += _float_keys(kind, f"{prefix}{f.name}.")
+        elif kind == dict[str, float]:
+            found.append(f"{prefix}{f.name}.CPU")
+        elif float in (kind, *typing.get_args(kind)):
+            found.append(f"{prefix}{f.name}")
+    return found
+
+
+FLOAT_KEYS = _float_keys(JobConfig)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_no_number_key_takes_a_non_finite_value(key, value):
+    with pytest.raises(ConfigError) as err:
+        precheck([f"{key}={value}"])
+    old = key.removeprefix("failure.")
+    named = f"failure.{RENAMED_FAILURE_KEYS[old]}" if old in RENAMED_FAILURE_KEYS else key
+    assert err.value.key == named and "\n" not in str(err.value)
+
+
+def test_the_keys_that_failed_late_on_inf_are_among_those_checked():
+    named = {
+        "checkpoint.lease_timeout",
+        "checkpoint.memory.max_mb",
+        "checkpoint.retry.deadline",
+        "trainer.resources_per_worker.CPU",
+    }
+    assert named <= set(FLOAT_KEYS) and len(FLOAT_KEYS) > 30
 
 
 @pytest.mark.parametrize(

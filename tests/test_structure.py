@@ -124,3 +124,15 @@ def test_no_import_cycle_between_ftjob_modules():
         if start not in state:
             visit(start, [start])
     assert not cycles, cycles[:5]
+
+
+def test_the_torch_floor_has_no_known_weights_only_bypass():
+    # checkpoints are restored with torch.load(weights_only=True): CVE-2025-32434 (< 2.6) and
+    # CVE-2026-24747 (< 2.10) bypass it.
+    import re
+
+    text = (PACKAGE.parent / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', text)
+    vision = re.search(r'"torchvision>=0\.(\d+)', text)
+    assert floor and (int(floor[1]), int(floor[2])) >= (2, 10)
+    assert vision and int(vision[1]) >= 25  # torchvision 0.25 goes with torch 2.10

@@ -72,6 +72,7 @@ class RetryConfig:
     give_up_on: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self, f"{self._group}.")  # before rules that compare keys
         g = self._group
         _require(
             self.max_attempts >= 1,
@@ -325,6 +326,7 @@ class HangConfig:
     """Tuning: seconds between a rank's heartbeats."""
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self, f"{self._group}.")  # before rules that compare keys
         g = self._group
         for key in ("heartbeat_interval", "min_timeout", "max_timeout"):
             _require(getattr(self, key) > 0, g, key, getattr(self, key), "must be > 0 seconds")
@@ -838,6 +840,7 @@ class JobConfig:
     resume: bool = False
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         _require(
             not self.resume or bool(self.name),
             "",
@@ -907,6 +910,26 @@ class JobConfig:
             "a path mounted on every node and declare it with checkpoint.shared_filesystem=true",
             supply=path is None,
         )
+
+
+def refuse_non_finite(config: Any, prefix: str = "") -> None:
+    """Every number of the schema is finite: ``inf`` passes every ``>= x`` rule, then overflows
+    a timer (a lease renewal thread dies on it) or an allocation; ``nan`` passes none and
+    compares false everywhere. Where "no limit" is meant, a key takes null."""
+    for f in fields(config):
+        value, key = getattr(config, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            refuse_non_finite(value, f"{key}.")
+        elif f.type == "dict[str, float]":
+            for name, amount in value.items():
+                _require_finite(f"{key}.{name}", amount)
+        else:
+            _require_finite(key, value)
+
+
+def _require_finite(key: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(key, value, "must be a finite number (null where a key means no limit)")
 
 
 # Keys Hydra's instantiate reads itself.
