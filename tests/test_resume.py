@@ -11,9 +11,11 @@ import pyarrow as pa
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
-from ftjob.config import JobConfig, TrainerConfig, to_plain
+from ftjob.config import ChaosConfig, JobConfig, TrainerConfig, to_plain
 from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
 from ftjob.storage.checkpoint import CheckpointStore
+from tests.helpers import compose_job
+from tests.local_run import run_locally
 
 DIGITS = {"_target_": "ftjob.datasets.DigitsDataset"}
 MODEL = {"_target_": "ftjob.models.SmallCNN"}
@@ -33,13 +35,15 @@ def job(**trainer: object) -> JobConfig:
     )
 
 
-def store_with_checkpoint(tmp_path: Path, saved: JobConfig, data: dict) -> CheckpointStore:
+def store_with_checkpoint(
+    tmp_path: Path, saved: JobConfig, data: dict, step: int = 10
+) -> CheckpointStore:
     local = tmp_path / "local"
     local.mkdir()
     (local / "config.json").write_text(json.dumps(to_plain(saved)))
-    (local / "state.json").write_text(json.dumps({"step": 10, "data": data}))
+    (local / "state.json").write_text(json.dumps({"step": step, "data": data}))
     store = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "r"))
-    store.commit(str(local), 10)
+    store.commit(str(local), step)
     return store
 
 
@@ -76,7 +80,64 @@ def test_more_epochs_or_another_learning_rate_are_allowed_and_stated(tmp_path: P
     data = {"train_rows": 1, "train_sha256": "x", "num_classes": 10}
     store = store_with_checkpoint(tmp_path, job(epochs=3, lr=0.01), data)
     stated = check_resume(job(epochs=5, lr=0.005), store, "u", data)
-    assert stated == ["trainer.epochs: 3 -> 5", "trainer.lr: 0.01 -> 0.005"]
+    assert stated == [
+        "trainer.epochs: 3 -> 5 (changed since the checkpoint; allowed)",
+        "trainer.lr: 0.01 -> 0.005 (changed since the checkpoint; allowed)",
+    ]
+
+
+# 640 training rows, global batch 2 x 32: 10 steps an epoch.
+ROWS_640 = {"train_rows": 640, "train_sha256": "x", "num_classes": 10}
+
+
+@pytest.mark.parametrize(
+    "step, epochs, said",
+    [
+        (25, 2, "checkpoint is at step 25, and 2 epochs of 10 steps are 20 (5 steps past them)"),
+        (30, 3, "checkpoint is at step 30, and 3 epochs of 10 steps are 30 (all of them)"),
+    ],
+)
+def test_a_resume_with_no_steps_left_to_train_is_refused(tmp_path, step, epochs, said):
+    store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=step)
+    with pytest.raises(ResumeError) as err:
+        check_resume(job(epochs=epochs), store, "u", ROWS_640)
+    assert f"trainer.epochs={epochs}: run 'r' has nothing left to train" in str(err.value)
+    assert said in str(err.value)
+    assert f"pass trainer.epochs={step // 10 + 1} or more" in str(err.value)
+    stated = check_resume(job(epochs=step // 10 + 1), store, "u", ROWS_640)
+    assert stated == [
+        f"trainer.epochs: 5 -> {step // 10 + 1} (changed since the checkpoint; allowed)"
+    ]
+
+
+def test_the_learning_rate_schedule_keys_a_resume_changes_are_stated(tmp_path: Path):
+    store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=25)
+    changed = job(epochs=5, warmup_epochs=0.5, lr_reference_batch=256)
+    stated = check_resume(changed, store, "u", ROWS_640)
+    assert [line.split(":")[0] for line in stated] == [
+        "trainer.lr_reference_batch",
+        "trainer.warmup_epochs",
+    ]
+
+
+def test_chaos_steps_behind_the_checkpoint_are_said_not_to_be_reached(tmp_path: Path):
+    store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=25)
+    resumed = replace(job(epochs=5), chaos=ChaosConfig(fail_at_steps=[5, 25, 30]))
+    assert check_resume(resumed, store, "u", ROWS_640) == [
+        "chaos.fail_at_steps: [5, 25] are at or behind the checkpoint's step 25: not reached"
+    ]
+
+
+@pytest.mark.worker
+def test_a_finished_run_resumed_with_fewer_epochs_is_refused_before_training(tmp_path: Path):
+    common = ("+experiment=digits_ft", "name=done", f"checkpoint.storage_path={tmp_path / 's'}")
+    one = ("trainer.num_workers=1", "trainer.batch_size=64", "chaos=disabled")
+    first = run_locally(compose_job(*common, *one, "trainer.epochs=2"), tmp_path / "a")
+    assert first.summary["status"] == "succeeded", first.errors
+    with pytest.raises(
+        ResumeError, match="has nothing left to train: its checkpoint is at step 44"
+    ):
+        run_locally(compose_job(*common, *one, "trainer.epochs=1", "resume=true"), tmp_path / "b")
 
 
 def test_run_names_are_never_reused_silently(tmp_path: Path):

@@ -23,8 +23,18 @@ from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
 
 # Dataset keys that say where the data is, not what it is: moving the data is not a change.
 LOCATION_KEYS = ("path", "storage_options")
-# Allowed on resume, but stated: they change the rest of the run, not what it trained so far.
-STATED_KEYS = ("trainer.epochs", "trainer.lr", "trainer.lr_schedule", "trainer.warmup_steps")
+# Allowed on resume, but stated: they change the rest of the run (its length, its learning
+# rate schedule), not what it trained so far.
+STATED_KEYS = (
+    "trainer.epochs",
+    "trainer.lr",
+    "trainer.lr_schedule",
+    "trainer.lr_reference_batch",
+    "trainer.warmup_steps",
+    "trainer.warmup_epochs",
+)
+# Steps a run is told to act at: the ones a checkpoint is past are never reached again.
+STEP_LISTS = ("chaos.fail_at_steps", "chaos.at_steps")
 
 
 class ResumeError(RuntimeError):
@@ -136,9 +146,10 @@ def check_resume(
     data: dict[str, Any],
     current: dict[str, Any] | None = None,
 ) -> list[str]:
-    """For ``resume=true``: refuse a config or train data the newest checkpoint cannot follow;
-    return the allowed changes (to be stated). ``data`` is :func:`catalog_fingerprint` now;
-    ``current`` the config as checkpoints keep it (secrets redacted, as in the saved one)."""
+    """For ``resume=true``: refuse a config or train data the newest checkpoint cannot follow,
+    or one that leaves nothing to train; return what the run should say (allowed changes,
+    steps it will not reach). ``data`` is :func:`catalog_fingerprint` now; ``current`` the
+    config as checkpoints keep it (secrets redacted, as in the saved one)."""
     latest = _latest(store) if job.resume else None
     if latest is None:
         return []
@@ -155,4 +166,43 @@ def check_resume(
             + "\n  ".join(changes)
             + "\nrevert these changes, or start a new run (drop resume=true)"
         )
-    return stated_changes(saved, current)
+    check_left_to_train(job, state, data.get("train_rows"))
+    allowed = [
+        f"{line} (changed since the checkpoint; allowed)" for line in stated_changes(saved, current)
+    ]
+    return allowed + steps_behind(current, state)
+
+
+def check_left_to_train(job: JobConfig, state: dict[str, Any], train_rows: int | None) -> None:
+    """A resume must have steps left to train: ``trainer.epochs`` at or below what the
+    checkpoint has trained would end the run at once, "succeeded", with its step past the
+    asked total. Refused, with the epochs that would train on."""
+    step, batch = int(state.get("step") or 0), job.trainer.global_batch_size
+    if not train_rows or batch > train_rows:
+        return  # the epoch plan refuses this batch itself
+    per_epoch = train_rows // batch
+    total = per_epoch * job.trainer.epochs
+    if step < total:
+        return
+    trained = "all of them" if step == total else f"{step - total} steps past them"
+    raise ResumeError(
+        f"trainer.epochs={job.trainer.epochs}: run {job.name!r} has nothing left to train: its "
+        f"checkpoint is at step {step}, and {job.trainer.epochs} epochs of {per_epoch} steps are "
+        f"{total} ({trained}); pass trainer.epochs={step // per_epoch + 1} or more to train on, "
+        "or start a new run (drop resume=true)"
+    )
+
+
+def steps_behind(current: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """Lines for the steps ``chaos.fail_at_steps`` / ``chaos.at_steps`` name that the
+    checkpoint is already past: a resumed run never reaches them (stated, not refused: the
+    resume command a run prints keeps the overrides it was started with)."""
+    flat, step = _flatten(current), int(state.get("step") or 0)
+    lines = []
+    for key in STEP_LISTS:
+        behind = [s for s in flat.get(key) or [] if s <= step]
+        if behind:
+            lines.append(
+                f"{key}: {behind} are at or behind the checkpoint's step {step}: not reached"
+            )
+    return lines

@@ -132,9 +132,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
     notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(probe_fs)}"]
-    notes += ([lease_note] if lease_note else []) + [
-        f"resume: {change} (changed since the checkpoint; allowed)" for change in stated
-    ]
+    notes += ([lease_note] if lease_note else []) + [f"resume: {line}" for line in stated]
     notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
     return Prepared(
         name,
