@@ -21,7 +21,7 @@ from fsspec import AbstractFileSystem
 from ftjob.config import RetryConfig
 from ftjob.data.order import EpochPlan
 from ftjob.driver.ledger import RunLedger
-from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint, object_of
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import _DelegatingFileSystem
 
@@ -52,7 +52,13 @@ def no_sleep_policy(max_attempts: int = 3) -> RetryPolicy:
 
 
 def remote(store: CheckpointStore, step: int, name: str) -> str:
-    return f"{store.path_for(step)}/{name}"
+    """Where file ``name`` of the checkpoint of ``step`` is stored: under its writer's own
+    object name once a manifest names it."""
+    try:
+        meta = store.read_manifest(step)["files"].get(name)
+    except CorruptCheckpoint:
+        meta = None
+    return f"{store.path_for(step)}/{object_of(name, meta) if meta else name}"
 
 
 def flip_bytes(store: CheckpointStore, step: int) -> None:
@@ -287,3 +293,48 @@ def wandb_config(records: list[dict[str, Any]]) -> dict[str, Any]:
         body = record.get("config") or (record.get("run") or {}).get("config") or {}
         config.update(body.get("update") or {})
     return config
+
+
+def tagged_checkpoint(root: str, tag: str, step: int) -> str:
+    """A local checkpoint directory whose every file says who wrote it, for which step."""
+    local = os.path.join(root, f"{tag}_{step}")
+    os.makedirs(local, exist_ok=True)
+    for name in ("model.pt", "optimizer.pt", "state.json"):
+        with open(os.path.join(local, name), "w") as f:
+            f.write(f"{tag} {name} step {step}\n")
+    return local
+
+
+def zombie_commit(fs: AbstractFileSystem, run_path: str, scratch: str) -> BaseException:
+    """Driver A passes the fence, freezes inside its first upload of step 10 (a SIGSTOP, a VM
+    pause, a partition riding out its retries); meanwhile its lease lapses, driver B takes the
+    run over, restores step 5, commits its own step 10 and prunes to one checkpoint; then A
+    wakes and finishes. Returns what A's commit raised."""
+    from ftjob.storage.lease import RunLease
+
+    a = RunLease(fs, run_path, 60.0, owner="host-a:1")
+    a.acquire()
+    CheckpointStore(fs, run_path, a.fence()).commit(tagged_checkpoint(scratch, "A", 5), 5)
+
+    def b_takes_over() -> None:
+        a.release()  # as the store sees it, the same as a lease that expired
+        b = RunLease(fs, run_path, 60.0, owner="host-b:2")
+        b.acquire()
+        store = CheckpointStore(fs, run_path, b.fence(), attempt=0)
+        assert store.restore_latest(os.path.join(scratch, "restore-b")).step == 5
+        store.commit(tagged_checkpoint(scratch, "B", 10), 10)
+        assert store.prune(1) == [5]
+
+    frozen = {"done": False}
+
+    def freeze_once(op: str, path: str) -> None:
+        if op == "put_file" and not frozen["done"]:
+            frozen["done"] = True
+            b_takes_over()
+
+    zombie = CheckpointStore(RecordingFileSystem(fs, freeze_once), run_path, a.fence())
+    try:
+        zombie.commit(tagged_checkpoint(scratch, "A", 10), 10)
+    except Exception as exc:
+        return exc
+    raise AssertionError("the deposed driver's commit succeeded")

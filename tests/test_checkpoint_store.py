@@ -18,11 +18,27 @@ from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ftjob.storage.checkpoint import MANIFEST, QUARANTINE_NOTE, CheckpointStore, CorruptCheckpoint
+from ftjob.config import CheckpointConfig
+from ftjob.storage.checkpoint import (
+    MANIFEST,
+    QUARANTINE_NOTE,
+    CheckpointStore,
+    CorruptCheckpoint,
+    StepTaken,
+)
 from ftjob.storage.fs import RetryingFileSystem
+from ftjob.storage.lease import LeaseLost
+from ftjob.worker.checkpointer import choose_checkpoint
 from ftjob.worker.scratch import attempt_scratch_dir, run_scratch_dir, scratch_name
 from ftjob.worker.uploads import AsyncUploader, UploadOutcome, upload_checkpoint
-from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy, remote
+from tests.helpers import (
+    RecordingFileSystem,
+    flip_bytes,
+    no_sleep_policy,
+    remote,
+    tagged_checkpoint,
+    zombie_commit,
+)
 
 
 @pytest.fixture(params=["local", "memory"])
@@ -53,6 +69,12 @@ def write_checkpoint(root: Path, step: int) -> str:
     (local / "optimizer.pt").write_bytes(os.urandom(1024))
     (local / "state.json").write_text(json.dumps({"step": step}))
     return str(local)
+
+
+def model_in(store: CheckpointStore, directory: str) -> bool:
+    """Is the model file its manifest names in ``directory`` (a quarantined checkpoint)?"""
+    manifest = json.loads(store.fs.cat_file(posixpath.join(directory, MANIFEST)))
+    return store.fs.exists(posixpath.join(directory, manifest["files"]["model.pt"]["object"]))
 
 
 def committed_store(
@@ -210,7 +232,7 @@ def test_an_upload_killed_midway_is_never_restored(
     base, run_path = storage
 
     def die_on_optimizer(op: str, path: str) -> BaseException | None:
-        return PermissionError("AccessDenied") if path.endswith("20/optimizer.pt") else None
+        return PermissionError("AccessDenied") if "20/optimizer." in path else None
 
     dying = CheckpointStore(
         RetryingFileSystem(RecordingFileSystem(base, die_on_optimizer), no_sleep_policy()), run_path
@@ -254,7 +276,7 @@ def test_quarantine_moves_a_damaged_checkpoint_aside_with_a_note(
     assert skipped[0]["committed"] is True  # it had a manifest: a checkpoint that went bad
     moved = store.quarantine(20, skipped[0]["reason"])
     assert store.steps() == [10]  # no longer a candidate...
-    assert store.fs.exists(posixpath.join(moved, "model.pt"))  # ...and not deleted
+    assert model_in(store, moved)  # ...and not deleted
     note = json.loads(store.fs.cat_file(posixpath.join(moved, QUARANTINE_NOTE)))
     assert note["step"] == 20 and "manifest says" in note["reason"]
     assert posixpath.dirname(moved) == store.quarantine_root
@@ -297,7 +319,7 @@ def test_prune_and_quarantine_touch_only_their_own_run_whatever_its_name(
     assert store.steps() == [30]
     _truncate(store, 30)
     moved = store.quarantine(30, "damaged")
-    assert store.steps() == [] and store.fs.exists(posixpath.join(moved, "model.pt"))
+    assert store.steps() == [] and model_in(store, moved)
     assert other.steps() == [10]
     assert other.restore_latest(str(tmp_path / "restore")).step == 10  # intact
 
@@ -323,6 +345,172 @@ def test_a_fenced_out_commit_writes_no_manifest_and_prunes_nothing(
     with pytest.raises(Lost):
         fenced.prune(keep=1)
     assert fenced.committed_steps() == [30, 20, 10]  # nothing written, nothing deleted
+
+
+# -- zombie writers: a late writer never costs a live one its checkpoint ----------------------
+
+
+class StaleFence:
+    """The fence of a writer that checked it just before it lost the run: it passes, and
+    names the writer's lease generation."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+    def __call__(self) -> None:
+        return None
+
+
+def test_a_deposed_drivers_late_upload_never_touches_the_new_holders_checkpoint(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    base, run_path = storage
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    assert isinstance(zombie_commit(fs, run_path, str(tmp_path)), LeaseLost)
+    store = CheckpointStore(fs, run_path)
+    assert store.committed_steps() == [10]  # B kept one: its own step 10
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None and result.step == 10 and result.skipped == []
+    assert Path(result.local_dir, "model.pt").read_text() == "B model.pt step 10\n"
+    assert store.prune(1) == []  # and it still counts as the one to keep
+
+
+def test_a_zombie_past_the_fence_cannot_publish_over_a_newer_writers_manifest(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    base, run_path = storage
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    older = CheckpointStore(fs, run_path, StaleFence(1), attempt=3)
+    newer = CheckpointStore(fs, run_path, StaleFence(2), attempt=0)
+    newer.commit(tagged_checkpoint(str(tmp_path), "B", 10), 10)
+    with pytest.raises(StepTaken, match="newer writer .lease generation 2, attempt 0"):
+        older.commit(tagged_checkpoint(str(tmp_path), "A", 10), 10)
+    restored = CheckpointStore(fs, run_path).restore_latest(str(tmp_path / "r1"))
+    assert Path(restored.local_dir, "state.json").read_text() == "B state.json step 10\n"
+    # The other order: the newer writer replaces what the older one published, and so does a
+    # later attempt of one driver.
+    older.commit(tagged_checkpoint(str(tmp_path), "A", 20), 20)
+    newer.commit(tagged_checkpoint(str(tmp_path), "B", 20), 20)
+    later = CheckpointStore(fs, run_path, StaleFence(2), attempt=1)
+    later.commit(tagged_checkpoint(str(tmp_path), "C", 20), 20)
+    with pytest.raises(StepTaken):
+        newer.commit(tagged_checkpoint(str(tmp_path), "B", 20), 20)
+    restored = CheckpointStore(fs, run_path).restore_latest(str(tmp_path / "r2"))
+    assert Path(restored.local_dir, "model.pt").read_text() == "C model.pt step 20\n"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _remove, _drop_manifest], ids=lambda f: f.__name__)
+def test_prune_never_deletes_the_newest_checkpoint_that_verifies(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path, damage: Callable[..., None]
+) -> None:
+    store = committed_store(storage, tmp_path, [10, 20])
+    damage(store, 20)
+    fresh = CheckpointStore(store.fs, posixpath.dirname(store.root))  # knows nothing verified
+    assert fresh.prune(keep=1) == []
+    assert fresh.restore_latest(str(tmp_path / "restore")).step == 10
+    fresh.commit(write_checkpoint(tmp_path / "local", 30), 30)
+    assert 10 in fresh.prune(keep=1) and fresh.committed_steps() == [30]
+
+
+def test_a_commit_counts_only_when_its_files_are_listed_at_their_sizes(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    base, run_path = storage
+
+    def short_upload(op: str, path: str) -> None:  # the store kept half of what it was sent
+        if op == "put_file" and "/model." in path:
+            store.fs.fs.pipe_file(path, b"half")
+
+    store = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(base), no_sleep_policy()), run_path
+    )
+    store.commit(write_checkpoint(tmp_path / "a", 10), 10)
+
+    class ShortUploads(RecordingFileSystem):
+        def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
+            super().put_file(lpath, rpath, **kwargs)
+            short_upload("put_file", rpath)
+
+    store.fs = RetryingFileSystem(ShortUploads(base), no_sleep_policy())
+    with pytest.raises(OSError, match="uploaded, but model.pt has 4 bytes, manifest says 4100"):
+        store.commit(write_checkpoint(tmp_path / "b", 20), 20)
+    assert store.committed_steps() == [10]  # no manifest: never a checkpoint
+    assert store.prune(keep=1) == []
+
+
+def test_restore_leaves_an_upload_in_flight_alone_and_its_commit_then_holds(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # A previous attempt's rank 0 (the same driver: the fence passes for both) is uploading
+    # step 10 when the next attempt's rank 0 restores. It used to be quarantined under the
+    # upload; the manifest then landed in the emptied directory and prune deleted step 5.
+    base, run_path = storage
+    store = committed_store(storage, tmp_path, [5])
+
+    def restore_before_the_manifest(op: str, path: str) -> None:
+        if op == "pipe_file" and path.endswith(MANIFEST) and not chosen:
+            restorer = CheckpointStore(store.fs, run_path, attempt=2)
+            chosen.append(choose_checkpoint(restorer, str(tmp_path / "r"), CheckpointConfig()))
+
+    chosen: list[Any] = []
+    uploader = CheckpointStore(
+        RetryingFileSystem(
+            RecordingFileSystem(base, restore_before_the_manifest), no_sleep_policy()
+        ),
+        run_path,
+        attempt=1,
+    )
+    uploader.commit(write_checkpoint(tmp_path / "local", 10), 10)
+    step, _, _, skipped = chosen[0]
+    assert (
+        step == 5
+        and skipped[0]["step"] == 10
+        and "upload may still be writing" in skipped[0]["left"]
+    )
+    assert uploader.prune(keep=1) == [5]
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None and result.step == 10 and result.skipped == []
+
+
+def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [5])
+    partial = write_checkpoint(tmp_path / "partial", 10)
+    store.fs.makedirs(store.path_for(10), exist_ok=True)
+    store.fs.put_file(f"{partial}/model.pt", f"{store.path_for(10)}/model.pt")  # ENOSPC here
+
+    def disk_full(op: str, path: str) -> BaseException | None:
+        return OSError(errno.ENOSPC, "No space left on device") if op == "cp_file" else None
+
+    full = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(store.fs.fs, disk_full), no_sleep_policy()),
+        posixpath.dirname(store.root),
+        settle_s=0.0,  # nothing in flight
+    )
+    step, _, _, [bad] = choose_checkpoint(full, str(tmp_path / "r"), CheckpointConfig())
+    assert step == 5 and bad["step"] == 10
+    if isinstance(storage[0], LocalFileSystem):  # a rename: no room needed
+        assert full.steps() == [5] and model_in_quarantine(full, bad["quarantined_to"])
+    else:  # copies could not be made: said, left, and the restore went on
+        assert "No space left on device" in bad["left"] and full.steps() == [10, 5]
+
+
+def model_in_quarantine(store: CheckpointStore, directory: str) -> bool:
+    return store.fs.exists(posixpath.join(directory, "model.pt"))
+
+
+def test_quarantine_is_fenced(storage: tuple[AbstractFileSystem, str], tmp_path: Path) -> None:
+    store = committed_store(storage, tmp_path, [5, 10])
+    _truncate(store, 10)
+
+    def lost() -> None:
+        raise LeaseLost("run held by another driver")
+
+    deposed = CheckpointStore(store.fs, posixpath.dirname(store.root), lost)
+    chosen = choose_checkpoint(deposed, str(tmp_path / "r"), CheckpointConfig())
+    assert chosen == "run held by another driver"
+    assert store.steps() == [10, 5]  # nothing moved
 
 
 # -- AsyncUploader and upload outcomes -------------------------------------------------------

@@ -4,6 +4,7 @@ never ends without its final checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -111,7 +112,9 @@ def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Pat
     assert "step 5: model.pt does not match its checksum" in str(err.value)
     assert checkpointer.store.steps() == []
     [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
-    assert checkpointer.store.fs.exists(f"{moved}/model.pt")  # quarantined, not deleted
+    manifest = json.loads(checkpointer.store.fs.cat_file(f"{moved}/manifest.json"))
+    assert checkpointer.store.fs.exists(f"{moved}/{manifest['files']['model.pt']['object']}")
+    assert str(checkpointer.store.quarantine_root) in str(err.value)  # said where they are
 
 
 def test_starting_over_is_allowed_only_when_asked(tmp_path: Path) -> None:
@@ -129,8 +132,24 @@ def test_an_upload_that_never_completed_is_set_aside_and_training_starts_over(
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=5), model, optimizer)
     checkpointer.store.fs.rm_file(checkpointer.store.manifest_path(5))  # killed mid-upload
+    # Written just now: an upload may still be in flight (another attempt's rank 0, a deposed
+    # driver), so it is left where it is.
+    assert checkpointer.restore(model, optimizer, "cpu") is None
+    assert checkpointer.store.steps() == [5]
+    directory = checkpointer.store.path_for(5)
+    for name in os.listdir(directory):  # silent for longer than checkpoint.lease_timeout
+        stamp = time.time() - checkpointer.config.lease_timeout - 1
+        os.utime(os.path.join(directory, name), (stamp, stamp))
     assert checkpointer.restore(model, optimizer, "cpu") is None
     assert checkpointer.store.steps() == []
+    [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
+    assert sorted(n.split(".")[0] for n in os.listdir(moved)) == [
+        "QUARANTINED",
+        "config",
+        "model",
+        "optimizer",
+        "state",
+    ]
 
 
 def test_retention_keeps_the_newest_committed_checkpoints(tmp_path: Path) -> None:

@@ -91,7 +91,8 @@ def test_a_resume_past_a_damaged_checkpoint_one_driver_a_worker_sigterm_and_a_ha
         for p in jit_dir.parent.glob("step_*")
         if int(p.name.removeprefix("step_")) < jit_step
     )
-    model = jit_dir / "model.pt"
+    manifest = json.loads((jit_dir / "manifest.json").read_text())
+    model = jit_dir / manifest["files"]["model.pt"]["object"]
     model.write_bytes(model.read_bytes()[:100])
     run_dir = tmp_path / "resumed"
     # The resumed run also stops a worker at step 50 (of 66; the killer sees it at that

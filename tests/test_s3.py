@@ -23,9 +23,10 @@ from ftjob.config import RetryConfig
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
 from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
+from ftjob.storage.lease import LeaseLost
 from ftjob.storage.wrapper import innermost
 from tests.fault_proxy import FaultProxy
-from tests.helpers import check_loggers, run_ftjob
+from tests.helpers import check_loggers, run_ftjob, zombie_commit
 
 pytestmark = pytest.mark.s3
 
@@ -148,15 +149,20 @@ def test_listing_sees_checkpoints_written_by_another_process(
     # Another attempt's worker (another s3fs instance, here boto3) commits step 20; s3fs would
     # answer the next listing from its cache.
     client = boto3.client("s3", endpoint_url=s3_endpoint)
-    for name in ("model.pt", "optimizer.pt", "state.json", MANIFEST):
-        key = f"run/checkpoints/step_000000010/{name}"
+    for key in s3_keys(s3_endpoint, s3_bucket, "run/checkpoints/step_000000010/"):
         body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
-        if name == MANIFEST:
+        if key.endswith(MANIFEST):
             body = body.replace(b'"step": 10', b'"step": 20')
         client.put_object(Bucket=s3_bucket, Key=key.replace("010", "020"), Body=body)
     assert store.steps() == [20, 10]
     result = store.restore_latest(str(tmp_path / "restore"))
     assert result is not None and result.step == 20
+
+
+def _key(client: Any, bucket: str, directory: str, name: str) -> str:
+    """The key file ``name`` of a checkpoint is stored under (its manifest names it)."""
+    manifest = client.get_object(Bucket=bucket, Key=f"{directory}/{MANIFEST}")["Body"].read()
+    return f"{directory}/{json.loads(manifest)['files'][name]['object']}"
 
 
 def _flip_model_bytes(client: Any, bucket: str, key: str) -> None:
@@ -167,10 +173,15 @@ def _flip_model_bytes(client: Any, bucket: str, key: str) -> None:
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
-        (lambda c, b, d: _flip_model_bytes(c, b, f"{d}/model.pt"), "model.pt does not match"),
+        (
+            lambda c, b, d: _flip_model_bytes(c, b, _key(c, b, d, "model.pt")),
+            "model.pt does not match",
+        ),
         (lambda c, b, d: c.delete_object(Bucket=b, Key=f"{d}/{MANIFEST}"), "no manifest"),
         (
-            lambda c, b, d: c.put_object(Bucket=b, Key=f"{d}/optimizer.pt", Body=b"short"),
+            lambda c, b, d: c.put_object(
+                Bucket=b, Key=_key(c, b, d, "optimizer.pt"), Body=b"short"
+            ),
             "optimizer.pt has 5 bytes",
         ),
     ],
@@ -207,8 +218,25 @@ def test_prune_and_quarantine_on_s3_touch_only_their_own_run(
         store.commit(write_checkpoint(tmp_path / "s", step, size=1024), step)
     assert store.prune(keep=1) == [20, 10]
     moved = store.quarantine(30, "damaged")
-    assert store.steps() == [] and store.fs.exists(f"{moved}/model.pt")
+    manifest = json.loads(store.fs.cat_file(f"{moved}/{MANIFEST}"))
+    assert store.steps() == [] and store.fs.exists(
+        f"{moved}/{manifest['files']['model.pt']['object']}"
+    )
     assert other.restore_latest(str(tmp_path / "restore")).step == 10  # intact
+
+
+def test_a_deposed_drivers_late_upload_on_s3_never_touches_the_new_holders_checkpoint(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path
+) -> None:
+    fs, run = build_filesystem(
+        f"s3://{s3_bucket}/zombie", {"endpoint_url": s3_endpoint}, FAST_RETRY
+    )
+    assert isinstance(zombie_commit(fs, run, str(tmp_path)), LeaseLost)
+    store = CheckpointStore(fs, run)
+    assert store.committed_steps() == [10]
+    result = store.restore_latest(str(tmp_path / "restore"))
+    assert result is not None and result.step == 10 and result.skipped == []
+    assert Path(result.local_dir, "model.pt").read_text() == "B model.pt step 10\n"
 
 
 def test_checkpoints_commit_and_restore_through_a_faulty_network(

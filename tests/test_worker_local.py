@@ -9,6 +9,7 @@ end-to-end tests.
 
 from __future__ import annotations
 
+import io
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
+from ftjob.storage.checkpoint import checkpoint_file
 from tests.helpers import compose_job
 from tests.local_run import run_locally, stop_when
 
@@ -59,8 +61,8 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
 
 
 def final_weights(run: Any) -> dict[str, torch.Tensor]:
-    latest = run.summary["checkpoints"]["latest"].removeprefix("file://")
-    return torch.load(Path(latest, "model.pt"), weights_only=True)
+    model = checkpoint_file(run.summary["checkpoints"]["latest"], "model.pt")
+    return torch.load(io.BytesIO(model), weights_only=True)
 
 
 def test_with_the_memory_tier_a_failure_loses_one_step_and_the_weights_match_an_unkilled_run(

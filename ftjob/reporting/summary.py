@@ -180,17 +180,22 @@ def audit_batches(snap: dict[str, Any]) -> list[list[Any]]:
 
 
 def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
-    return snap["attempts"][0]["first_step"] if snap["attempts"] else None
+    """The run's first trained step (an attempt that died starting up has none)."""
+    return next((a["first_step"] for a in snap["attempts"] if a["first_step"]), None)
 
 
-def _timing(snap: dict[str, Any]) -> dict[str, float | None]:
-    """Wall-clock times: the run ledger started (after the cluster), the first attempt's
-    train function started on rank 0, its first step ended, the run finished."""
+def _timing(snap: dict[str, Any], run_started: float | None) -> dict[str, float | None]:
+    """Wall-clock times: the driver started (``run_started``: the origin of goodput's clock
+    and the timeline's), the run ledger started (after the cluster), the first attempt's
+    train function started on rank 0, the run's first step ended (and what that step took:
+    its batch wait and the step), the run finished."""
     first = _first_step(snap)
     return {
+        "run_started": snap["started"] if run_started is None else run_started,
         "started": snap["started"],
         "workers_started": snap["attempts"][0]["started"] if snap["attempts"] else None,
         "first_step": first["time"] if first else None,
+        "first_step_took": first.get("took", 0.0) if first else None,
         "finished": snap["finished"],
     }
 
@@ -307,7 +312,7 @@ def build_summary(
             **_records(snap, failures, storage, config),
             "world_sizes": [a.get("world_size") for a in snap["attempts"]],
             "resizes": resizes,
-            "timing": _timing(snap),
+            "timing": _timing(snap, run_started),
             "goodput": accounted,
         }
     )

@@ -1,18 +1,36 @@
-"""Atomic checkpoints on any fsspec storage: a checkpoint counts only when its manifest exists.
+"""Atomic checkpoints on any fsspec storage: a checkpoint counts only when its manifest exists
+and the files it names are confirmed.
 
 A checkpoint is a directory ``{run}/checkpoints/step_{step:09d}/`` holding the files the
-training loop wrote plus ``manifest.json`` -- each file's size and SHA-256 -- uploaded *last*,
-after every file went up. Restoring downloads the newest checkpoint and verifies it against its
-manifest; an incomplete or corrupt one (missing manifest, missing or truncated file, checksum
-mismatch) is skipped, logged, and the next older one is tried. What does not verify is moved
-to ``{run}/quarantine/`` with a note, never deleted; only committed checkpoints past the
-retention count are deleted (:meth:`CheckpointStore.prune`).
+training loop wrote plus ``manifest.json`` -- each file's size and SHA-256 -- published *last*.
+Restoring downloads the newest checkpoint and verifies it against its manifest; an incomplete
+or corrupt one (missing manifest, missing or truncated file, checksum mismatch) is skipped,
+logged, and the next older one is tried. What does not verify is moved to
+``{run}/quarantine/`` with a note, never deleted.
+
+**A zombie writer cannot touch a live writer's checkpoint.** Every commit uploads its files
+under object names of its own -- ``model.g{generation}a{attempt}-{random}.pt``: the run lease's
+generation, the attempt, a random part -- so no upload ever replaces an object another writer
+wrote, however late it lands. Files become a checkpoint only through the manifest that names
+them, and a manifest is published by an exclusive create, or replaces only a manifest of an
+*older* writer (lower generation, or the same generation's earlier attempt): a deposed
+driver or a previous attempt's rank 0 that wakes up finds the newer writer's manifest and
+stops. The run lease's fence runs before the first upload, before every retry of every
+request of the commit, and before the manifest.
+
+**Retention and quarantine never remove the newest checkpoint that verifies.** Before its
+manifest is published a commit confirms its files by one listing (every object there, with its
+size); :meth:`CheckpointStore.prune` keeps every checkpoint down to the ``keep``-th one that
+verifies (manifest against one listing of sizes), so a newest checkpoint that is damaged,
+truncated or half-written never costs an older good one. Quarantine is fenced, leaves alone a
+directory without a manifest whose newest object is younger than ``settle_s`` (an upload
+still in flight: the lease timeout), moves by rename where the filesystem has one (no space
+needed), and on object stores deletes only the objects it copied. A quarantine that fails is
+said, and the restore goes on.
 
 Nothing here hands fsspec a pattern: its recursive ``rm``/``mv`` glob-expand their path on
 object stores and the memory filesystem (``run[1]`` would match ``run1``), so directories are
-deleted and moved as the files a listing returned, one by one. A commit is fenced: ``fence``
-(the run lease's check) runs before the first file and again before the manifest, so a driver
-that lost its run writes no manifest and prunes nothing.
+deleted and moved as the files a listing returned, one by one.
 """
 
 from __future__ import annotations
@@ -25,14 +43,17 @@ import logging
 import os
 import posixpath
 import re
+import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from ftjob.storage.lease import LeaseLost
+from ftjob.storage.retry import is_storage_error
 from ftjob.storage.urls import is_object_store
 
 logger = logging.getLogger("ftjob.storage.checkpoint")
@@ -41,6 +62,7 @@ MANIFEST = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "quarantine"  # beside checkpoints/: directories that did not verify
 QUARANTINE_NOTE = "QUARANTINED.json"
+FORMAT = 2  # 1: files stored under their own names, no writer
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 _CHUNK = 8 * 1024 * 1024
 
@@ -53,14 +75,68 @@ def file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def build_manifest(local_dir: str, step: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Writer:
+    """Who commits a checkpoint: the run lease's generation (a driver) and the attempt (a
+    worker group of that driver). A newer writer is a higher ``key``; ``tag`` makes its object
+    names its own."""
+
+    generation: int = 0
+    attempt: int = 0
+    nonce: str = ""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.generation, self.attempt)
+
+    @property
+    def tag(self) -> str:
+        return f"g{self.generation}a{self.attempt}-{self.nonce}"
+
+    def object_name(self, name: str) -> str:
+        """``model.pt`` -> ``model.g3a1-5f0c2e9a.pt``: the name this writer stores it under."""
+        stem, ext = posixpath.splitext(name)
+        return f"{stem}.{self.tag}{ext}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"generation": self.generation, "attempt": self.attempt, "nonce": self.nonce}
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> Writer:
+        """The writer a manifest names (a format-1 manifest: the oldest possible)."""
+        record = manifest.get("writer")
+        if not isinstance(record, dict):
+            return cls()
+        generation, attempt = record.get("generation"), record.get("attempt")
+        if not isinstance(generation, int) or not isinstance(attempt, int):
+            return cls()
+        return cls(generation, attempt, str(record.get("nonce", "")))
+
+
+def build_manifest(local_dir: str, step: int, writer: Writer | None = None) -> dict[str, Any]:
+    writer = writer or Writer(nonce=secrets.token_hex(4))
     files = {}
     for name in sorted(os.listdir(local_dir)):
         full = os.path.join(local_dir, name)
         if name == MANIFEST or not os.path.isfile(full):
             continue
-        files[name] = {"size": os.path.getsize(full), "sha256": file_digest(full)}
-    return {"format": 1, "step": step, "created": time.time(), "files": files}
+        files[name] = {
+            "size": os.path.getsize(full),
+            "sha256": file_digest(full),
+            "object": writer.object_name(name),
+        }
+    return {
+        "format": FORMAT,
+        "step": step,
+        "created": time.time(),
+        "writer": writer.as_json(),
+        "files": files,
+    }
+
+
+def object_of(name: str, meta: dict[str, Any]) -> str:
+    """Where a manifest's file is stored in its directory."""
+    return str(meta.get("object", name))
 
 
 def _is_local(fs: AbstractFileSystem) -> bool:
@@ -99,29 +175,51 @@ def _listing(fs: AbstractFileSystem, root: str) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(dirs)
 
 
+def _sizes(fs: AbstractFileSystem, directory: str) -> dict[str, int]:
+    """The objects directly in ``directory`` and their sizes, from one fresh listing."""
+    try:
+        entries = fs.ls(directory, detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+        for e in entries
+        if e.get("type") != "directory"
+    }
+
+
+def _remove_files(fs: AbstractFileSystem, root: str, files: list[str], dirs: list[str]) -> None:
+    """Delete exactly ``files`` (from a listing of ``root``), then -- on filesystems with
+    directories -- those of ``dirs`` and ``root`` that are empty now, deepest first: a file
+    that arrived since the listing stays, and so does its directory."""
+    for name in files:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(name)
+    if not is_object_store(fs.protocol):
+        for d in sorted([*dirs, root], key=len, reverse=True):
+            with contextlib.suppress(OSError):
+                fs.rmdir(d)
+
+
 def remove_tree(fs: AbstractFileSystem, path: str) -> None:
     """Delete directory ``path``: the files a listing returned, one by one, then (on
     filesystems with directories) the emptied directories, deepest first."""
     root = fs._strip_protocol(path).rstrip("/")
-    files, dirs = _listing(fs, root)
-    for name in files:
-        try:
-            fs.rm_file(name)
-        except FileNotFoundError:
-            pass
-    if not is_object_store(fs.protocol):
-        for d in sorted([*dirs, root], key=len, reverse=True):
-            with contextlib.suppress(FileNotFoundError):
-                fs.rmdir(d)
+    _remove_files(fs, root, *_listing(fs, root))
 
 
 def move_tree(fs: AbstractFileSystem, source: str, destination: str) -> None:
-    """Move directory ``source`` to ``destination`` (which must not exist): each listed file
-    copied, then the sources deleted -- never a pattern, and nothing deleted before its copy
-    exists."""
+    """Move directory ``source`` to ``destination`` (which must not exist). On a local
+    filesystem one rename (atomic, and it needs no free space); elsewhere each listed file
+    copied, then exactly the copied files deleted -- never a pattern, nothing deleted before
+    its copy exists, and a file that arrived in between stays where it is."""
     root = fs._strip_protocol(source).rstrip("/")
     target = fs._strip_protocol(destination).rstrip("/")
-    files, _ = _listing(fs, root)
+    if _is_local(fs):
+        fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        os.rename(root, target)
+        return
+    files, dirs = _listing(fs, root)
     if not is_object_store(fs.protocol):
         fs.makedirs(target, exist_ok=True)
     for name in files:
@@ -129,7 +227,26 @@ def move_tree(fs: AbstractFileSystem, source: str, destination: str) -> None:
         if not is_object_store(fs.protocol) and "/" in relative:
             fs.makedirs(posixpath.dirname(posixpath.join(target, relative)), exist_ok=True)
         fs.cp_file(name, posixpath.join(target, relative))
-    remove_tree(fs, root)
+    _remove_files(fs, root, files, dirs)
+
+
+def checkpoint_file(url: str, name: str, storage_options: dict[str, Any] | None = None) -> bytes:
+    """The bytes of file ``name`` (``model.pt``, ``state.json``...) of the checkpoint directory
+    at ``url`` -- summary.json's ``checkpoints.latest`` -- found through its manifest and
+    checked against its size and SHA-256. Raises :class:`CorruptCheckpoint`."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    step = CheckpointStore.step_of(path)
+    if step is None:
+        raise CorruptCheckpoint(f"{url} is not a checkpoint directory (step_NNNNNNNNN)")
+    store = CheckpointStore(fs, posixpath.dirname(posixpath.dirname(path.rstrip("/"))))
+    manifest = store.read_manifest(step)
+    data = store.read_file(step, name, manifest)
+    meta = manifest["files"][name]
+    if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise CorruptCheckpoint(f"{name} of {url} does not match its manifest")
+    return data
 
 
 class CorruptCheckpoint(Exception):
@@ -140,20 +257,46 @@ class UncommittedCheckpoint(CorruptCheckpoint):
     """A directory without a manifest: an upload that never completed (never a checkpoint)."""
 
 
+class StepTaken(LeaseLost):
+    """A newer writer (a later driver, or a later attempt of this one) committed this step:
+    this writer is a zombie and stops."""
+
+
+def _plain(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..", MANIFEST)
+        and "/" not in name
+        and "\\" not in name
+    )
+
+
 def _check_manifest(manifest: Any, step: int) -> None:
     """A manifest names plain files (no paths: they are joined to local directories) with a
-    size and a checksum, for the step of the directory it is in."""
+    size, a checksum and the plain name it is stored under, for the step of the directory it
+    is in."""
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CorruptCheckpoint("malformed manifest: no file table")
     if manifest.get("step") != step:
         raise CorruptCheckpoint(f"manifest is for step {manifest.get('step')}, not {step}")
     for name, meta in files.items():
-        plain = name not in ("", ".", "..", MANIFEST) and "/" not in name and "\\" not in name
-        if not plain or not isinstance(meta, dict):
+        if not _plain(name) or not isinstance(meta, dict) or not _plain(object_of(name, meta)):
             raise CorruptCheckpoint(f"malformed manifest entry {name!r}")
         if not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
             raise CorruptCheckpoint(f"manifest entry {name!r} lacks a size or a checksum")
+
+
+def _check_sizes(manifest: dict[str, Any], sizes: dict[str, int]) -> None:
+    """Every file of ``manifest`` listed with its size (the cheap verification: one listing)."""
+    for name, meta in manifest["files"].items():
+        stored = object_of(name, meta)
+        if stored not in sizes:
+            raise CorruptCheckpoint(f"{name} is missing")
+        if sizes[stored] != meta["size"]:
+            raise CorruptCheckpoint(
+                f"{name} has {sizes[stored]} bytes, manifest says {meta['size']}"
+            )
 
 
 @dataclass
@@ -165,18 +308,28 @@ class RestoreResult:
 
 
 class CheckpointStore:
-    """Writes, lists, verifies and prunes the checkpoints of one run on ``fs``."""
+    """Writes, lists, verifies, quarantines and prunes the checkpoints of one run on ``fs``.
+
+    ``fence`` raises (:class:`~ftjob.storage.lease.LeaseLost`) once this driver no longer holds
+    the run; its ``generation`` (a :class:`~ftjob.storage.lease.LeaseFence`'s) and ``attempt``
+    make this store's :class:`Writer`. ``settle_s``: how long a directory without a manifest
+    may still be written by an upload in flight (the lease timeout)."""
 
     def __init__(
         self,
         fs: AbstractFileSystem,
         run_path: str,
         fence: Callable[[], None] | None = None,
+        *,
+        attempt: int = 0,
+        settle_s: float = 60.0,
     ) -> None:
         self.fs = fs
         self.root = posixpath.join(run_path.rstrip("/"), CHECKPOINTS_DIR)
-        # Raises (ftjob.storage.lease.LeaseLost) when this driver no longer holds the run.
         self.fence = fence or (lambda: None)
+        self.generation = int(getattr(fence, "generation", 0) or 0)
+        self.attempt, self.settle_s = attempt, settle_s
+        self._verified: set[int] = set()  # steps this store saw verify (their files listed)
 
     def dir_name(self, step: int) -> str:
         return f"step_{step:09d}"
@@ -184,36 +337,84 @@ class CheckpointStore:
     def path_for(self, step: int) -> str:
         return posixpath.join(self.root, self.dir_name(step))
 
+    def manifest_path(self, step: int) -> str:
+        return posixpath.join(self.path_for(step), MANIFEST)
+
     # -- write ----------------------------------------------------------------------------
 
+    def writer(self) -> Writer:
+        """A fresh writer identity for one commit (its objects' names are its own)."""
+        return Writer(self.generation, self.attempt, secrets.token_hex(4))
+
+    @contextlib.contextmanager
+    def _fenced_retries(self) -> Iterator[None]:
+        """Every retry of every request inside runs the fence first (a retrying filesystem's
+        guard), so a writer that lost the run stops retrying at once."""
+        guarded = getattr(self.fs, "guarded", None)
+        with guarded(self.fence) if guarded is not None else contextlib.nullcontext():
+            yield
+
     def commit(self, local_dir: str, step: int) -> str:
-        """Upload ``local_dir`` as the checkpoint of ``step``: every file, then the manifest,
-        which is read back before the checkpoint counts. Raises when an upload fails after the
-        retry policy gave up (the checkpoint then has no manifest and never counts), and
-        :class:`~ftjob.storage.lease.LeaseLost` when the run is no longer this driver's (checked
-        before the first file and before the manifest)."""
-        manifest = build_manifest(local_dir, step)
+        """Upload ``local_dir`` as the checkpoint of ``step``: every file under this writer's
+        own names, confirmed by one listing, then the manifest, read back. Raises when an
+        upload fails after the retry policy gave up (the checkpoint then has no manifest and
+        never counts), :class:`~ftjob.storage.lease.LeaseLost` when the run is no longer this
+        driver's, and :class:`StepTaken` when a newer writer committed this step."""
+        manifest = build_manifest(local_dir, step, self.writer())
         remote = self.path_for(step)
         local = _is_local(self.fs)
-        self.fence()
-        if not is_object_store(self.fs.protocol):
-            # Not on object stores: there s3fs's makedirs costs requests and would even
-            # re-create a bucket deleted under a running job.
-            self.fs.makedirs(remote, exist_ok=True)
-        for name in manifest["files"]:
-            target = posixpath.join(remote, name)
-            self.fs.put_file(os.path.join(local_dir, name), target)
-            if local:
-                _sync(self.fs._strip_protocol(target))
-        body = json.dumps(manifest, indent=1).encode()
-        self.fence()
-        self.fs.pipe_file(self.manifest_path(step), body)
+        with self._fenced_retries():
+            self.fence()
+            if not is_object_store(self.fs.protocol):
+                # Not on object stores: there s3fs's makedirs costs requests and would even
+                # re-create a bucket deleted under a running job.
+                self.fs.makedirs(remote, exist_ok=True)
+            for name, meta in manifest["files"].items():
+                target = posixpath.join(remote, object_of(name, meta))
+                self.fs.put_file(os.path.join(local_dir, name), target)
+                if local:
+                    _sync(self.fs._strip_protocol(target))
+            try:
+                _check_sizes(manifest, _sizes(self.fs, remote))
+            except CorruptCheckpoint as exc:  # a storage fault: a failed upload
+                raise OSError(errno.EIO, f"{remote}: uploaded, but {exc}") from None
+            body = json.dumps(manifest, indent=1).encode()
+            self.fence()
+            self._publish(step, body, Writer.of(manifest))
         if local:
             for path in (self.manifest_path(step), remote, self.root):
                 _sync(self.fs._strip_protocol(path))
         if self.fs.cat_file(self.manifest_path(step)) != body:  # a storage fault: a failed upload
             raise OSError(errno.EIO, f"the manifest of {remote} read back different bytes")
+        self._verified.add(step)
         return remote
+
+    def _publish(self, step: int, body: bytes, writer: Writer) -> None:
+        """Write the manifest of ``step``: created exclusively, or replacing the manifest of an
+        older writer (whose files stay, named by nothing); refused when a newer writer's is
+        there."""
+        path = self.manifest_path(step)
+        for _ in range(3):
+            try:
+                existing = Writer.of(json.loads(self.fs.cat_file(path)))
+            except FileNotFoundError:
+                try:
+                    self.fs.pipe_file(path, body, mode="create")
+                    return
+                except FileExistsError:
+                    continue  # another writer published in between: compare with it
+            except ValueError:
+                existing = Writer()  # unreadable: no writer can be newer than one that says so
+                logger.warning("replacing the unreadable manifest of %s", self.path_for(step))
+            if existing.key > writer.key:
+                raise StepTaken(
+                    f"step {step} of {self.path_for(step)} was committed by a newer writer "
+                    f"(lease generation {existing.generation}, attempt {existing.attempt}); this "
+                    f"one (generation {writer.generation}, attempt {writer.attempt}) stopped"
+                )
+            self.fs.pipe_file(path, body)
+            return
+        raise OSError(errno.EIO, f"the manifest of {self.path_for(step)} kept changing")
 
     # -- read -----------------------------------------------------------------------------
 
@@ -239,7 +440,7 @@ class CheckpointStore:
 
     def read_manifest(self, step: int) -> dict[str, Any]:
         try:
-            raw = self.fs.cat_file(posixpath.join(self.path_for(step), MANIFEST))
+            raw = self.fs.cat_file(self.manifest_path(step))
         except FileNotFoundError:
             raise UncommittedCheckpoint("no manifest: the upload never completed") from None
         try:
@@ -249,18 +450,37 @@ class CheckpointStore:
         _check_manifest(manifest, step)
         return manifest
 
-    def read_file(self, step: int, name: str) -> bytes:
-        return self.fs.cat_file(posixpath.join(self.path_for(step), name))
+    def read_file(self, step: int, name: str, manifest: dict[str, Any] | None = None) -> bytes:
+        """The stored bytes of file ``name`` of the checkpoint of ``step`` (not verified)."""
+        manifest = manifest or self.read_manifest(step)
+        meta = manifest["files"].get(name)
+        if meta is None:
+            raise CorruptCheckpoint(f"the manifest names no {name}")
+        return self.fs.cat_file(posixpath.join(self.path_for(step), object_of(name, meta)))
+
+    def verifies(self, step: int) -> bool:
+        """Does the checkpoint of ``step`` have a manifest whose files are all there, at their
+        sizes (one listing)? Said when not. Storage errors propagate."""
+        if step in self._verified:
+            return True
+        try:
+            _check_sizes(self.read_manifest(step), _sizes(self.fs, self.path_for(step)))
+        except CorruptCheckpoint as exc:
+            logger.warning("checkpoint %s does not verify: %s", self.path_for(step), exc)
+            return False
+        self._verified.add(step)
+        return True
 
     def download(self, step: int, local_dir: str) -> dict[str, Any]:
-        """Download and verify the checkpoint of ``step`` into ``local_dir``."""
+        """Download and verify the checkpoint of ``step`` into ``local_dir`` (each file under
+        its own name)."""
         manifest = self.read_manifest(step)
         os.makedirs(local_dir, exist_ok=True)
         remote = self.path_for(step)
         for name, meta in manifest["files"].items():
             local = os.path.join(local_dir, name)
             try:
-                self.fs.get_file(posixpath.join(remote, name), local)
+                self.fs.get_file(posixpath.join(remote, object_of(name, meta)), local)
             except FileNotFoundError:
                 raise CorruptCheckpoint(f"{name} is missing") from None
             size = os.path.getsize(local)
@@ -313,7 +533,8 @@ class CheckpointStore:
 
     def quarantine(self, step: int, reason: str) -> str:
         """Move the directory of ``step`` aside, with a note of why: a checkpoint that does not
-        verify is evidence, never deleted. Returns where it went."""
+        verify is evidence, never deleted. Fenced. Returns where it went."""
+        self.fence()
         destination = posixpath.join(
             self.quarantine_root,
             f"{self.dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}",
@@ -323,16 +544,63 @@ class CheckpointStore:
         self.fs.pipe_file(posixpath.join(destination, QUARANTINE_NOTE), json.dumps(note).encode())
         return destination
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete committed checkpoints older than the newest ``keep`` committed ones (Ray
-        Train's own retention is off: one owner). Directories without a manifest are left.
-        Fenced: a driver that lost the run deletes nothing."""
-        removed = self.committed_steps()[keep:]
-        if removed:
+    def set_aside(self, unusable: list[dict[str, Any]]) -> None:
+        """What a restore could not use (:meth:`restore_latest`'s ``skipped``), quarantined;
+        each record gains ``quarantined_to``, or ``left`` (why it stayed). A directory without
+        a manifest whose newest object is younger than ``settle_s`` may still be written by an
+        upload in flight: it is left where it is. A quarantine that fails (a full disk) is
+        said, and the restore goes on. Raises LeaseLost when the run is not this driver's."""
+        if unusable:
             self.fence()
-        for step in removed:
-            remove_tree(self.fs, self.path_for(step))
-        return removed
+        for bad in unusable:
+            if not bad["committed"]:
+                age = self.age(bad["step"])
+                if age is not None and age < self.settle_s:
+                    bad["left"] = (
+                        f"its newest file is {max(age, 0):.0f} s old, under {self.settle_s:g} s "
+                        "(checkpoint.lease_timeout): an upload may still be writing it"
+                    )
+                    logger.warning("left %s in place: %s", bad["path"], bad["left"])
+                    continue
+            try:
+                bad["quarantined_to"] = self.quarantine(bad["step"], bad["reason"])
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                if not is_storage_error(exc):
+                    raise
+                bad["left"] = f"quarantining it failed ({type(exc).__name__}: {exc})"
+                logger.warning("left %s in place: %s", bad["path"], bad["left"])
 
-    def manifest_path(self, step: int) -> str:
-        return posixpath.join(self.path_for(step), MANIFEST)
+    def age(self, step: int) -> float | None:
+        """Seconds since the newest object of ``step``'s directory was written, on the store's
+        clock (against a probe written now); None when it holds none."""
+        files, _ = _listing(self.fs, self.fs._strip_protocol(self.path_for(step)).rstrip("/"))
+        if not files:
+            return None
+        newest = max(self.fs.modified(name) for name in files)
+        probe = posixpath.join(self.root, f".clock-{secrets.token_hex(6)}")
+        self.fs.pipe_file(probe, b"")
+        try:
+            return (self.fs.modified(probe) - newest).total_seconds()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(probe)
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete committed checkpoints older than the newest ``keep`` that verify (Ray Train's
+        own retention is off: one owner): a newest checkpoint that does not verify never costs
+        an older one that does, and when fewer than ``keep`` verify nothing is deleted.
+        Directories without a manifest are left. Fenced before each delete: a driver that lost
+        the run deletes nothing."""
+        verified, removed = 0, []
+        for step in self.committed_steps():
+            if verified >= keep:
+                removed.append(step)
+            elif self.verifies(step):
+                verified += 1
+        for step in removed:
+            self.fence()
+            remove_tree(self.fs, self.path_for(step))
+            self._verified.discard(step)
+        return removed

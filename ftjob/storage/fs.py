@@ -18,12 +18,13 @@ retry policy. How a wrapper behaves like the filesystem it wraps: :mod:`ftjob.st
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import types
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
@@ -65,11 +66,26 @@ class RetryingFileSystem(_DelegatingFileSystem):
         self.policy = policy
         self.stats = StorageStats()
         self._lock = threading.Lock()
+        self._guard = threading.local()
         if inner_retries is not None:
             set_inner_retries(innermost(fs), inner_retries)
 
+    @contextlib.contextmanager
+    def guarded(self, check: Callable[[], None]) -> Iterator[None]:
+        """Inside, on this thread, ``check()`` runs before every retry of every call: what it
+        raises (a lost run lease) ends the call instead of the next try."""
+        previous = getattr(self._guard, "check", None)
+        self._guard.check = check
+        try:
+            yield
+        finally:
+            self._guard.check = previous
+
     def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
         kind = OPERATIONS.get(op, "other")
+        check = getattr(self._guard, "check", None)
+        if check is not None:
+            fn = _checked_retries(fn, check)
         local = OpStats()
         # A missing file is an answer to a read or a listing, but a failure of an upload (no
         # such bucket).
@@ -239,3 +255,17 @@ def preflight(fs: RetryingFileSystem, path: str, key: str = "checkpoint.storage_
         raise StorageError(
             f"{key}={url!r}: {hint} ({type(exc).__name__}: {_one_line(exc)})"
         ) from exc
+
+
+def _checked_retries(fn: Callable[[], Any], check: Callable[[], None]) -> Callable[[], Any]:
+    """``fn`` with ``check()`` before each call but the first."""
+    tries = 0
+
+    def call() -> Any:
+        nonlocal tries
+        tries += 1
+        if tries > 1:
+            check()
+        return fn()
+
+    return call

@@ -106,22 +106,25 @@ class NoUsableCheckpoint(RuntimeError):
 def choose_checkpoint(
     store: CheckpointStore, local_root: str, config: Any
 ) -> tuple[int, str, str, list[dict[str, Any]]] | str | None:
-    """Rank 0: (step, path, local dir, quarantined) of the checkpoint to restore, None to
+    """Rank 0: (step, path, local dir, set aside) of the checkpoint to restore, None to
     start from step 0, or the error that stops the job. Whatever does not verify is
-    quarantined on the way."""
+    quarantined on the way (:meth:`~ftjob.storage.checkpoint.CheckpointStore.set_aside`)."""
     skipped: list[dict[str, Any]] = []
-    result = store.restore_latest(local_root, skipped)
-    for bad in skipped:
-        bad["quarantined_to"] = store.quarantine(bad["step"], bad["reason"])
+    try:
+        result = store.restore_latest(local_root, skipped)
+        store.set_aside(skipped)
+    except LeaseLost as exc:  # a deposed driver's workers touch nothing
+        return str(exc)
     if result is not None:
         return result.step, result.path, result.local_dir, skipped
     lost = [bad for bad in skipped if bad["committed"]]
     if not lost or config.restart_if_unrecoverable:
         return None
     details = "; ".join(f"step {b['step']}: {b['reason']}" for b in lost)
+    where = sorted({b.get("quarantined_to", b["path"]).rsplit("/", 1)[0] for b in lost})
     return (
         f"no committed checkpoint of this run verifies ({details}); nothing was deleted: "
-        f"they were moved to {store.quarantine_root}. Inspect them, or set "
+        f"they are in {', '.join(where)}. Inspect them, or set "
         "checkpoint.restart_if_unrecoverable=true to start over from step 0"
     )
 
@@ -181,7 +184,9 @@ class Checkpointer:
         memory: MemoryTier | None = None,
     ) -> None:
         self.fs, self.config, self.job_config = fs, config, job_config
-        self.store = CheckpointStore(fs, run_path, fence)
+        self.store = CheckpointStore(
+            fs, run_path, fence, attempt=recorder.attempt, settle_s=config.lease_timeout
+        )
         self.recorder, self.rank, self.world = recorder, recorder.rank, world
         self.broadcast, self.report = broadcast, report
         self.metrics, self.local_root, self.global_batch = metrics, local_root, global_batch
