@@ -3,6 +3,7 @@ loopback S3; several drivers as real processes (no Ray)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,17 @@ from ftjob.storage.fs import RetryingFileSystem, build_filesystem
 from ftjob.storage.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import _DelegatingFileSystem
+from tests.helpers import no_sleep_policy
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def local_fs() -> RetryingFileSystem:
     return RetryingFileSystem(LocalFileSystem(), RetryPolicy(RetryConfig()))
+
+
+def no_wait(seconds: float) -> None:
+    """The watch of an expired lease's beat counter, without the wait."""
 
 
 def age_by(run: str, generation: int, seconds: float) -> None:
@@ -70,7 +77,7 @@ def test_an_expired_lease_is_taken_over_and_said(tmp_path: Path) -> None:
     run = str(tmp_path / "run")
     RunLease(local_fs(), run, timeout=60, owner="host-a:100").acquire()
     age_by(run, 1, 61)  # the holder died without releasing
-    note = RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
+    note = RunLease(local_fs(), run, timeout=60, owner="host-b:200", sleep=no_wait).acquire()
     assert note is not None and "took over run 'run' from host-a:100, silent for 6" in note
     assert generations(local_fs(), os.path.join(run, LEASE_DIR)) == [2]
 
@@ -119,7 +126,7 @@ def test_a_deposed_driver_is_fenced_out_of_commits_prunes_and_renewals(tmp_path:
     fence = pickle.loads(pickle.dumps(old.fence()))  # as the workers get it
     fence()  # still ours
     age_by(run, 1, 61)  # paused past the timeout
-    new = RunLease(local_fs(), run, timeout=60, owner="host-b:200")
+    new = RunLease(local_fs(), run, timeout=60, owner="host-b:200", sleep=no_wait)
     new.acquire()
     for call in (fence, old.check, old.renew):
         with pytest.raises(LeaseLost, match=r"held by another driver \(host-b:200"):
@@ -133,6 +140,138 @@ def test_a_deposed_driver_is_fenced_out_of_commits_prunes_and_renewals(tmp_path:
     assert store.committed_steps() == []
     old.release()  # not its run any more: nothing changes
     new.check()
+
+
+def test_a_deleted_or_rewritten_lease_stops_the_holder_saying_what_happened(
+    tmp_path: Path,
+) -> None:
+    run = str(tmp_path / "run")
+    lease = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    lease.acquire()
+    path = Path(run, LEASE_DIR, "000000001.json")
+    path.write_text('{"owner": "someone", "token": "not-ours"}')
+    with pytest.raises(LeaseLost, match="generation 1 was removed, or rewritten by another"):
+        lease.check()
+    path.write_bytes(b'{"owner": "host-a')  # torn
+    with pytest.raises(LeaseLost, match="generation 1 is unreadable"):
+        lease.check()
+    path.unlink()
+    with pytest.raises(LeaseLost, match="its lease in .* is gone") as err:
+        lease.check()
+    assert "another driver" not in str(err.value)
+
+
+class StaleTimes(_DelegatingFileSystem):
+    """A shared filesystem whose clients cache file attributes (NFS ``actimeo``) or stamp
+    them with their own clock: a lease file's modification time reads two minutes old."""
+
+    def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def modified(self, path: str) -> Any:
+        stamp = self.fs.modified(path)
+        return stamp - timedelta(seconds=120) if "/lease/0" in path else stamp
+
+
+def test_a_live_holder_behind_stale_modification_times_is_not_taken_over(
+    tmp_path: Path,
+) -> None:
+    run = str(tmp_path / "run")
+    holder = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    holder.acquire()
+    watched: list[float] = []
+
+    def holder_beats_meanwhile(seconds: float) -> None:
+        watched.append(seconds)
+        holder.renew()  # a live holder renews every quarter of its timeout
+
+    reader = RunLease(
+        StaleTimes(LocalFileSystem()),
+        run,
+        timeout=60,
+        owner="host-b:200",
+        sleep=holder_beats_meanwhile,
+    )
+    with pytest.raises(LeaseHeld, match="beat counter moved while watched"):
+        reader.acquire()
+    assert watched == [30.0]  # half the timeout: a live holder beats at least once in it
+    holder.check()  # still the holder's
+    silent = RunLease(
+        StaleTimes(LocalFileSystem()), run, timeout=60, owner="host-c:300", sleep=no_wait
+    )  # the holder died: the counter stands still
+    note = silent.acquire()
+    assert note is not None and "still while watched 30 s" in note
+
+
+HOLDER_IN_ANOTHER_PID_NAMESPACE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from ftjob.config import RetryConfig
+    from ftjob.storage.fs import build_filesystem
+    from ftjob.storage.lease import LeaseKeeper, RunLease
+
+    url, taken = sys.argv[1], set(json.loads(sys.argv[2]))
+    while True:  # a pid that no process has in the parent namespace
+        child = os.fork()
+        if child == 0:
+            if os.getpid() in taken:
+                os._exit(7)
+            fs, run = build_filesystem(url, {}, RetryConfig())
+            lease = RunLease(fs, run, timeout=60)
+            lease.acquire()
+            keeper = LeaseKeeper(lease).start()
+            print(f"holding {os.getpid()}", flush=True)
+            sys.stdin.readline()
+            keeper.stop()
+            lease.release()
+            os._exit(0)
+        code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+        if code != 7:
+            sys.exit(code)
+    """
+)
+
+
+def test_a_live_driver_in_another_pid_namespace_with_this_hostname_is_not_taken_over(
+    tmp_path: Path,
+) -> None:
+    # Containers share a hostname across pid namespaces (pods with host networking,
+    # --hostname): its pid is absent here, yet the driver is alive and training.
+    run = str(tmp_path / "run")
+    taken = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    holder = subprocess.Popen(
+        [
+            "unshare",
+            "--pid",
+            "--fork",
+            sys.executable,
+            "-c",
+            HOLDER_IN_ANOTHER_PID_NAMESPACE,
+            run,
+            json.dumps(taken),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        line = holder.stdout.readline()
+        assert line.startswith("holding "), holder.communicate(timeout=30)[1]
+        pid = int(line.split()[1])
+        assert not os.path.exists(f"/proc/{pid}")  # no such process in this namespace
+        with pytest.raises(LeaseHeld, match="being trained by another driver"):
+            RunLease(local_fs(), run, timeout=60).acquire()
+        holder.stdin.write("done\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=60) == 0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    assert RunLease(local_fs(), run, timeout=60).acquire() is None  # released: free at once
 
 
 # -- real processes --------------------------------------------------------------------------
@@ -323,10 +462,29 @@ def test_a_renewal_under_a_storage_outage_gives_up_well_inside_the_lease() -> No
     started = time.monotonic()
     keeper.renew_once()
     assert time.monotonic() - started < 4  # not the policy's 300 s deadline
-    assert keeper.lost is None and keeper.failing_since is not None
+    assert keeper.lost is None  # one failed renewal, well inside the lease: keep training
     inner.down = False
     keeper.renew_once()
-    assert keeper.failing_since is None
+    assert keeper.lost is None and lease.beats == 1
+
+
+def test_a_holder_that_cannot_renew_for_a_whole_timeout_stops() -> None:
+    # Past its timeout another driver may take the run: the holder must not train on.
+    inner = Outage(MemoryFileSystem())
+    run = f"/bucket/run-{os.getpid()}-{time.monotonic_ns()}"
+    lease = RunLease(RetryingFileSystem(inner, no_sleep_policy(1)), run, timeout=8)
+    lease.acquire()
+    now = [0.0]
+    keeper = LeaseKeeper(lease, clock=lambda: now[0])
+    inner.down = True
+    for now[0] in (2.0, 4.0, 6.0):
+        keeper.renew_once()
+        assert keeper.lost is None
+    now[0] = 8.0
+    keeper.renew_once()
+    assert keeper.lost is not None
+    assert "could not be renewed for 8 s (checkpoint.lease_timeout=8 s" in keeper.lost
+    assert "Connection reset by peer" in keeper.lost
 
 
 def test_the_keeper_says_when_the_run_was_taken_over(tmp_path: Path) -> None:
@@ -335,6 +493,6 @@ def test_the_keeper_says_when_the_run_was_taken_over(tmp_path: Path) -> None:
     lease.acquire()
     keeper = LeaseKeeper(lease)
     age_by(run, 1, 61)
-    RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
+    RunLease(local_fs(), run, timeout=60, owner="host-b:200", sleep=no_wait).acquire()
     keeper.renew_once()
     assert keeper.lost is not None and "host-b:200" in keeper.lost

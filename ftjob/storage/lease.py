@@ -11,10 +11,15 @@ checkpoints. So a run has one holder at a time, decided by the storage itself:
   :func:`ftjob.storage.fs.exclusive_create_guarantee`). Of several drivers started at the same
   instant exactly one creates it; the others are refused. Nobody ever rewrites another
   driver's generation.
-- **Age on one clock.** The holder renews by rewriting its own generation file; its age is the
-  store's modification time of that file against the modification time of a probe the reader
-  writes now -- both stamped by the store, so a host whose clock runs ahead cannot take over a
-  live run. A generation that cannot be read (torn, or from a newer ftjob) counts as held.
+- **Age on one clock, confirmed by the beat counter.** The holder renews by rewriting its own
+  generation file with a higher beat count; its age is the store's modification time of that
+  file against the modification time of a probe the reader writes now -- both stamped by the
+  store, so a host whose clock runs ahead cannot take over a live run. A lease that looks
+  expired is watched for half its timeout before it is taken: if its beat counter moves, the
+  holder is alive and the modification time lied (NFS attribute caching, a FUSE mount that
+  stamps its client's clock). A holder that cannot renew for a whole timeout stops itself, so
+  a counter that stood still while watched is a holder that is gone or going. A generation
+  that cannot be read (torn, or from a newer ftjob) counts as held.
 - **Fencing.** :meth:`RunLease.check` (for the driver) and :class:`LeaseFence` (for the
   workers, which commit and prune the checkpoints) raise :class:`LeaseLost` once a newer
   generation exists, naming its holder: every checkpoint commit and every prune is checked,
@@ -23,8 +28,9 @@ checkpoints. So a run has one holder at a time, decided by the storage itself:
 - **Renewal is time-boxed** (:class:`LeaseKeeper`: a thread, retries bounded well inside the
   timeout), so a storage outage never blocks the driver's main loop or its SIGTERM handling.
 
-A holder that was a process of this host and is gone need not be waited out (a sweep resumed
-right after it was killed). Owner, clock and probes are injectable for tests.
+A holder that was a process of this machine -- the same kernel boot *and* pid namespace, not
+merely the same hostname, which containers share -- and is gone need not be waited out (a
+sweep resumed right after it was killed). Owner, machine and sleep are injectable for tests.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.storage.memory import machine
 from ftjob.storage.retry import RetryPolicy, is_storage_error
 from ftjob.storage.urls import is_object_store
 
@@ -64,11 +71,16 @@ def this_process() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def holder_gone(owner: str) -> bool:
-    """Is the lease's owner a process of this host that no longer exists? (Its heartbeat need
-    not be waited out: a sweep resumed right after it was killed.)"""
-    host, _, pid = owner.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
+def holder_gone(record: dict[str, Any], here: str | None = None) -> bool:
+    """Is the lease's holder a process of this machine (same boot and pid namespace:
+    ``here``) that no longer exists? (Its heartbeat need not be waited out: a sweep resumed
+    right after it was killed.) A holder elsewhere, or of unknown machine, is never known
+    gone: its timeout is waited out."""
+    host, _, pid = str(record.get("owner", "")).rpartition(":")
+    here = machine() if here is None else here
+    if host != socket.gethostname() or not here or record.get("machine") != here:
+        return False
+    if not pid.isdigit():
         return False
     try:
         os.kill(int(pid), 0)
@@ -119,15 +131,25 @@ class LeaseFence:
     def __call__(self) -> None:
         top = generations(self.fs, self.directory)
         newest = top[0] if top else None
-        if newest == self.generation:
-            held = read_generation(self.fs, self.directory, newest) or {}
-            if held.get("token") == self.token:
-                return
-        holder = (read_generation(self.fs, self.directory, newest) or {}) if newest else {}
+        held = read_generation(self.fs, self.directory, newest) if newest else None
+        if newest == self.generation and held is not None and held.get("token") == self.token:
+            return
+        if newest is None:
+            why = f"its lease in {self.directory} is gone (deleted?)"
+        elif newest == self.generation:
+            why = (
+                f"its lease generation {newest} was removed, or rewritten by another process"
+                if held is None or held
+                else f"its lease generation {newest} is unreadable"
+            )
+        else:
+            why = (
+                f"it is now held by another driver ({(held or {}).get('owner', 'unknown')}, "
+                f"lease generation {newest})"
+            )
         raise LeaseLost(
-            f"run {self.run_name!r} is now held by another driver "
-            f"({holder.get('owner', 'unknown')}, lease generation {newest}; this driver held "
-            f"generation {self.generation}): this driver stopped writing to it"
+            f"run {self.run_name!r}: {why}; this driver held generation {self.generation} and "
+            "stopped writing to it"
         )
 
 
@@ -143,8 +165,11 @@ class RunLease:
         *,
         run_name: str = "",
         owner: str | None = None,
+        here: str | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.fs, self.timeout = fs, timeout
+        self.fs, self.timeout, self.sleep = fs, timeout, sleep
+        self.machine = machine() if here is None else here
         self.directory = posixpath.join(run_path.rstrip("/"), LEASE_DIR)
         self.run_name = run_name or posixpath.basename(run_path.rstrip("/"))
         self.owner = owner or this_process()
@@ -173,7 +198,13 @@ class RunLease:
 
     def _record(self) -> bytes:
         return json.dumps(
-            {"owner": self.owner, "token": self.token, "beats": self.beats, "wall": time.time()}
+            {
+                "owner": self.owner,
+                "machine": self.machine,
+                "token": self.token,
+                "beats": self.beats,
+                "wall": time.time(),
+            }
         ).encode()
 
     def acquire(self) -> str | None:
@@ -189,21 +220,7 @@ class RunLease:
             held = read_generation(self.fs, self.directory, newest)
             candidate = newest + 1
             if held is not None and not held.get("released"):
-                owner = str(held.get("owner", "unknown"))
-                age = self._age(newest)
-                if age < self.timeout and not holder_gone(owner):
-                    raise LeaseHeld(
-                        f"run {self.run_name!r} is being trained by another driver ({owner}, "
-                        f"last renewed {max(age, 0):.0f} s ago by the store's clock): stop it "
-                        f"first, or wait checkpoint.lease_timeout={self.timeout:g} s after it "
-                        "died to take over"
-                    )
-                note = (
-                    f"took over run {self.run_name!r} from {owner}: that process is gone"
-                    if age < self.timeout
-                    else f"took over run {self.run_name!r} from {owner}, silent for "
-                    f"{age:.0f} s (checkpoint.lease_timeout={self.timeout:g} s)"
-                )
+                note = self._may_take(newest, held)
         try:
             self.fs.pipe_file(_file(self.directory, candidate), self._record(), mode="create")
         except FileExistsError:
@@ -226,6 +243,45 @@ class RunLease:
             except FileNotFoundError:
                 pass
         return note
+
+    def _may_take(self, generation: int, held: dict[str, Any]) -> str:
+        """The note that says why a live-looking ``generation`` may be taken over, or
+        :class:`LeaseHeld`: its holder is a gone process of this machine, or it is older than
+        the timeout on the store's clock *and* its beat counter stood still while watched for
+        half the timeout."""
+        owner = str(held.get("owner", "unknown"))
+        if holder_gone(held, self.machine):
+            return f"took over run {self.run_name!r} from {owner}: that process is gone"
+        age = self._age(generation)
+        if age < self.timeout:
+            raise LeaseHeld(
+                f"run {self.run_name!r} is being trained by another driver ({owner}, last "
+                f"renewed {max(age, 0):.0f} s ago by the store's clock): stop it first, or wait "
+                f"checkpoint.lease_timeout={self.timeout:g} s after it died to take over"
+            )
+        watch = self.timeout / 2
+        logger.warning(
+            "run %r: the lease of %s is %.0f s old by the store's clock; watching its beat "
+            "counter for %.0f s before taking it over",
+            self.run_name,
+            owner,
+            age,
+            watch,
+        )
+        self.sleep(watch)
+        now = read_generation(self.fs, self.directory, generation)
+        if now is None or now.get("beats") != held.get("beats") or now.get("released"):
+            if now is not None and now.get("released"):
+                return f"took over run {self.run_name!r} from {owner}: it released the run"
+            raise LeaseHeld(
+                f"run {self.run_name!r} is being trained by another driver ({owner}): its lease "
+                f"looked {age:.0f} s old by the store's modification times, but its beat counter "
+                "moved while watched (a filesystem that caches or stamps times on its clients?)"
+            )
+        return (
+            f"took over run {self.run_name!r} from {owner}, silent for {age:.0f} s "
+            f"(checkpoint.lease_timeout={self.timeout:g} s) and still while watched {watch:.0f} s"
+        )
 
     def fence(self) -> LeaseFence:
         """The check the workers run before every checkpoint commit and prune."""
@@ -295,7 +351,7 @@ class LeaseKeeper:
         self.interval = interval if interval is not None else lease.timeout / 4
         lease.fs = bounded_filesystem(lease.fs, self.interval)
         self.lost: str | None = None
-        self.failing_since: float | None = None
+        self.renewed = clock()  # of the last renewal that went through (the keeper's clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftjob-lease", daemon=True)
 
@@ -306,20 +362,26 @@ class LeaseKeeper:
     def renew_once(self) -> None:
         try:
             self.lease.renew()
-            self.failing_since = None
+            self.renewed = self.clock()
         except LeaseLost as exc:
             self.lost = str(exc)
         except Exception as exc:
             if not is_storage_error(exc):
                 raise
-            if self.failing_since is None:
-                self.failing_since = self.clock()
+            silent = self.clock() - self.renewed
             logger.warning(
                 "renewing the run lease failed (%.0f s of the %g s lease without a renewal): %s",
-                self.clock() - self.lease.renewed,
+                silent,
                 self.lease.timeout,
                 exc,
             )
+            if silent >= self.lease.timeout:  # another driver may take the run now
+                self.lost = (
+                    f"run {self.lease.run_name!r}: the lease could not be renewed for "
+                    f"{silent:.0f} s (checkpoint.lease_timeout={self.lease.timeout:g} s; last "
+                    f"error: {type(exc).__name__}: {exc}): another driver may take the run "
+                    "over, so this one stopped writing to it"
+                )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval) and self.lost is None:
