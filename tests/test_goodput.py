@@ -217,3 +217,99 @@ def test_auto_needs_a_declared_failure_rate_and_nothing_else_is_a_word():
     for bad in ("sometimes", -1, True, 2.5):
         with pytest.raises(ConfigError, match="trainer.checkpoint_every_n_steps"):
             TrainerConfig(checkpoint_every_n_steps=bad)
+
+
+def accounted(ledger, wall_s: float, run_started: float = 0.0) -> dict:
+    """summary.json's goodput for the ledger's records, as the driver builds it."""
+    summary = build_summary(
+        ledger.snapshot(),
+        name="r",
+        status="succeeded",
+        error=None,
+        wall_time_s=wall_s,
+        config={},
+        run_started=run_started,
+    )
+    return summary
+
+
+def assert_every_second_once(g: dict, wall_s: float) -> None:
+    b = g["buckets"]
+    assert min(b.values()) >= 0, b
+    assert sum(b.values()) == pytest.approx(wall_s)
+
+
+def test_a_run_that_finished_without_a_step_is_not_counted_twice():
+    # A resumed run with nothing left to do: restored at 110, finished at 112 (no step); the
+    # driver started at 95 and ended at 122. It started up until it finished, then shut down.
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(110.0)
+    ledger.restored(a0, restored(5))
+    ledger.finish(112.0)
+    g = accounted(ledger, wall_s=27.0, run_started=95.0)["goodput"]
+    assert_every_second_once(g, 27.0)
+    assert g["buckets"]["startup"] == pytest.approx(17.0)
+    assert g["buckets"]["shutdown"] == pytest.approx(10.0)
+
+
+def test_steps_a_killed_node_still_trained_are_in_detection_not_also_redone():
+    # 1 s a step. Steps 1-2 (12-14 s), the checkpoint of step 2 (14-15 s), steps 3-7
+    # (15-20 s); the node is killed at 20 s, yet its workers live on to train steps 8-9
+    # (20-22 s) before they die; noticed at 22.5 s. The restart trains steps 3-10 from 27 s,
+    # commits the last checkpoint (35-36 s) and finishes; the driver ends at 40 s.
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(10.0)
+    ledger.first_step(a0, 1, 13.0, 1.0)
+    train(ledger, a0, range(1, 3), audit=False)
+    ledger.checkpoint(a0, {"step": 2, "path": "/ck/step_2", "seconds": 1.0, "time": 15.0})
+    train(ledger, a0, range(3, 8), audit=False)
+    target = {"node_id": "n1", "ranks": [1]}
+    ledger.kill({"time": 20.0, "kind": "node", "target": target})
+    train(ledger, a0, range(8, 10), audit=False)  # the dying node's workers, past the kill
+    ledger.confirm_kill(20.0, True)
+    ledger.failure_noticed(22.5, {1: "ActorDiedError"})
+    a1 = ledger.begin_attempt(25.0)
+    ledger.restored(a1, restored(2))  # 0.76 s
+    ledger.first_step(a1, 3, 28.0, 1.0)
+    train(ledger, a1, range(3, 11), audit=False)
+    timers = {
+        M.TRAIN_STEP: 8.0,
+        M.TRAIN_ITER_BATCH: 2.0,
+        M.TRAIN_STEPS_COMPLETED: 10,
+        M.CHECKPOINT_UPLOAD: 1.0,
+    }
+    progress = {"step": 10, "epoch": 0, "epochs": 1, "total_steps": 10, "loss": 1.0}
+    ledger.progress_update(a1, {**progress, "throughput": 1.0}, timers)
+    ledger.checkpoint(a1, {"step": 10, "path": "/ck/step_10", "seconds": 1.0, "time": 36.0})
+    ledger.finish(36.0)
+    summary = accounted(ledger, wall_s=40.0)
+    g, (failure,) = summary["goodput"], summary["failures"]
+    assert (failure["kind"], failure["lost_steps"], failure["detection_s"]) == ("node_kill", 7, 2.5)
+    assert failure["lost_window_s"] == pytest.approx(6.0)  # the checkpoint's upload to the kill
+    assert_every_second_once(g, 40.0)
+    b = g["buckets"]
+    assert b["redone"] == pytest.approx(6.0) and b["detection"] == pytest.approx(2.5)
+    assert b["other"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_an_attempt_that_died_starting_up_leaves_start_up_before_its_failure():
+    # The first attempt (10 s) is killed at 15 s before its first step; noticed at 16 s; the
+    # next one starts at 19 s, trains its first step 23-24 s and four more, ends at 30 s.
+    ledger = make_ledger()
+    ledger.begin_attempt(10.0)
+    ledger.kill({"time": 15.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
+    ledger.failure_noticed(16.0, {0: "ActorDiedError"})
+    a1 = ledger.begin_attempt(19.0)
+    ledger.first_step(a1, 1, 24.0, 1.0)
+    train(ledger, a1, range(1, 6), audit=False)
+    timers = {M.TRAIN_STEP: 4.0, M.TRAIN_ITER_BATCH: 1.0, M.TRAIN_STEPS_COMPLETED: 5}
+    progress = {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "loss": 1.0}
+    ledger.progress_update(a1, {**progress, "throughput": 1.0}, timers)
+    ledger.finish(30.0)
+    summary = accounted(ledger, wall_s=32.0)
+    g = summary["goodput"]
+    assert_every_second_once(g, 32.0)
+    b = g["buckets"]
+    assert b["startup"] == pytest.approx(15.0)  # to the kill; then its recovery's buckets
+    assert (b["detection"], b["restart"], b["setup"]) == pytest.approx((1.0, 3.0, 4.0))
+    assert summary["timing"]["first_step"] == 24.0

@@ -11,7 +11,9 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.cli.report import main as report
+from ftjob.reporting.summary import build_summary
 from ftjob.reporting.timeline import marks, phase_spans, training_label, write_timeline
+from tests.helpers import make_ledger, restored, train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_000_000.0
@@ -122,3 +124,36 @@ def test_the_picture_is_written_and_the_report_command_draws_it_again(
     assert report([str(run_dir)]) == 0
     assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_MAGIC
     assert f"timeline: {run_dir / 'timeline.png'}" in capsys.readouterr().out
+
+
+def test_the_start_up_band_and_its_legend_count_from_the_same_origin() -> None:
+    # The driver started at 0; its cluster took 13 s before the run ledger started; the first
+    # step (its 1 s batch wait and step are training's) ended at 20 s, a worker kill at 30 s.
+    ledger = make_ledger()
+    ledger.started = 13.0
+    a0 = ledger.begin_attempt(15.0)
+    ledger.first_step(a0, 1, 20.0, 1.0)
+    train(ledger, a0, range(1, 5), audit=False)
+    ledger.kill({"time": 30.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
+    ledger.failure_noticed(31.0, {0: "ActorDiedError"})
+    a1 = ledger.begin_attempt(34.0)
+    ledger.restored(a1, restored(2))
+    ledger.first_step(a1, 3, 38.0, 1.0)
+    ledger.finish(45.0)
+    summary = build_summary(
+        ledger.snapshot(),
+        name="r",
+        status="succeeded",
+        error=None,
+        wall_time_s=50.0,
+        config={},
+        run_started=0.0,
+    )
+    buckets, spans = summary["goodput"]["buckets"], phase_spans(summary)
+    drawn: dict[str, float] = {}
+    for name, start, end in spans:
+        drawn[name] = drawn.get(name, 0.0) + end - start
+    assert spans[0] == ("startup", 0.0, 19.0) and buckets["startup"] == pytest.approx(19.0)
+    for name in ("detection", "restart", "restore", "setup", "shutdown"):
+        assert drawn[name] == pytest.approx(buckets[name]), name
+    assert [(kind, at) for kind, at, _ in marks(summary)] == [("kill", 30.0)]

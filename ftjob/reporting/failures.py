@@ -97,6 +97,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
                     **parts,
                     "restoration_s": sum(parts.values()),
                     "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
+                    "lost_window_s": _lost_window(snap, attempt, restored_step, t0),
                     "recovered": first is not None,
                     "first_step_s": (first or {}).get("took", 0.0),
                     "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
@@ -107,6 +108,22 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
             _as_preemption(record, attempt["preemption"], nxt)
         records.append(record)
     return records
+
+
+def _lost_window(
+    snap: dict[str, Any], attempt: dict[str, Any] | None, restored_step: int, t0: float | None
+) -> float | None:
+    """The failed attempt's wall clock from the state the restore went back to (its start, or
+    the restored checkpoint's upload when that attempt made it) to the failure's origin: the
+    most the lost steps can have taken. Steps a dying worker still trained after the origin
+    (a killed node's workers outlive their raylet by a moment) are in the detection time."""
+    if attempt is None or t0 is None:
+        return None
+    since = attempt["started"]
+    for c in snap["checkpoints"]:
+        if c.get("path") and c["step"] == restored_step and c.get("time") is not None:
+            since = max(since, c["time"] - (c.get("seconds") or 0.0))
+    return max(0.0, t0 - since)
 
 
 def _as_preemption(

@@ -63,6 +63,27 @@ def _notice_waits(failures: list[dict[str, Any]]) -> float:
     )
 
 
+def _recovery(failures: list[dict[str, Any]]) -> float:
+    """Seconds the recovery buckets (detection, restart, restore, setup) hold of these
+    failures: origin to the next first step, less that step (in data_wait and training)."""
+    total = 0.0
+    for f in failures:
+        parts = finite(f.get("detection_s")) + finite(f.get("restart_s"))
+        parts += sum(finite(f.get(k)) for k in ("download_s", "load_s", "skip_s"))
+        ttr = f.get("time_to_recover_s") if f.get("recovered") else None
+        total += parts if ttr is None else max(parts, finite(ttr) - finite(f.get("first_step_s")))
+    return total
+
+
+def _redone(failure: dict[str, Any], per_step: float) -> float:
+    """The steps a failure lost, at the run's time per step -- at most the wall clock the
+    failed attempt spent past the state it went back to (``lost_window_s``): steps trained
+    after the failure's origin are in its detection time already."""
+    lost = failure.get("lost_steps", 0) * per_step
+    window = failure.get("lost_window_s")
+    return lost if window is None else min(lost, finite(window))
+
+
 def goodput(
     *,
     wall_s: float,
@@ -81,6 +102,7 @@ def goodput(
         metrics.get(M.TRAIN_ITER_FIRST_BATCH)
     )
     per_step = (busy + waiting) / steps if steps else 0.0
+    end = run_started + wall_s
     recovered = [f for f in failures if f.get("recovered")]
     restore = sum(finite(f.get(k)) for f in recovered for k in ("download_s", "load_s", "skip_s"))
     # The first step after a restore is in time-to-recover, and also in data_wait and training.
@@ -90,9 +112,18 @@ def goodput(
         + restore
         + _sum(recovered, "first_step_s")
     )
+    # Failures before the run's first step (an attempt that died starting) recover inside the
+    # start-up window: their own buckets hold that time.
+    early = [f for f in failures if f.get("time") is not None and f["time"] < (first_step or end)]
     buckets = {
-        # The first step's own batch wait and step are in data_wait and training.
-        "startup": (first_step - run_started - first_step_took) if first_step else wall_s,
+        # The first step's own batch wait and step are in data_wait and training; a run that
+        # never trained started up until it finished (then shut down) or ended.
+        "startup": max(
+            0.0,
+            (first_step - first_step_took if first_step else finished or end)
+            - run_started
+            - _recovery(early),
+        ),
         "training": busy,
         "data_wait": waiting,
         "validation": finite(metrics.get(M.VALIDATION_STEP)),
@@ -109,10 +140,10 @@ def goodput(
         "restart": _sum(recovered, "restart_s"),
         "restore": restore,
         "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
-        "redone": sum(f.get("lost_steps", 0) for f in failures) * per_step,
+        "redone": sum(_redone(f, per_step) for f in failures),
         "preemption": _notice_waits(failures),
         "resize": _planned_resizes(resizes or []),
-        "shutdown": max(0.0, run_started + wall_s - finished) if finished else 0.0,
+        "shutdown": max(0.0, end - finished) if finished else 0.0,
     }
     buckets["other"] = wall_s - sum(buckets.values())
     return {

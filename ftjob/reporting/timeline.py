@@ -53,14 +53,23 @@ def training_label(buckets: dict[str, Any]) -> str:
 MARKS = {"kill": "#b71c1c", "hang": "#4a148c", "notice": "#0d47a1", "failure": "#e65100"}
 
 
+def origin(summary: dict[str, Any]) -> float:
+    """Second 0 of the picture: when the driver started, as goodput counts (its legend's
+    seconds); the run ledger's start for a summary older than ``timing.run_started``."""
+    timing = summary["timing"]
+    started = timing.get("run_started")
+    return timing["started"] if started is None else started
+
+
 def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
     """(phase, start, end) in seconds since the run started, for every phase the summary
-    measured; a failure's are its detection, restart, restore and set-up, in that order."""
-    t0 = summary["timing"]["started"]
+    measured; a failure's are its detection, restart, restore and set-up, in that order.
+    Start-up ends where the first step began (that step is training), as goodput counts it."""
+    t0, timing = origin(summary), summary["timing"]
     spans: list[tuple[str, float, float]] = []
-    first, finished = summary["timing"].get("first_step"), summary["timing"].get("finished")
+    first, finished = timing.get("first_step"), timing.get("finished")
     if first:
-        spans.append(("startup", 0.0, first - t0))
+        spans.append(("startup", 0.0, first - finite(timing.get("first_step_took")) - t0))
     for f in summary.get("failures", []):
         if f.get("time") is None:
             continue
@@ -71,8 +80,9 @@ def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
             ("restore", finite(f.get("restoration_s"))),
         ]
         ttr = f.get("time_to_recover_s")
-        if ttr is not None:
-            parts.append(("setup", max(0.0, finite(ttr) - sum(s for _, s in parts))))
+        if ttr is not None:  # its first step is training, as goodput counts it
+            rest = finite(ttr) - finite(f.get("first_step_s")) - sum(s for _, s in parts)
+            parts.append(("setup", max(0.0, rest)))
         notice = f.get("notice") or {}
         if notice.get("received") and notice.get("deadline"):  # the notice's window came first
             spans.append(("preemption", notice["received"] - t0, notice["deadline"] - t0))
@@ -91,7 +101,7 @@ def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
 
 def marks(summary: dict[str, Any]) -> list[tuple[str, float, str]]:
     """(kind, seconds since the start, label): kills, hangs, preemption notices."""
-    t0, out = summary["timing"]["started"], []
+    t0, out = origin(summary), []
     for i, k in enumerate(summary.get("chaos", {}).get("kills", []), start=1):
         out.append(("kill", k["time"] - t0, f"kill {i} ({k.get('kind')})"))
     for h in summary.get("hangs", []):
@@ -112,7 +122,7 @@ def write_timeline(path: str, summary: dict[str, Any]) -> None:
 
     if not (summary.get("timing") or {}).get("started"):
         raise ValueError("summary.json has no timing (written by an older ftjob?)")
-    t0, wall = summary["timing"]["started"], finite(summary.get("wall_time_s"))
+    t0, wall = origin(summary), finite(summary.get("wall_time_s"))
     fig = Figure(figsize=(13, 8), layout="constrained")
     FigureCanvasAgg(fig)
     phases_ax, rate_ax, loss_ax = fig.subplots(3, 1, sharex=True, height_ratios=[1.1, 1, 1])
