@@ -15,8 +15,9 @@ from omegaconf import DictConfig
 
 from ftjob.config import ConfigError, load_job
 from ftjob.driver.ledger import empty_snapshot
-from ftjob.reporting.redact import redact_hydra_files, redactor_for
+from ftjob.reporting.redact import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
+from ftjob.reporting.sweep import redact_sweep_record
 
 _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
@@ -32,8 +33,7 @@ def _job(cfg: DictConfig) -> str:
     run_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
     logging.getLogger("ray").setLevel(logging.ERROR)
-    redactor = redactor_for(cfg)
-    redact_hydra_files(run_dir, hc.output_subdir, redactor)
+    redactor = _keep_secrets(cfg, run_dir, multirun)
     try:
         job = load_job(cfg)
         result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
@@ -85,6 +85,19 @@ def _job(cfg: DictConfig) -> str:
         if not multirun:
             sys.exit(EXIT_CODES.get(result.status, 1))
     return result.status
+
+
+def _keep_secrets(cfg: DictConfig, run_dir: str, multirun: bool) -> Redactor:
+    """The job's secrets (its config's, Hydra's ``job.env_set``): out of every log record from
+    now on, and out of the records Hydra wrote before the job started -- a sweep's
+    ``multirun.yaml`` too, whichever launcher runs the jobs."""
+    hc = HydraConfig.get()
+    redactor = redactor_for(cfg, hc.job.env_set)
+    guard_logging(redactor)
+    redact_hydra_files(run_dir, hc.output_subdir, redactor)
+    if multirun:
+        redact_sweep_record(str(hc.sweep.dir), redactor)
+    return redactor
 
 
 def note_failed_job(run_dir: str) -> None:

@@ -30,6 +30,7 @@ from ftjob.config.compose import (
     parse_overrides,
     sweep_values,
 )
+from ftjob.reporting.redact import Redactor, guard_logging
 
 # Flags after which Hydra does not run the job: nothing to precheck.
 _NO_RUN_FLAGS = {
@@ -163,10 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     register_schema()
     expose_hydra_plugins()  # before Hydra's plugin scan: hydra/launcher=ftjob
+    # The command line's secrets, before any config is composed: out of the config-error line
+    # and of every log record (a launcher logs the sweep's overrides before any job starts).
+    redactor = Redactor.for_overrides(split_args(argv)[1])
+    guard_logging(redactor)
     try:
         precheck(argv)
     except ConfigError as exc:
-        print(f"ftjob: config error: {exc}", file=sys.stderr)
+        print(f"ftjob: config error: {redactor.text(str(exc))}", file=sys.stderr)
         return 2
     finally:
         GlobalHydra.instance().clear()

@@ -464,4 +464,6 @@ def write_failed_summary(
     summary = build_summary(
         snapshot, name="", status=status, error=error, wall_time_s=0.0, config=plain
     )
+    if redactor is not None:
+        summary = redactor.strings(summary)
     return write_summary(summary, run_dir)

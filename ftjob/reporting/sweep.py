@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from ftjob import metrics as M
 from ftjob.config.compose import parse_overrides, sweep_values
 from ftjob.reporting.goodput import write_goodput_plot
+from ftjob.reporting.redact import Redactor, redact_yaml
 from ftjob.reporting.summary import SUMMARY_FILE
 from ftjob.reporting.timeline import TIMELINE_FILE
 
@@ -143,11 +144,12 @@ def read_yaml_list(path: str) -> list[str]:
     from omegaconf import OmegaConf
 
     try:
-        loaded = OmegaConf.load(path)
+        loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     except Exception as exc:  # a damaged file leaves the row without overrides, not the report
         logger.warning("cannot read %s: %s", path, exc)
         return []
-    return [str(item) for item in loaded] if isinstance(loaded, Sequence) else []
+    # Unresolved: a redacted secret reads ${oc.env:FTJOB_...}, set only where it is used.
+    return [str(item) for item in loaded] if isinstance(loaded, list) else []
 
 
 def _number(value: Any) -> float | None:
@@ -212,7 +214,8 @@ def declared_sweep_keys(sweep_dir: str) -> list[str]:
     try:
         hydra_cfg = OmegaConf.load(path).hydra
         params = OmegaConf.to_container(hydra_cfg.sweeper.get("params") or {}, resolve=False)
-        values = sweep_values(params, [str(o) for o in hydra_cfg.overrides.task])  # type: ignore[arg-type]
+        task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
+        values = sweep_values(params, [str(o) for o in task])  # type: ignore[arg-type, union-attr]
     except Exception as exc:  # an unusual sweeper: fall back to the keys that vary
         logger.debug("cannot read the swept keys from %s: %s", path, exc)
         return []
@@ -432,6 +435,15 @@ def build_sweep_report(sweep_dir: str) -> SweepReportPaths:
     write_goodput_plot(paths.goodput, labelled)
     write_markdown(paths.markdown, sweep_dir, rows, keys, SWEEP_PNG)
     return paths
+
+
+def redact_sweep_record(sweep_dir: str, redactor: Redactor) -> None:
+    """Hydra's sweeper writes the sweep's config and command line (multirun.yaml) before any
+    job starts, whatever the launcher: rewrite it without their secrets (each job of a sweep
+    may: once redacted it stays as it is)."""
+    path = os.path.join(sweep_dir, MULTIRUN_FILE)
+    if os.path.isfile(path):
+        redact_yaml(path, redactor)
 
 
 class SweepReportCallback(Callback):
