@@ -23,7 +23,7 @@ from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainSta
 from ftjob.worker.context import DirectHandle
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.snapshots import MemoryTier
-from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy
+from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy, remote
 
 
 class Call:
@@ -354,6 +354,24 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(
         fresh_optimizer.state_dict()["state"][0]["step"]
         == optimizer.state_dict()["state"][0]["step"]
     )
+
+
+def test_a_damaged_newer_durable_checkpoint_does_not_pass_over_a_good_snapshot(
+    tmp_path: Path, channel: str
+) -> None:
+    holder, checkpointer, _ = tiered(tmp_path, channel)
+    model, optimizer = model_and_optimizer(0)
+    checkpointer.save(TrainState(step=10, epoch=0, position=320), model, optimizer)
+    for step in (11, 12, 13):
+        step_done(checkpointer, TrainState(step=step, position=32 * step), model, optimizer)
+    checkpointer.save(TrainState(step=14, epoch=0, position=448), model, optimizer)
+    store = checkpointer.store
+    model_file = remote(store, 14, "model.pt")
+    store.fs.pipe_file(model_file, store.fs.cat_file(model_file)[:64])  # truncated
+    next_attempt, _ = make(tmp_path, holder=DirectHandle(holder))
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = next_attempt.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.tier == "memory" and restored.state.step == 13
 
 
 def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoint(

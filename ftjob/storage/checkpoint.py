@@ -471,6 +471,11 @@ class CheckpointStore:
         self._verified.add(step)
         return True
 
+    def newest_verified(self) -> list[int]:
+        """[the newest committed step that :meth:`verifies`], or [] (what a memory snapshot
+        must be newer than: a damaged newest checkpoint is no reason to pass one over)."""
+        return next(([s] for s in self.committed_steps() if self.verifies(s)), [])
+
     def download(self, step: int, local_dir: str) -> dict[str, Any]:
         """Download and verify the checkpoint of ``step`` into ``local_dir`` (each file under
         its own name)."""

@@ -214,7 +214,7 @@ class Checkpointer:
         checkpoints exist but none verifies (unless checkpoint.restart_if_unrecoverable)."""
         start, memory, chosen = time.perf_counter(), self.memory, None
         if not self.rank:  # a memory snapshot newer than storage, else storage's newest
-            chosen = memory.offer(self.store.committed_steps) if memory is not None else None
+            chosen = memory.offer(self.store.newest_verified) if memory is not None else None
             chosen = chosen or choose_checkpoint(self.store, self.local_root, self.config)
         chosen = self.broadcast(chosen)
         if isinstance(chosen, str):
