@@ -126,7 +126,7 @@ def test_a_resume_past_a_damaged_checkpoint_one_driver_a_worker_sigterm_and_a_ha
     [fallback] = s2["checkpoints"]["fallbacks"]
     assert fallback["path"] == str(jit_dir) and fallback["committed"]
     assert Path(fallback["quarantined_to"], "QUARANTINED.json").exists()
-    assert Path(fallback["quarantined_to"], "model.pt").exists()  # evidence kept
+    assert Path(fallback["quarantined_to"], model.name).exists()  # evidence kept
     assert "not usable" in console and "fell back" in console
     by_worker, hung = s2["failures"]
     assert by_worker["kind"] == "preemption" and by_worker["notice"]["source"] == "worker"
