@@ -266,6 +266,7 @@ def test_the_resume_command_has_no_secret_and_still_resumes(prepared: Any, monke
     job, prep, _ = prepared
     command, notes = resume_command(SECRET_OVERRIDES, prep, prep.redactor)
     assert _leaks(command) == [] and len(notes) == len(SECRET_OVERRIDES)
+    assert prep.redactor.text(command) == command  # summary.json scrubs it again: unchanged
     # Exported as the notes say, the printed overrides give the run its secrets back.
     for override in SECRET_OVERRIDES:
         key, _, value = override.partition("=")

@@ -128,7 +128,10 @@ def redact_pairs(text: str) -> str:
     def one(match: re.Match[str]) -> str:
         key = match.group("key").strip("'\"")
         value = match.group("value")
-        if not is_secret_path(key) or value.startswith("${") or REDACTED in value:
+        inner = value.strip("'\"")
+        if not is_secret_path(key) or not any(c.isalnum() for c in inner):
+            return match.group(0)  # a shell's quoting ('"'"'), not a value
+        if inner.startswith("${") or REDACTED in value:
             return match.group(0)
         quote = value[0] if value[:1] in "'\"" else ""
         return f"{match.group('key')}{match.group('sep')}{quote}{REDACTED}{quote}"
