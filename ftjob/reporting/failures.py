@@ -83,8 +83,7 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
             "recovered": False,
         }
         if nxt is not None:
-            restored = nxt["restored"] or {}
-            first = nxt["first_step"]
+            restored, first = nxt["restored"] or {}, nxt["first_step"]
             restored_step = restored.get("step", 0)
             parts = {f"{part}_s": restored.get(part, 0.0) for part in ("download", "load", "skip")}
             record.update(
@@ -97,13 +96,13 @@ def failure_records(snap: dict[str, Any]) -> list[dict[str, Any]]:
                     **parts,
                     "restoration_s": sum(parts.values()),
                     "lost_steps": max(0, (attempt["max_step"] if attempt else 0) - restored_step),
-                    "lost_window_s": _lost_window(snap, attempt, restored_step, t0),
                     "recovered": first is not None,
                     "first_step_s": (first or {}).get("took", 0.0),
                     "time_to_recover_s": (first["time"] - t0) if first and t0 is not None else None,
                 }
             )
             record["phases"] = _start_phases(snap, i + 1, first)
+            record["lost_window_s"] = _lost_window(snap, attempt, restored_step, t0)
         if attempt is not None and attempt.get("preemption"):
             _as_preemption(record, attempt["preemption"], nxt)
         records.append(record)

@@ -34,6 +34,15 @@ BUCKETS = (
 )
 
 
+# Training waiting for a checkpoint: save, upload, report; the memory tier's copies.
+CHECKPOINT_TIMERS = (
+    M.CHECKPOINT_SAVE,
+    M.CHECKPOINT_UPLOAD,
+    M.CHECKPOINT_REPORT,
+    M.CHECKPOINT_MEMORY_SNAPSHOT_TIME,
+)
+
+
 def _sum(records: list[dict[str, Any]], key: str) -> float:
     return sum(finite(r.get(key)) for r in records)
 
@@ -112,30 +121,18 @@ def goodput(
         + restore
         + _sum(recovered, "first_step_s")
     )
+    # The first step's own batch wait and step are in data_wait and training; a run that
+    # never trained started up until it finished (then shut down) or ended.
+    started_up = first_step - first_step_took if first_step else finished or end
     # Failures before the run's first step (an attempt that died starting) recover inside the
     # start-up window: their own buckets hold that time.
     early = [f for f in failures if f.get("time") is not None and f["time"] < (first_step or end)]
     buckets = {
-        # The first step's own batch wait and step are in data_wait and training; a run that
-        # never trained started up until it finished (then shut down) or ended.
-        "startup": max(
-            0.0,
-            (first_step - first_step_took if first_step else finished or end)
-            - run_started
-            - _recovery(early),
-        ),
+        "startup": max(0.0, started_up - run_started - _recovery(early)),
         "training": busy,
         "data_wait": waiting,
         "validation": finite(metrics.get(M.VALIDATION_STEP)),
-        "checkpoint": sum(
-            finite(metrics.get(k))
-            for k in (
-                M.CHECKPOINT_SAVE,
-                M.CHECKPOINT_UPLOAD,
-                M.CHECKPOINT_REPORT,
-                M.CHECKPOINT_MEMORY_SNAPSHOT_TIME,  # the memory tier's copies
-            )
-        ),
+        "checkpoint": sum(finite(metrics.get(k)) for k in CHECKPOINT_TIMERS),
         "detection": _sum(failures, "detection_s"),
         "restart": _sum(recovered, "restart_s"),
         "restore": restore,
