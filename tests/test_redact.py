@@ -24,6 +24,7 @@ from ftjob.reporting.redact import (
     guard_logging,
     is_secret_key,
     redact_url,
+    redactor_for,
 )
 
 
@@ -442,6 +443,20 @@ def test_hydra_env_set_values_are_redacted_and_scrubbed() -> None:
     redactor = Redactor()
     record = {"job": {"env_set": {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENGbPxRf"}}}
     assert redactor.hydra(record) == {"job": {"env_set": {"AWS_SECRET_ACCESS_KEY": REDACTED}}}
+    cfg = OmegaConf.create({"trainer": {"epochs": 1}})
+    env_set = {"DB_PASSWORD": "hunter2", "NCCL_DEBUG": "INFO", "HF_HOME": "/cache/hf-home"}
+    scrubbed = redactor_for(cfg, env_set).text("hunter2 INFO /cache/hf-home/x")
+    assert scrubbed == f"{REDACTED} INFO {REDACTED}/x"
+
+
+def test_short_environment_values_not_named_as_secrets_stay_in_text() -> None:
+    config = {"ray": {"runtime_env": {"env_vars": {"WANDB_MODE": "offline", "DB_PWD": "s3cr"}}}}
+    redactor = Redactor(resolved=config)
+    assert redactor.config(config)["ray"]["runtime_env"]["env_vars"] == {
+        "WANDB_MODE": REDACTED,
+        "DB_PWD": REDACTED,
+    }
+    assert redactor.text("wandb offline; s3cr") == f"wandb offline; {REDACTED}"
 
 
 def test_the_sweep_report_reads_redacted_overrides_unresolved(tmp_path: Path) -> None:

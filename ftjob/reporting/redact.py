@@ -17,7 +17,9 @@ stands as a whole token (not inside a longer run of letters and digits: "hunter2
 "password hunter2 rejected", "abc" is not cut from "abcdef"); a value of 1 or 2 characters is
 not scrubbed from free text -- it protects nothing, and cutting every "a" would mangle each
 line and give the value away by the pattern of the cuts. Such values are still redacted by
-key in configs, overrides and ``key=value`` pairs, and in URLs.
+key in configs, overrides and ``key=value`` pairs, and in URLs. An environment variable whose
+name is not a credential's (``WANDB_MODE: offline``) is redacted where written but scrubbed
+from text only from 8 characters: shorter values there are ordinary words.
 """
 
 from __future__ import annotations
@@ -87,12 +89,14 @@ def is_secret_key(key: str) -> bool:
     )
 
 
+def names_secret(path: str) -> bool:
+    """Is a dotted key, or a key above it, named for a credential?"""
+    return any(is_secret_key(part) for part in str(path).lstrip("+~").split("."))
+
+
 def is_secret_path(path: str) -> bool:
     """Is a dotted key secret itself or under a secret key, or an environment variable?"""
-    parts = str(path).lstrip("+~").split(".")
-    return any(is_secret_key(part) for part in parts) or any(
-        path.startswith(s + ".") for s in _ENV_SECTIONS
-    )
+    return names_secret(path) or any(path.startswith(s + ".") for s in _ENV_SECTIONS)
 
 
 def redact_url(text: str) -> str:
@@ -209,23 +213,28 @@ class Redactor:
         elif node is not None and not isinstance(node, bool):
             text = str(node)
             if is_secret_path(path) and not _ENV_INTERPOLATION.search(text):
-                self.add(text)
+                self.add(text, short=names_secret(path))
             for match in _URL.finditer(text):
                 userinfo = urlsplit(match.group(0)).netloc.rpartition("@")[0]
                 if ":" in userinfo:
                     self.add(userinfo.split(":", 1)[1])
 
-    def add(self, value: str) -> None:
-        """A secret value to scrub from text (see the module's note on short values)."""
+    def add(self, value: str, short: bool = True) -> None:
+        """A secret value to scrub from text (see the module's note on short values).
+        ``short=False``: a value that is secret only for where it is (an environment
+        variable not named for a credential, ``WANDB_MODE: offline``) is scrubbed only from
+        8 characters: shorter ones are ordinary words."""
         if len(value) >= SCRUBBED_ANYWHERE:
             self.values.add(value)
-        elif len(value) >= SCRUBBED_AS_TOKEN and value != REDACTED:
+        elif short and len(value) >= SCRUBBED_AS_TOKEN and value != REDACTED:
             self._tokens[value] = _token_pattern(value)
 
-    def add_all(self, values: Iterable[Any]) -> None:
-        for value in values:
+    def add_env(self, variables: dict[str, Any]) -> None:
+        """Environment variables set for the job: all redacted where written; scrubbed from
+        text as :meth:`add` says, by whether the name is a credential's."""
+        for name, value in variables.items():
             if value is not None and not isinstance(value, bool):
-                self.add(str(value))
+                self.add(str(value), short=is_secret_key(str(name)))
 
     def config(self, node: Any, path: str = "") -> Any:
         """A copy of a plain config with every secret value (and everything under a secret
@@ -312,7 +321,7 @@ def redactor_for(cfg: DictConfig, env_set: Any = None) -> Redactor:
         resolved = raw
     redactor = Redactor(env_sources(raw), resolved)
     if env_set:
-        redactor.add_all(dict(env_set).values())
+        redactor.add_env(dict(env_set))
     return redactor
 
 
