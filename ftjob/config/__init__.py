@@ -547,6 +547,8 @@ class RayConfig:
     replace_nodes: bool = True  # simulated cluster: killed nodes come back after replace_delay
     log_to_driver: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
+    # Existing cluster: seconds to wait for nodes the job needs (an autoscaler may add them).
+    resources_timeout: float = 600.0
     # Clusters ftjob starts: how long Ray waits on an object pull before asking another copy.
     object_pull_timeout_ms: int | None = 1000
     # Clusters ftjob starts: how soon Ray marks a dead node dead (period x failures).
@@ -591,6 +593,7 @@ class RayConfig:
             "must be >= 1 or null",
         )
         _require(self.node_cpus >= 1, g, "node_cpus", self.node_cpus, "must be >= 1")
+        _at_least(self, "resources_timeout", 0, " seconds (0 = refuse at once what does not fit)")
         _require(
             self.replace_delay >= 0, g, "replace_delay", self.replace_delay, "must be >= 0 seconds"
         )

@@ -16,8 +16,10 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from ftjob.config import JobConfig, JobError, RayConfig
@@ -244,40 +246,186 @@ def check_local_gpus(job: JobConfig) -> None:
         _check_gpu_count(job, 0.0, "this machine (where ftjob starts the cluster) has")
 
 
-def check_resources(job: JobConfig) -> None:
-    """Refuse a job the cluster can never schedule, instead of waiting forever."""
-    import ray
+@dataclass(frozen=True)
+class Machine:
+    """What this machine has, for the clusters ftjob starts on it."""
 
-    total = ray.cluster_resources()
+    cpus: int
+    gpus: int
+    memory: float  # bytes
+
+    @classmethod
+    def here(cls) -> Machine:
+        import torch
+
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls(os.cpu_count() or 1, torch.cuda.device_count(), float(memory))
+
+
+def worker_bundle(job: JobConfig) -> dict[str, float]:
+    """What Ray Train reserves for each worker (its ScalingConfig's rule: the non-zero
+    ``resources_per_worker``, a GPU added with ``use_gpu``)."""
     t = job.trainer
-    n, key = _starting_workers(job)
+    bundle = {name: float(v) for name, v in t.resources_per_worker.items() if v}
     if t.use_gpu:
-        per_worker = float(t.resources_per_worker.get("GPU", 1.0))
-        _check_gpu_count(job, total.get("GPU", 0.0))
-        largest = max(
-            (n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0
-        )
-        if per_worker > largest:
-            raise JobError(
-                f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
-                f"many GPUs (the largest has {largest:g}): lower it, or {_CPU_HINT}"
+        bundle.setdefault("GPU", 1.0)
+    return bundle
+
+
+def started_nodes(job: JobConfig, machine: Machine) -> tuple[list[dict[str, float]], str]:
+    """The nodes of the cluster ftjob starts for ``job`` on ``machine`` (each node of a
+    simulated cluster sees the machine's GPUs and memory, as Ray's do), and how to say it."""
+    r, t = job.ray, job.trainer
+    shared = {"GPU": float(machine.gpus), "memory": machine.memory}
+    if r.local_nodes > 1:
+        where = f"the simulated cluster ({r.local_nodes - 1} nodes of ray.node_cpus={r.node_cpus})"
+        workers = [{"CPU": float(r.node_cpus), **shared} for _ in range(r.local_nodes - 1)]
+        return [{"CPU": 0.0, **shared}, *workers], where
+    decode = max(machine.cpus, math.ceil(t.num_workers * t.decode_cpus))
+    cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
+    return [{"CPU": float(cpus), **shared}], f"this machine's embedded Ray ({cpus} CPUs)"
+
+
+def _amount(name: str, value: float) -> str:
+    return f"{value / 2**30:.1f} GiB" if name == "memory" else f"{value:g} {name}"
+
+
+def shortfall(job: JobConfig, nodes: list[dict[str, float]], where: str) -> str | None:
+    """Why ``job``'s workers can never all be placed on ``nodes`` (one line naming the key,
+    what it needs and what there is), or None when they fit."""
+    t, bundle = job.trainer, worker_bundle(job)
+    n, key = _starting_workers(job)
+    for name, need in bundle.items():
+        largest = max((node.get(name, 0.0) for node in nodes), default=0.0)
+        if largest < need:
+            return (
+                f"trainer.resources_per_worker.{name}={need:.12g}: each worker needs "
+                f"{_amount(name, need)}, and no node of {where} has that much (the largest: "
+                f"{_amount(name, largest)})"
             )
-    # Each worker's stream needs a decode task running beside it, or training waits for data
-    # (unless its batches are decoded in the training process: trainer.decode_in=worker).
+    fits = (
+        sum(
+            min(math.floor(node.get(name, 0.0) / need + 1e-9) for name, need in bundle.items())
+            for node in nodes
+        )
+        if bundle
+        else n
+    )
+    if fits < n:
+        return (
+            f"{key}={n}: {n} workers of {bundle} do not fit on {where}, which holds {fits}: lower "
+            f"{key} or trainer.resources_per_worker, or add nodes"
+        )
     decode = 0.0 if t.decode_in == "worker" else t.decode_cpus
-    need_cpu = n * (t.worker_cpus + decode)
-    if total.get("CPU", 0.0) < need_cpu:
-        raise JobError(
-            f"the cluster has {total.get('CPU', 0.0):g} CPUs; {n} workers x ({t.worker_cpus:g} CPUs "
+    have, need_cpu = sum(node.get("CPU", 0.0) for node in nodes), n * (t.worker_cpus + decode)
+    if have < need_cpu:
+        return (
+            f"{where} has {have:g} CPUs; {n} workers x ({t.worker_cpus:g} CPUs "
             f"+ trainer.decode_cpus={decode:g} for their data decoding) need {need_cpu:g}: "
             f"lower {key}, trainer.resources_per_worker.CPU or trainer.decode_cpus, or "
             "decode in the workers (trainer.decode_in=worker)"
         )
-    for name, amount in t.resources_per_worker.items():
-        if name not in ("CPU", "GPU") and total.get(name, 0.0) < amount * n:
+    return None
+
+
+def check_machine(job: JobConfig, machine: Machine | None = None) -> None:
+    """Before Ray starts: a cluster ftjob starts here (embedded or simulated) is this machine,
+    so a job it can never place is refused now instead of waiting forever; and the memory
+    tier's holder (on the driver's node, this machine) cannot reserve more than it has."""
+    machine = machine or Machine.here()
+    memory = job.checkpoint.memory
+    if memory.enabled and memory.max_mb * 2**20 > machine.memory:
+        raise JobError(
+            f"checkpoint.memory.max_mb={memory.max_mb:g}: more than this machine's memory "
+            f"({machine.memory / 2**20:.0f} MB), where the snapshot holder reserves its ring"
+        )
+    if job.ray.address is not None:
+        return
+    why = shortfall(job, *started_nodes(job, machine))
+    if why is not None:
+        raise JobError(why)
+
+
+def check_resources(
+    job: JobConfig,
+    echo: Callable[[str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Once connected: refuse a job the cluster can never place, instead of waiting forever.
+    On an existing cluster an autoscaler may add nodes: what is pending is asked of it and
+    said, and the job gives up after ``ray.resources_timeout`` seconds."""
+    import ray
+
+    def alive() -> list[dict[str, float]]:
+        return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+    if job.ray.address is None:
+        _check_gpus_on(job, alive())
+        why = shortfall(job, alive(), "the cluster")
+        if why is not None:
+            raise JobError(why)
+        return
+    n, _ = _starting_workers(job)
+    wait_for_resources(
+        job,
+        alive,
+        echo or (lambda line: logger.warning("%s", line)),
+        lambda: _ask_autoscaler([worker_bundle(job)] * n),
+        clock,
+        sleep,
+    )
+
+
+def _ask_autoscaler(bundles: list[dict[str, float]]) -> None:
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles)
+
+
+def wait_for_resources(
+    job: JobConfig,
+    nodes: Callable[[], list[dict[str, float]]],
+    echo: Callable[[str], None],
+    ask: Callable[[], None],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    poll_s: float = 5.0,
+) -> None:
+    """Until ``nodes()`` can hold the job: ask for it once (``ask``), say what is pending
+    every minute, give up after ``ray.resources_timeout`` with the last shortfall."""
+    timeout, start, said = job.ray.resources_timeout, clock(), -math.inf
+    while (why := shortfall(job, nodes(), "the cluster")) is not None:
+        waited = clock() - start
+        if waited >= timeout:
             raise JobError(
-                f"trainer.resources_per_worker.{name}={amount:g}: the cluster has {total.get(name, 0.0):g} {name}"
+                f"{why}; gave up after waiting {waited:.0f} s for the cluster to grow "
+                f"(ray.resources_timeout={timeout:g})"
             )
+        if said < 0:
+            ask()
+        if waited - said >= 60.0 or said < 0:
+            echo(
+                f"waiting for resources (asked of the cluster's autoscaler): {why}; giving up "
+                f"in {timeout - waited:.0f} s (ray.resources_timeout)"
+            )
+            said = waited
+        sleep(min(poll_s, max(0.0, timeout - waited)))
+
+
+def _check_gpus_on(job: JobConfig, nodes: list[dict[str, float]]) -> None:
+    """A GPU job on a cluster ftjob started: enough GPUs, said with what to do instead."""
+    t = job.trainer
+    if not t.use_gpu:
+        return
+    _check_gpu_count(job, sum(node.get("GPU", 0.0) for node in nodes))
+    per_worker = float(t.resources_per_worker.get("GPU", 1.0))
+    largest = max((node.get("GPU", 0.0) for node in nodes), default=0.0)
+    if per_worker > largest:
+        raise JobError(
+            f"trainer.resources_per_worker.GPU={per_worker:g}: no node of the cluster has that "
+            f"many GPUs (the largest has {largest:g}): lower it, or {_CPU_HINT}"
+        )
 
 
 class LocalCluster:

@@ -29,10 +29,22 @@ from ftjob.config import NODE_KINDS, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
 from ftjob.data.order import EpochPlan
-from ftjob.driver.cluster import check_local_gpus, check_resources, cluster, probe_cluster
+from ftjob.driver.cluster import (
+    check_local_gpus,
+    check_machine,
+    check_resources,
+    cluster,
+    probe_cluster,
+)
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
-from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.driver.resume import (
+    ResumeError,
+    catalog_fingerprint,
+    check_resume,
+    check_run_name,
+    check_run_place,
+)
 from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
 from ftjob.reporting.redact import Redactor
 from ftjob.reporting.summary import (
@@ -102,6 +114,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     if job.ray.address is not None:
         probe_cluster(job.ray.address)
     check_local_gpus(job)
+    check_machine(job)  # a cluster ftjob starts here must hold the job: refused before Ray
     name = job.name or unique_run_name()
     url = job.checkpoint.storage_path or os.path.join(os.path.abspath(run_dir), "checkpoints")
     probe_fs, root = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
@@ -114,6 +127,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         seed=job.chaos.seed,
     )
     run_path = posixpath.join(root.rstrip("/"), name)
+    check_run_place(probe_fs, url, run_path, job.dataset.get("path"))
     store, url = CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path)
     check_run_name(job, store, url)
     dataset = build_dataset(job.dataset)
@@ -389,7 +403,7 @@ def _train_on_cluster(
         import ray
 
         stop.install()  # ray.init put its own SIGTERM handler in
-        check_resources(job)
+        check_resources(job, echo)  # an existing cluster: waits ray.resources_timeout
         if job.chaos.enabled and job.chaos.kind in NODE_KINDS and not node_chaos_targets():
             echo(
                 f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "

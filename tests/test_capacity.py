@@ -1,0 +1,117 @@
+"""Whether a job fits the cluster it runs on, decided before it can wait forever: a cluster
+ftjob starts on this machine is refused before Ray starts; an existing one is waited for, for
+``ray.resources_timeout`` seconds (no Ray: the machine and the nodes are given)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftjob.config import JobError
+from ftjob.driver.cluster import Machine, check_machine, shortfall, wait_for_resources
+from tests.helpers import compose_job
+
+GIB = 2.0**30
+TWO_CORES = Machine(cpus=2, gpus=0, memory=8 * GIB)
+
+
+def job(*overrides: str):
+    return compose_job("+experiment=digits_ft", "chaos=disabled", *overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (  # a simulated node of 1 CPU cannot hold a worker of 2 (the total of 2 CPUs could)
+            (
+                "ray.local_nodes=3",
+                "ray.node_cpus=1",
+                "trainer.num_workers=1",
+                "trainer.decode_in=worker",
+                "trainer.resources_per_worker.CPU=2",
+            ),
+            "trainer.resources_per_worker.CPU=2: each worker needs 2 CPU, and no node of the "
+            "simulated cluster (2 nodes of ray.node_cpus=1) has that much (the largest: 1 CPU)",
+        ),
+        (  # more workers than the simulated nodes hold
+            ("ray.local_nodes=3", "trainer.num_workers=6", "trainer.decode_in=worker"),
+            "trainer.num_workers=6: 6 workers of {'CPU': 1.0} do not fit on the simulated "
+            "cluster (2 nodes of ray.node_cpus=2), which holds 4",
+        ),
+        (  # the embedded Ray's CPUs, set by hand
+            ("ray.num_cpus=2", "trainer.num_workers=4", "trainer.decode_in=worker"),
+            "trainer.num_workers=4: 4 workers of {'CPU': 1.0} do not fit on this machine's "
+            "embedded Ray (2 CPUs), which holds 2",
+        ),
+        (  # memory beyond the machine's
+            ("+trainer.resources_per_worker.memory=17179869184",),
+            "trainer.resources_per_worker.memory=17179869184: each worker needs 16.0 GiB, and no "
+            "node of this machine's embedded Ray",
+        ),
+        (  # a resource no node of a cluster ftjob starts has
+            ("+trainer.resources_per_worker.TPU=1",),
+            "trainer.resources_per_worker.TPU=1: each worker needs 1 TPU, and no node",
+        ),
+    ],
+)
+def test_a_job_a_cluster_started_here_can_never_place_is_refused_before_ray(overrides, said):
+    with pytest.raises(JobError) as err:
+        check_machine(job(*overrides), TWO_CORES)
+    assert said in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_job_that_fits_the_machine_passes():
+    check_machine(job(), TWO_CORES)  # embedded: its CPUs are sized to the job
+    check_machine(job("ray.local_nodes=3", "trainer.decode_in=worker"), TWO_CORES)
+
+
+def test_a_memory_tier_larger_than_the_machine_is_refused_before_its_ring_is_reserved():
+    big = job("checkpoint.memory.enabled=true", "checkpoint.memory.max_mb=16384")
+    with pytest.raises(
+        JobError,
+        match=r"checkpoint.memory.max_mb=16384: more than this machine's memory \(8192 MB\)",
+    ):
+        check_machine(big, TWO_CORES)
+    check_machine(job("checkpoint.memory.enabled=true", "checkpoint.memory.max_mb=1024"), TWO_CORES)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+EXISTING = ("ray.address=auto", "checkpoint.storage_path=s3://bucket/runs")
+
+
+def test_an_existing_cluster_too_small_is_asked_to_grow_said_and_given_up_on_in_time():
+    clock, lines, asked = Clock(), [], []
+    small = [{"CPU": 2.0, "memory": GIB}]
+    j = job(*EXISTING, "trainer.num_workers=4", "ray.resources_timeout=120")
+    with pytest.raises(JobError) as err:
+        wait_for_resources(
+            j, lambda: small, lines.append, lambda: asked.append(1), clock, clock.sleep
+        )
+    assert "gave up after waiting 120 s for the cluster to grow (ray.resources_timeout=120)" in str(
+        err.value
+    )
+    assert "trainer.num_workers=4: 4 workers" in str(err.value)
+    assert asked == [1] and clock.now == 120.0
+    assert len(lines) == 2 and lines[0].startswith("waiting for resources (asked of the cluster's")
+
+
+def test_an_existing_cluster_that_grows_in_time_starts_the_job():
+    clock, lines = Clock(), []
+    nodes = [{"CPU": 2.0}]
+
+    def grown() -> list[dict[str, float]]:
+        return nodes + [{"CPU": 8.0}] if clock.now >= 30 else nodes
+
+    j = job(*EXISTING, "trainer.num_workers=4")
+    wait_for_resources(j, grown, lines.append, lambda: None, clock, clock.sleep)
+    assert clock.now == 30.0 and len(lines) == 1
+    assert shortfall(j, grown(), "the cluster") is None
