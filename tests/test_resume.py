@@ -12,9 +12,17 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem
 
 from ftjob.config import ChaosConfig, JobConfig, TrainerConfig, to_plain
-from ftjob.driver.resume import ResumeError, catalog_fingerprint, check_resume, check_run_name
+from ftjob.driver.resume import (
+    ResumeError,
+    catalog_fingerprint,
+    check_resume,
+    check_run_name,
+    check_run_place,
+)
+from ftjob.driver.runner import prepare
 from ftjob.storage.checkpoint import CheckpointStore
-from tests.helpers import compose_job
+from ftjob.storage.lease import RunLease
+from tests.helpers import compose_job, make_image_tree
 from tests.local_run import run_locally
 
 DIGITS = {"_target_": "ftjob.datasets.DigitsDataset"}
@@ -149,3 +157,44 @@ def test_run_names_are_never_reused_silently(tmp_path: Path):
     empty = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "other"))
     with pytest.raises(ResumeError, match="no committed checkpoint"):
         check_run_name(job(), empty, "u")
+
+
+def test_a_run_directory_inside_another_runs_is_refused(tmp_path: Path):
+    fs = LocalFileSystem()
+    other = tmp_path / "store" / "run-a"
+    RunLease(fs, str(other), 60.0, run_name="run-a").acquire()  # a run: its lease
+    for storage in (other, other / "checkpoints", other / "checkpoints" / "step_000000010"):
+        with pytest.raises(ResumeError, match=r"inside the directory of run 'run-a'"):
+            check_run_place(fs, str(storage), str(storage / "run-b"), None)
+    # A run whose lease is gone but whose checkpoints are there is a run all the same.
+    data = {"train_rows": 1, "train_sha256": "x", "num_classes": 10}
+    store = store_with_checkpoint(tmp_path, job(), data)  # .../storage/r, no lease
+    with pytest.raises(ResumeError, match=r"inside the directory of run 'r'"):
+        check_run_place(fs, store.root, f"{store.root}/run-b", None)
+    beside = tmp_path / "store"  # the storage root that holds both: as meant
+    check_run_place(fs, str(beside), str(beside / "run-b"), None)
+
+
+def test_checkpoints_in_the_dataset_are_refused(tmp_path: Path):
+    fs, data = LocalFileSystem(), tmp_path / "images"
+    data.mkdir()
+    for storage in (data, data / "train", f"file://{data}/ck"):
+        run = f"{str(storage).removeprefix('file://')}/run"
+        with pytest.raises(ResumeError, match=r"inside dataset.path="):
+            check_run_place(fs, str(storage), run, str(data))
+    check_run_place(fs, str(tmp_path / "ck"), str(tmp_path / "ck" / "run"), str(data))
+    check_run_place(fs, "s3://bucket/images/ck", "bucket/images/ck/run", str(data))
+
+
+def test_the_driver_refuses_checkpoints_in_the_dataset_before_its_lease(tmp_path: Path):
+    images = make_image_tree(tmp_path / "images", classes=2, train_per_class=4, val_per_class=2)
+    refused = compose_job(
+        "dataset=imagefolder",
+        f"dataset.path={images}",
+        f"checkpoint.storage_path={images}",
+        "trainer.num_workers=1",
+        "trainer.batch_size=2",
+    )
+    with pytest.raises(ResumeError, match="inside dataset.path="):
+        prepare(refused, str(tmp_path / "run"))
+    assert sorted(p.name for p in Path(images).iterdir()) == ["train", "val"]

@@ -14,12 +14,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
+import re
 from typing import Any
 
 import pyarrow as pa
 
-from ftjob.config import JobConfig, to_plain
+from ftjob.config import JobConfig, fsspec_protocol, to_plain
 from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
+from ftjob.storage.lease import LEASE_DIR
 
 # Dataset keys that say where the data is, not what it is: moving the data is not a change.
 LOCATION_KEYS = ("path", "storage_options")
@@ -120,6 +123,56 @@ def latest_config(store: CheckpointStore) -> dict[str, Any] | None:
     """The config saved in the newest committed checkpoint."""
     latest = _latest(store)
     return latest[0] if latest else None
+
+
+def _place(url: str) -> tuple[str, str]:
+    """(protocol, path) of a storage URL or path, local paths resolved: what two URLs are
+    compared by."""
+    protocol = fsspec_protocol(url)
+    path = re.sub(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", "", url)
+    if protocol in ("file", "local"):
+        return "file", os.path.realpath(path)
+    return protocol, path.rstrip("/")
+
+
+def _within(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def check_run_place(fs: Any, storage_url: str, run_path: str, dataset_path: str | None) -> None:
+    """A run's directory (``run_path`` on ``fs``, under ``storage_url``) must not lie in the
+    dataset (its checkpoints would become part of the data, and a prune would delete in
+    it), nor inside another run's directory, where that run's retention and quarantine
+    act on everything under its ``checkpoints/``."""
+    protocol, _ = _place(storage_url)
+    here = ("file", os.path.realpath(run_path)) if protocol == "file" else (protocol, run_path)
+    if isinstance(dataset_path, str) and dataset_path:
+        data = _place(dataset_path)
+        if here[0] == data[0] and _within(here[1], data[1]):
+            raise ResumeError(
+                f"checkpoint.storage_path={storage_url!r}: the run's checkpoints would be written "
+                f"inside dataset.path={dataset_path!r}; keep checkpoints beside the data"
+            )
+    directory = posixpath.dirname(run_path.rstrip("/"))
+    while directory:
+        if _is_run_dir(fs, directory):
+            raise ResumeError(
+                f"checkpoint.storage_path={storage_url!r}: inside the directory of run "
+                f"{posixpath.basename(directory)!r} ({directory}), whose retention and "
+                "quarantine act on what is under it; choose a path outside every run's directory"
+            )
+        parent = posixpath.dirname(directory.rstrip("/"))
+        directory = "" if parent == directory else parent
+
+
+def _is_run_dir(fs: Any, directory: str) -> bool:
+    """A run's directory: it holds the run lease, or checkpoint directories."""
+    try:
+        return fs.exists(posixpath.join(directory, LEASE_DIR)) or bool(
+            CheckpointStore(fs, directory).steps()
+        )
+    except OSError:  # a parent this user may not list holds no run of theirs
+        return False
 
 
 def check_run_name(job: JobConfig, store: CheckpointStore, url: str) -> None:
