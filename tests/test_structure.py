@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import ast
 import functools
+import json
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parent.parent / "ftjob"
+# Sizes past which a class or function is a question for its reviewer, not a failure: one that
+# grows past them is listed, with its size, in sizes.json -- a reviewed line in the diff --
+# and a listed one may only shrink (its entry follows it down, and goes once it is back under).
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
+ALLOWANCES = Path(__file__).resolve().parent / "sizes.json"
 
 # Who may import whom: a module imports its own package and the layers below it, never a
 # layer above or beside it. (The command line drives the run; the driver runs workers, chaos
@@ -93,16 +96,37 @@ def test_dependencies_point_down_the_layers_never_back():
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("name", sorted(modules()))
-def test_no_class_or_function_outgrows_what_a_reader_holds_in_mind(name):
-    too_long = []
-    for node in ast.walk(modules()[name]):
-        if isinstance(node, ast.ClassDef) and span(node) > MAX_CLASS_LINES:
-            too_long.append(f"class {node.name}: {span(node)} lines")
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            if span(node) > MAX_FUNCTION_LINES:
-                too_long.append(f"def {node.name}: {span(node)} lines")
-    assert not too_long, f"{name}: {too_long}"
+def oversized() -> dict[str, int]:
+    """``module:class Name`` / ``module:def name`` -> lines, for each past its soft limit."""
+    found = {}
+    for name, tree in modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and span(node) > MAX_CLASS_LINES:
+                found[f"{name}:class {node.name}"] = span(node)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if span(node) > MAX_FUNCTION_LINES:
+                    found[f"{name}:def {node.name}"] = span(node)
+    return found
+
+
+def test_a_class_or_function_past_its_size_is_listed_and_only_shrinks():
+    allowed = json.loads(ALLOWANCES.read_text())
+    found = oversized()
+    grown = [
+        f"{k}: {n} lines (listed {allowed.get(k)})"
+        for k, n in found.items()
+        if n > allowed.get(k, 0)
+    ]
+    shrunk = [
+        f"{k}: listed {n}, now {found.get(k, 'within the limit')}"
+        for k, n in allowed.items()
+        if found.get(k, 0) < n
+    ]
+    assert not grown, (
+        f"past {MAX_CLASS_LINES} lines a class, {MAX_FUNCTION_LINES} a function: split it, or "
+        f"list it in {ALLOWANCES.name} for its reviewer:\n" + "\n".join(grown)
+    )
+    assert not shrunk, f"lower these entries of {ALLOWANCES.name}:\n" + "\n".join(shrunk)
 
 
 def test_no_import_cycle_between_ftjob_modules():
