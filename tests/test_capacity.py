@@ -115,3 +115,20 @@ def test_an_existing_cluster_that_grows_in_time_starts_the_job():
     wait_for_resources(j, grown, lines.append, lambda: None, clock, clock.sleep)
     assert clock.now == 30.0 and len(lines) == 1
     assert shortfall(j, grown(), "the cluster") is None
+
+
+def test_the_autoscaler_request_is_withdrawn_once_the_wait_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A request stands until replaced: left behind, it would keep the user's cluster large.
+    import ray
+
+    from ftjob.driver import cluster
+
+    clock, requests = Clock(), []
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 2.0}}])
+    monkeypatch.setattr(cluster, "_ask_autoscaler", requests.append)
+    j = job(*EXISTING, "trainer.num_workers=4", "ray.resources_timeout=60")
+    with pytest.raises(JobError, match="gave up after waiting 60 s"):
+        cluster.check_resources(j, lambda line: None, clock, clock.sleep)
+    assert len(requests) == 2 and len(requests[0]) == 4 and requests[1] == []

@@ -366,18 +366,23 @@ def check_resources(
         if why is not None:
             raise JobError(why)
         return
-    n, _ = _starting_workers(job)
-    wait_for_resources(
-        job,
-        alive,
-        echo or (lambda line: logger.warning("%s", line)),
-        lambda: _ask_autoscaler([worker_bundle(job)] * n),
-        clock,
-        sleep,
-    )
+    n, asked = _starting_workers(job)[0], []
+
+    def ask() -> None:
+        asked.append(True)
+        _ask_autoscaler([worker_bundle(job)] * n)
+
+    try:
+        wait_for_resources(
+            job, alive, echo or (lambda line: logger.warning("%s", line)), ask, clock, sleep
+        )
+    finally:
+        if asked:  # a request stands until replaced: leave none behind on the user's cluster
+            _ask_autoscaler([])
 
 
 def _ask_autoscaler(bundles: list[dict[str, float]]) -> None:
+    """Ask the autoscaler to hold ``bundles`` (each call replaces the last; [] withdraws)."""
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles)
