@@ -461,7 +461,7 @@ def test_restore_leaves_an_upload_in_flight_alone_and_its_commit_then_holds(
         attempt=1,
     )
     uploader.commit(write_checkpoint(tmp_path / "local", 10), 10)
-    step, _, _, skipped = chosen[0]
+    step, skipped = chosen[0].step, chosen[0].set_aside
     assert (
         step == 5
         and skipped[0]["step"] == 10
@@ -488,8 +488,9 @@ def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
         posixpath.dirname(store.root),
         settle_s=0.0,  # nothing in flight
     )
-    step, _, _, [bad] = choose_checkpoint(full, str(tmp_path / "r"), CheckpointConfig())
-    assert step == 5 and bad["step"] == 10
+    choice = choose_checkpoint(full, str(tmp_path / "r"), CheckpointConfig())
+    [bad] = choice.set_aside
+    assert choice.step == 5 and bad["step"] == 10
     if isinstance(storage[0], LocalFileSystem):  # a rename: no room needed
         assert full.steps() == [5] and model_in_quarantine(full, bad["quarantined_to"])
     else:  # copies could not be made: said, left, and the restore went on

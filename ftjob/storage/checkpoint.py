@@ -299,6 +299,21 @@ def _check_sizes(manifest: dict[str, Any], sizes: dict[str, int]) -> None:
             )
 
 
+@dataclass(frozen=True)
+class RestoreChoice:
+    """What rank 0 chose to restore, as every rank receives it: a durable checkpoint (rank 0
+    downloaded and verified it into ``local_dir``; what a newer one did not verify is in
+    ``set_aside``) or a memory snapshot (``digests``: rank 0's, which every rank's copy must
+    match)."""
+
+    step: int
+    path: str
+    tier: str = "storage"  # or "memory"
+    local_dir: str | None = None
+    set_aside: tuple[dict[str, Any], ...] = ()
+    digests: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class RestoreResult:
     step: int

@@ -31,10 +31,10 @@ from typing import Any
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.checkpoint import CheckpointStore, RestoreChoice
 from ftjob.storage.lease import LeaseLost
 from ftjob.worker.recorder import JobStopped, RunRecorder
-from ftjob.worker.snapshots import MEMORY_PREFIX, MemoryTier, unpack
+from ftjob.worker.snapshots import MemoryTier, unpack
 from ftjob.worker.uploads import (
     CONFIG_FILE,
     AsyncUploader,
@@ -105,10 +105,10 @@ class NoUsableCheckpoint(RuntimeError):
 
 def choose_checkpoint(
     store: CheckpointStore, local_root: str, config: Any
-) -> tuple[int, str, str, list[dict[str, Any]]] | str | None:
-    """Rank 0: (step, path, local dir, set aside) of the checkpoint to restore, None to
-    start from step 0, or the error that stops the job. Whatever does not verify is
-    quarantined on the way (:meth:`~ftjob.storage.checkpoint.CheckpointStore.set_aside`)."""
+) -> RestoreChoice | str | None:
+    """Rank 0: the checkpoint to restore, None to start from step 0, or the error that stops
+    the job. Whatever does not verify is quarantined on the way
+    (:meth:`~ftjob.storage.checkpoint.CheckpointStore.set_aside`)."""
     skipped: list[dict[str, Any]] = []
     try:
         result = store.restore_latest(local_root, skipped)
@@ -116,7 +116,7 @@ def choose_checkpoint(
     except LeaseLost as exc:  # a deposed driver's workers touch nothing
         return str(exc)
     if result is not None:
-        return result.step, result.path, result.local_dir, skipped
+        return RestoreChoice(result.step, result.path, "storage", result.local_dir, tuple(skipped))
     lost = [bad for bad in skipped if bad["committed"]]
     if not lost or config.restart_if_unrecoverable:
         return None
@@ -220,18 +220,18 @@ class Checkpointer:
         if isinstance(chosen, str):
             raise NoUsableCheckpoint(chosen)
         if memory is not None:
-            memory.restored(chosen[0] if chosen else 0)
+            memory.restored(chosen.step if chosen else 0)
         if chosen is None:
             return None
-        step, path, local_dir, skipped = chosen
-        if path.startswith(MEMORY_PREFIX):  # its digests came with it: the same on every rank
-            files, tier, skipped = memory.files(step, skipped), "memory", []
+        step, path, local_dir = chosen.step, chosen.path, chosen.local_dir
+        if chosen.tier == "memory":  # its digests came with it: the same on every rank
+            files = memory.files(step, dict(chosen.digests))
             record, state_of = json.loads(files[STATE_FILE]), snapshot_state(files, device)
         else:
-            if self.rank != 0:
+            if self.rank != 0 or local_dir is None:
                 local_dir = os.path.join(self.local_root, self.store.dir_name(step))
                 self.store.download(step, local_dir)
-            tier, state_of = "storage", durable_state(local_dir, device)
+            state_of = durable_state(local_dir, device)
             record = state_of(STATE_FILE)
         state = TrainState.from_json(record)
         if state.global_batch_size != self.global_batch:
@@ -239,14 +239,15 @@ class Checkpointer:
                 f"checkpoint {path} was trained with global batch {state.global_batch_size}, "
                 f"this run uses {self.global_batch}: resuming would break exact-once data order"
             )
-        restored = Restored(state, path, time.perf_counter() - start, 0.0, skipped, tier)
+        elapsed = time.perf_counter() - start
+        restored = Restored(state, path, elapsed, 0.0, list(chosen.set_aside), chosen.tier)
         self.metrics.load_state_dict(state.metrics)
         self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
         loading = time.perf_counter()
         with self.metrics.timer(M.CHECKPOINT_LOAD):
             load_state(state_of, module, optimizer)
         restored.load_s = time.perf_counter() - loading
-        if local_dir is not None:
+        if chosen.tier == "storage":
             shutil.rmtree(local_dir, ignore_errors=True)
         return restored
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
+from ftjob.storage.checkpoint import RestoreChoice
 from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all, machine
 
 logger = logging.getLogger(__name__)
@@ -434,14 +435,19 @@ class MemoryTier:
                 return snapshot
         return None
 
-    def offer(self, committed: Callable[[], list[int]]) -> tuple[Any, ...] | None:
+    def offer(self, committed: Callable[[], list[int]]) -> RestoreChoice | None:
         """Rank 0: the restore choice for the newest verified snapshot newer than storage
-        (:meth:`newest`) -- (step, path, None, its digests) -- or None."""
+        (:meth:`newest`), or None."""
         self._offered = self.newest(committed)
         if self._offered is None:
             return None
         step = self._offered.step
-        return step, f"{MEMORY_PREFIX}step_{step:09d}", None, self._offered.digests
+        return RestoreChoice(
+            step,
+            f"{MEMORY_PREFIX}step_{step:09d}",
+            tier="memory",
+            digests=tuple(sorted(self._offered.digests.items())),
+        )
 
     def files(self, step: int, digests: dict[str, str]) -> dict[str, Buffer]:
         """Every rank: the files of the snapshot rank 0 chose (rank 0 verified its own
