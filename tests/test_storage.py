@@ -441,7 +441,7 @@ def test_every_retry_is_logged_once_with_op_path_attempt_error_and_wait(
 ) -> None:
     fake = FakeTime()
     errors = [ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")] * 2
-    with caplog.at_level(logging.WARNING, logger="ftjob.storage.fs"):
+    with caplog.at_level(logging.WARNING, logger="ftjob.storage.retry"):
         policy(fake, max_attempts=5).call(failing(errors), op="put_file", target=S3_TARGET)
     retries = [r.getMessage() for r in caplog.records if "storage retry" in r.getMessage()]
     assert len(retries) == 2

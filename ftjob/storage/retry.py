@@ -26,7 +26,7 @@ import tenacity
 from ftjob.config import RetryConfig, check_error_rules
 from ftjob.storage.urls import bucket_of
 
-logger = logging.getLogger("ftjob.storage.fs")
+logger = logging.getLogger("ftjob.storage.retry")
 
 
 # -- classification ------------------------------------------------------------------------
