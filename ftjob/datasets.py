@@ -2,7 +2,6 @@
 own: subclass :class:`ImageDataset`). They live in :mod:`ftjob.data.datasets`."""
 
 from ftjob.data.datasets import (
-    IMAGE_EXTENSIONS,
     TRAIN,
     VAL,
     DataError,
@@ -12,6 +11,7 @@ from ftjob.data.datasets import (
     SyntheticDataset,
     sample_rng,
 )
+from ftjob.data.folders import IMAGE_EXTENSIONS
 
 __all__ = [
     "IMAGE_EXTENSIONS",

@@ -88,6 +88,7 @@ def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp
             "epoch": 0,
             "resumed_at": 0,
             "trained": 40,
+            "skipped": 0,
             "unique": 40,
             "duplicates": 0,
             "missing": 0,

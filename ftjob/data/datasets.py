@@ -16,6 +16,7 @@ import io
 import math
 import posixpath
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -23,15 +24,34 @@ import numpy as np
 import pyarrow as pa
 
 from ftjob.config import ConfigError
+from ftjob.data.folders import (
+    check_same_classes,
+    is_local,
+    list_split,
+    names,
+)
 
 TRAIN, VAL = "train", "val"
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+BAD_FILES = ("fail", "skip")  # dataset.bad_files: what a file that does not decode does
+# PIL's own decompression-bomb limit (Image.MAX_IMAGE_PIXELS), made a stated setting.
+MAX_IMAGE_PIXELS = 89_478_485
+GONE = "gone"  # catalog column: rows whose file was removed since the run started
+GONE_REASON = "removed from the dataset since the run started"
 
 
 class DataError(RuntimeError):
     """A dataset file that cannot be read or decoded. Deterministic: the same file fails again
     on every attempt, so the job ends at once (the run's one-line error), instead of spending
-    ``failure.max_failures`` on restarts that would meet it again."""
+    ``failure.max_failures`` on restarts that would meet it again -- unless
+    ``dataset.bad_files=skip``, where the sample is skipped instead (:meth:`decode_batch`)."""
+
+
+@dataclass(frozen=True)
+class BadFile:
+    """A file that is not a sample, and why (one line)."""
+
+    path: str
+    reason: str
 
 
 def data_error_of(exc: BaseException | None) -> DataError | None:
@@ -75,6 +95,27 @@ def _dataset_rule(ok: bool, key: str, args: dict[str, Any], rule: str) -> None:
         )
 
 
+def check_bad_file_args(kwargs: dict[str, Any]) -> None:
+    """``dataset.bad_files`` and ``dataset.max_image_pixels``, for datasets that read files."""
+    kwargs.setdefault("bad_files", "fail")
+    _dataset_rule(
+        kwargs["bad_files"] in BAD_FILES,
+        "bad_files",
+        kwargs,
+        "must be fail (a file that does not decode ends the run, naming it) or skip (it is "
+        "left out of every epoch, and listed in summary.json)",
+    )
+    pixels = kwargs.setdefault("max_image_pixels", MAX_IMAGE_PIXELS)
+    whole = isinstance(pixels, int) and not isinstance(pixels, bool)
+    _dataset_rule(
+        pixels is None or (whole and pixels >= 1),
+        "max_image_pixels",
+        kwargs,
+        "must be a whole number of pixels >= 1 (width x height; a larger image is a bad "
+        "file, as a decompression bomb would be), or null for no limit",
+    )
+
+
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
     """The random stream of one sample in one epoch, independent of batching and attempts."""
     return np.random.default_rng([seed, epoch, sample_id])
@@ -96,6 +137,23 @@ class ImageDataset(ABC):
         """Images for catalog rows, NCHW: uint8 (0..255), normalised on the training device with
         :meth:`normalisation` -- a quarter of the bytes through the object store -- or float32,
         already normalised. Runs inside Ray Data tasks."""
+
+    bad_files = "fail"  # dataset.bad_files, for datasets that read files
+
+    def decode_batch(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`decode`, and which rows were skipped (``dataset.bad_files=skip``: a file
+        that does not decode; its image is blank and never trained on). The same rows are
+        skipped whichever attempt, rank or process decodes them: positions in the data order
+        never shift, a skipped sample is seen-and-skipped at its place."""
+        images = self.decode(rows, split, epoch, seed)
+        return images, np.zeros(len(images), dtype=bool)
+
+    def bad_file(self, row: dict[str, Any]) -> BadFile:
+        """Which file a skipped catalog row is, and why it did not decode (read again: a
+        skip is rare, its reason is not carried through the decode tasks)."""
+        return BadFile(f"sample {row.get('id')}", "did not decode")
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel (mean, std), in units of the full 0..1 range, that uint8 images from
@@ -329,7 +387,14 @@ class ImageFolderDataset(ImageDataset):
     file read by its exact name (never glob-expanded). Images are turned upright by their EXIF
     orientation; train images get a random resized crop and horizontal flip drawn from
     ``(seed, epoch, id)``; validation images are resized and centre-cropped. A file that
-    cannot be read or decoded raises :class:`DataError` naming it.
+    cannot be read or decoded, or has more than ``max_image_pixels`` pixels, raises
+    :class:`DataError` naming it (``bad_files=fail``), or is skipped in every epoch
+    (``bad_files=skip``). A local file that is a link to outside ``path`` is not a sample:
+    nothing is read from outside the dataset's root.
+
+    The tree is audited when it is listed, before anything trains: a class folder without
+    images, a validation split whose classes are not the training split's, and a class count
+    other than ``num_classes`` are refused by name.
     """
 
     def __init__(
@@ -344,6 +409,8 @@ class ImageFolderDataset(ImageDataset):
         mean: tuple[float, ...] = (0.5, 0.5, 0.5),
         std: tuple[float, ...] = (0.5, 0.5, 0.5),
         storage_options: dict[str, Any] | None = None,
+        bad_files: str = "fail",
+        max_image_pixels: int | None = MAX_IMAGE_PIXELS,
     ) -> None:
         self.check_args(
             image_size=image_size,
@@ -351,7 +418,10 @@ class ImageFolderDataset(ImageDataset):
             num_classes=num_classes,
             mean=mean,
             std=std,
+            bad_files=bad_files,
+            max_image_pixels=max_image_pixels,
         )
+        self.bad_files, self.max_image_pixels = bad_files, max_image_pixels
         self.path = str(path).rstrip("/")
         self.train_dir, self.val_dir = train_dir, val_dir
         self.image_size, self.resize_size = image_size, resize_size
@@ -387,6 +457,7 @@ class ImageFolderDataset(ImageDataset):
                 len(kwargs[key]) == 3, key, kwargs, "must have 3 values, one per RGB channel"
             )
         _dataset_rule(all(v > 0 for v in kwargs["std"]), "std", kwargs, "every value must be > 0")
+        check_bad_file_args(kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         # Filesystem clients are per process; listings stay on the driver (they can be large).
@@ -408,43 +479,17 @@ class ImageFolderDataset(ImageDataset):
         return self._listings[split]
 
     def _scan(self, split: str) -> dict[str, list[str]]:
-        root = self._root(split)
         folder = self.train_dir if split == TRAIN else self.val_dir
-        try:
-            files = self.fs.find(root)
-        except FileNotFoundError:
-            files = []
-        by_class: dict[str, list[str]] = {}
-        hidden: list[str] = []
-        loose: list[str] = []
-        for f in sorted(files):
-            parts = posixpath.relpath(f, root).split("/")
-            if not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
-                continue
-            if any(part.startswith(".") for part in parts):
-                hidden.append(posixpath.join(folder, *parts))
-            elif len(parts) == 1:
-                loose.append(posixpath.join(folder, *parts))
-            else:  # at any depth under the class folder, as torchvision's ImageFolder
-                by_class.setdefault(parts[0], []).append(f)
-        notes = []
-        if hidden:
-            notes.append(
-                f"dataset.path={self.path}: skipped {len(hidden)} hidden/AppleDouble file(s) "
-                f"under {folder}/ (e.g. {hidden[0]}): a name starting with '.' is not a sample"
-            )
-        if loose:
-            notes.append(
-                f"dataset.path={self.path}: {len(loose)} image file(s) directly in {folder}/ "
-                f"(e.g. {loose[0]}) are not samples: a sample is under {folder}/<class>/"
-            )
-        self._notes[split] = notes
-        if not by_class:
+        _, base = fsspec.core.url_to_fs(self.path, **self.storage_options)
+        root = self._root(split)
+        listing = list_split(self.fs, root, folder, self.path, base)
+        self._notes[split] = listing.notes
+        if not listing.by_class:
             raise FileNotFoundError(
                 f"dataset.path={self.path!r}: no images under {split} folder {root!r}; expected "
-                f"{self.path}/{self.train_dir if split == TRAIN else self.val_dir}/<class>/<image>.jpg"
+                f"{self.path}/{folder}/<class>/<image>.jpg"
             )
-        return by_class
+        return listing.by_class
 
     def catalog_notes(self) -> list[str]:
         notes: list[str] = []
@@ -456,12 +501,16 @@ class ImageFolderDataset(ImageDataset):
     @property
     def classes(self) -> list[str]:
         if self._classes is None:
-            self._classes = sorted(self._list(TRAIN))
-            if self.declared_classes is not None and len(self._classes) != self.declared_classes:
-                raise ValueError(
-                    f"dataset.num_classes={self.declared_classes}: {self.path!r} has "
-                    f"{len(self._classes)} class folders under {self.train_dir}/"
+            classes = sorted(self._list(TRAIN))
+            if self.declared_classes is not None and len(classes) != self.declared_classes:
+                raise ConfigError(
+                    "dataset.num_classes",
+                    self.declared_classes,
+                    f"{self.path} has {len(classes)} class folders under {self.train_dir}/ "
+                    f"({names(classes)}): set dataset.num_classes={len(classes)}, or null to "
+                    "count them, or fix the tree",
                 )
+            self._classes = classes
         return self._classes
 
     @property
@@ -471,10 +520,9 @@ class ImageFolderDataset(ImageDataset):
     def catalog(self, split: str) -> pa.Table:
         index = {name: i for i, name in enumerate(self.classes)}
         listing = self._list(split)
-        unknown = sorted(set(listing) - set(index))
-        if unknown:
-            raise ValueError(
-                f"dataset.path={self.path!r}: {split} has classes not in train: {unknown[:5]}"
+        if split == VAL:
+            check_same_classes(
+                self.path, self.classes, sorted(listing), self.train_dir, self.val_dir
             )
         paths = [p for name in sorted(listing) for p in listing[name]]
         labels = [index[name] for name in sorted(listing) for _ in listing[name]]
@@ -503,7 +551,7 @@ class ImageFolderDataset(ImageDataset):
         from PIL import Image
 
         size = self.image_size
-        with Image.open(io.BytesIO(data)) as img:
+        with _open_image(data, self.max_image_pixels) as img:
             orientation = _orientation(img)
             width, height = img.size
             if orientation in TURNED:  # the crop is drawn on the upright picture
@@ -538,11 +586,7 @@ class ImageFolderDataset(ImageDataset):
 
     def _url(self, path: str) -> str:
         """A listed path as the user would write it (``s3://bucket/key``; local: the path)."""
-        protocol = self.fs.protocol
-        local = protocol in ("file", "local") or (
-            isinstance(protocol, tuple) and protocol[0] in ("file", "local")
-        )
-        return path if local else self.fs.unstrip_protocol(path)
+        return path if is_local(self.fs) else self.fs.unstrip_protocol(path)
 
     def _image(self, path: str, data: Any, train: bool, rng: np.random.Generator) -> np.ndarray:
         if isinstance(data, BaseException):
@@ -560,27 +604,91 @@ class ImageFolderDataset(ImageDataset):
         except Exception as exc:  # decoding bytes in memory: the same every time
             raise DataError(
                 f"dataset file {self._url(path)} cannot be decoded as an image "
-                f"({_reason(exc)}): remove or fix it"
+                f"({_reason(exc)}): remove or fix it (then resume=true), or set "
+                "dataset.bad_files=skip"
             ) from exc
 
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
+        return self.decode_batch(rows, split, epoch, seed)[0]
+
+    def decode_batch(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         train = split == TRAIN
         paths = [str(p) for p in rows["path"]]
+        # A row whose file was removed since the run started keeps its place: never read.
+        gone = rows.get(GONE)
+        skipped = np.zeros(len(paths), bool) if gone is None else np.asarray(gone, bool).copy()
         # Exactly these files: fs.cat would glob-expand each path ("photo[1].jpg" reads
         # photo1.jpg). cat_ranges reads them concurrently on object stores (async
         # filesystems), one by one on local disk; a file's error comes back in its place.
-        contents = self.fs.cat_ranges(paths, None, None, on_error="return")
+        read = [p for p, g in zip(paths, skipped, strict=True) if not g]
+        contents = iter(self.fs.cat_ranges(read, None, None, on_error="return") if read else [])
         size = self.image_size
-        images = np.empty((len(paths), size, size, 3), dtype=np.uint8)
-        for k, (path, data, i) in enumerate(zip(paths, contents, rows["id"], strict=True)):
-            images[k] = self._image(path, data, train, sample_rng(seed, epoch, int(i)))
-        return np.ascontiguousarray(images.transpose(0, 3, 1, 2))  # uint8 NCHW
+        images = np.zeros((len(paths), size, size, 3), dtype=np.uint8)
+        for k, (path, i) in enumerate(zip(paths, rows["id"], strict=True)):
+            if skipped[k]:
+                continue
+            data = next(contents)
+            try:
+                images[k] = self._image(path, data, train, sample_rng(seed, epoch, int(i)))
+            except DataError:
+                if self.bad_files != "skip":
+                    raise
+                skipped[k] = True  # the same file fails the same way on every attempt
+        return np.ascontiguousarray(images.transpose(0, 3, 1, 2)), skipped  # uint8 NCHW
+
+    def check_file(self, path: str) -> str | None:
+        """Why one listed file cannot be a sample (read and decoded as validation decodes
+        it), or None: ``python -m ftjob.check --data``, and the reason a skip is listed with."""
+        try:
+            data: Any = self.fs.cat_file(path)  # one exact path: never glob-expanded
+        except Exception as exc:  # noqa: BLE001 -- judged as decode judges a failed read
+            data = exc
+        try:
+            self._image(path, data, False, np.random.default_rng(0))
+        except DataError as exc:
+            cause = exc.__cause__
+            return _reason(cause) if cause is not None else str(exc)
+        except OSError as exc:  # a read that may succeed when tried again
+            return f"not read: {_reason(exc)}"
+        return None
+
+    def bad_file(self, row: dict[str, Any]) -> BadFile:
+        path = str(row["path"])
+        if row.get(GONE):
+            return BadFile(self._url(path), GONE_REASON)
+        return BadFile(self._url(path), self.check_file(path) or "did not decode")
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
         return self.mean, self.std
 
     def describe(self) -> str:
         return f"ImageFolderDataset({self.path})"
+
+
+class ImageTooLarge(ValueError):
+    """An image with more pixels than ``dataset.max_image_pixels``."""
+
+
+def _open_image(data: bytes, max_pixels: int | None) -> Any:
+    """``data`` opened by PIL (its header read, no pixels), refused when it has more than
+    ``max_pixels`` pixels (``dataset.max_image_pixels``). It replaces PIL's own check, which
+    reads the process-wide ``Image.MAX_IMAGE_PIXELS`` (a warning above it, an error only above
+    twice it): in a process that decodes -- the training workers, Ray Data's decode tasks --
+    that one is turned off, and the dataset's limit applies exactly, the same everywhere."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None
+    img = Image.open(io.BytesIO(data))
+    width, height = img.size
+    if max_pixels is not None and width * height > max_pixels:
+        img.close()
+        raise ImageTooLarge(
+            f"{width}x{height} = {width * height} pixels, more than "
+            f"dataset.max_image_pixels={max_pixels}"
+        )
+    return img
 
 
 def build_dataset(node: dict[str, Any]) -> ImageDataset:

@@ -5,6 +5,10 @@ Global batch ``k`` is ``order[k*B:(k+1)*B]``; rank ``r`` of ``W`` trains the ``r
 ``B/W`` samples of it. Reading and decoding run in Ray Data (``map_batches``, in order), in
 windows of blocks that decode while the previous window trains; each worker streams its own
 slice, so batch ``k`` on every rank belongs to global batch ``k``.
+
+A sample whose file does not decode under ``dataset.bad_files=skip`` keeps its place: its
+batch carries it, marked ``skipped``, and the step trains on the rest. Positions, batches and
+the audit stay those of the data order; only what a step learns from changes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,23 @@ class Batch:
     images: Any  # torch.Tensor, NCHW float32 on the training device
     labels: Any  # torch.Tensor, int64
     ids: np.ndarray  # catalog ids, for the sample audit
+    skipped: np.ndarray | None = None  # bool per row: a bad file (dataset.bad_files=skip)
+
+    def any_skipped(self) -> bool:
+        return self.skipped is not None and bool(self.skipped.any())
+
+    def skipped_ids(self) -> list[int]:
+        return self.ids[self.skipped].tolist() if self.any_skipped() else []
+
+    def keep(self) -> Any:
+        """The rows to train or evaluate on, as a bool tensor on the images' device; None
+        when every row is kept."""
+        if not self.any_skipped():
+            return None
+        import torch
+
+        assert self.skipped is not None
+        return torch.from_numpy(~self.skipped).to(self.images.device)
 
 
 class BatchSource(Protocol):
@@ -47,11 +68,12 @@ class _Decode:
         self.dataset, self.split, self.epoch, self.seed = dataset, split, epoch, seed
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = self.dataset.decode(rows, self.split, self.epoch, self.seed)
+        images, skipped = self.dataset.decode_batch(rows, self.split, self.epoch, self.seed)
         return {
             "image": images,
             "label": rows["label"].astype(np.int64),
             "id": rows["id"].astype(np.int64),
+            "skipped": np.asarray(skipped, dtype=bool),
         }
 
 
@@ -119,8 +141,10 @@ class RayDataStream:
         window_mb: float = 256,
         local_first_window: bool = False,
         decode_here: bool = False,
+        on_skip: Callable[[str, np.ndarray], None] | None = None,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
+        self.on_skip = on_skip  # hears (split, ids) of every batch with skipped samples
         # The first window of this stream's first epoch decodes in this process (LocalWindow);
         # with decode_here, every window does (a worker run without Ray: tests).
         self._local_first, self.decode_here = local_first_window, decode_here
@@ -168,13 +192,22 @@ class RayDataStream:
                 prefetch_batches=self.prefetch_batches,
                 device=self.device,
                 pin_memory=self.pin_memory,
-                dtypes={"image": image_dtype, "label": torch.int64, "id": torch.int64},
+                dtypes={
+                    "image": image_dtype,
+                    "label": torch.int64,
+                    "id": torch.int64,
+                    "skipped": torch.bool,
+                },
             ):
-                yield Batch(
+                batch = Batch(
                     images=self._normalised(b["image"]).contiguous(memory_format=memory_format),
                     labels=b["label"],
                     ids=b["id"].cpu().numpy(),
+                    skipped=b["skipped"].cpu().numpy(),
                 )
+                if self.on_skip is not None and batch.any_skipped():
+                    self.on_skip(self.split, np.asarray(batch.skipped_ids(), dtype=np.int64))
+                yield batch
 
     def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
         """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
@@ -283,6 +316,37 @@ class WindowSizer:
         window = (self.start, min(self.num_blocks, self.start + size))
         self.start, self.size = window[1], size * 2
         return window
+
+
+class SkipLog:
+    """Names the files behind skipped samples (``dataset.bad_files=skip``), each once per
+    process: the dataset reads it again for the reason (a skip is rare; decode tasks do not
+    carry reasons back), and ``tell`` hears ``{split, id, path, reason}`` records."""
+
+    def __init__(
+        self,
+        dataset: ImageDataset,
+        catalogs: dict[str, pa.Table],
+        tell: Callable[[list[dict[str, Any]]], None],
+    ) -> None:
+        self.dataset, self.catalogs, self.tell = dataset, catalogs, tell
+        self._seen: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, split: str, ids: np.ndarray) -> None:
+        with self._lock:
+            new = [int(i) for i in ids if (split, int(i)) not in self._seen]
+            self._seen.update((split, i) for i in new)
+        if not new:
+            return
+        rows = self.catalogs[split].take(pa.array(new, type=pa.int64())).to_pylist()
+        records = []
+        for sample_id, row in zip(new, rows, strict=True):
+            bad = self.dataset.bad_file(row)
+            records.append(
+                {"split": split, "id": sample_id, "path": bad.path, "reason": bad.reason}
+            )
+        self.tell(records)
 
 
 class ResumableIterator:
@@ -503,6 +567,7 @@ __all__ = [
     "LocalWindow",
     "RayDataStream",
     "ResumableIterator",
+    "SkipLog",
     "ValidationSet",
     "WindowSizer",
     "epoch_order",

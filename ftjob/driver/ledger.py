@@ -159,7 +159,53 @@ class ElasticRecords:
         )
 
 
-class RunLedger(ChaosRecords, ElasticRecords):
+def _audit_entry() -> dict[str, Any]:
+    return {"ids": [], "skipped": []}
+
+
+class SampleRecords:
+    """The run ledger's data part: the sample audit (``trainer.audit_samples``: every step's
+    samples, from every rank) and the files skipped as bad (``dataset.bad_files=skip``)."""
+
+    audit: dict[tuple[int, int], dict[str, Any]]
+    bad_files: dict[tuple[str, int], dict[str, Any]]
+
+    def log(self, line: str) -> None:
+        raise NotImplementedError
+
+    def audit_step(
+        self, attempt: int, step: int, epoch: int, ids: list[int], skipped: list[int] | None = None
+    ) -> None:
+        """A rank's slice of a step: its samples, and those of them skipped (bad files)."""
+        entry = self.audit[(attempt, step)]
+        entry["epoch"] = epoch
+        entry["ids"].extend(ids)
+        entry["skipped"].extend(skipped or [])
+
+    def skipped_files(self, attempt: int, rank: int, records: list[dict[str, Any]]) -> None:
+        """Files a rank skipped: split, id, path, reason; each said once for the run."""
+        for record in records:
+            key = (record["split"], int(record["id"]))
+            if key in self.bad_files:
+                continue
+            self.bad_files[key] = {**record, "attempt": attempt, "rank": rank}
+            self.log(
+                f"data: skipped {record['split']} file {record['path']} ({record['reason']}); "
+                "dataset.bad_files=skip leaves it out of every epoch"
+            )
+
+    def sample_records(self) -> dict[str, Any]:
+        return {
+            "audit": [
+                {"attempt": a, "step": s, "epoch": e["epoch"], "ids": e["ids"]}
+                | ({"skipped": e["skipped"]} if e["skipped"] else {})
+                for (a, s), e in sorted(self.audit.items())
+            ],
+            "skipped_files": [self.bad_files[k] for k in sorted(self.bad_files)],
+        }
+
+
+class RunLedger(ChaosRecords, ElasticRecords, SampleRecords):
     """Plain class; :func:`start_ledger` runs it as a Ray actor."""
 
     def __init__(
@@ -181,7 +227,8 @@ class RunLedger(ChaosRecords, ElasticRecords):
         self.replaced_validations = 0
         self.checkpoints: list[dict[str, Any]] = []
         self.storage: dict[str, dict[str, Any]] = {}
-        self.audit: dict[tuple[int, int], dict[str, Any]] = defaultdict(lambda: {"ids": []})
+        self.audit: dict[tuple[int, int], dict[str, Any]] = defaultdict(_audit_entry)
+        self.bad_files: dict[tuple[str, int], dict[str, Any]] = {}  # (split, id) -> record
         self.metrics: dict[str, float] = {}
         self.progress: dict[str, Any] = {}
         self.fatal: str | None = None
@@ -343,11 +390,6 @@ class RunLedger(ChaosRecords, ElasticRecords):
         """Cumulative storage counters of one process (a worker of an attempt, the controller)."""
         self.storage[source] = stats
 
-    def audit_step(self, attempt: int, step: int, epoch: int, ids: list[int]) -> None:
-        entry = self.audit[(attempt, step)]
-        entry["epoch"] = epoch
-        entry["ids"].extend(ids)
-
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
         self.failures.append({"noticed": now, "errors": errors})
         first = next(iter(errors.values()), "")
@@ -446,10 +488,7 @@ class RunLedger(ChaosRecords, ElasticRecords):
                 "replaced_validations": self.replaced_validations,
                 "checkpoints": self.checkpoints,
                 "storage": self.storage,
-                "audit": [
-                    {"attempt": a, "step": s, "epoch": e["epoch"], "ids": e["ids"]}
-                    for (a, s), e in sorted(self.audit.items())
-                ],
+                **self.sample_records(),
                 "metrics": self.metrics,
                 "progress": self.progress,
                 "history": [self.history[s] for s in sorted(self.history)],

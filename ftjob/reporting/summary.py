@@ -135,17 +135,21 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
 
     Everything must cover each epoch's samples exactly once. A resumed run (``resume=true``)
     starts in the middle of an epoch: the samples before the position it resumed at were
-    trained by the run it continues (``resumed_at`` counts them) and are not expected again."""
+    trained by the run it continues (``resumed_at`` counts them) and are not expected again.
+    A sample skipped as a bad file (dataset.bad_files=skip) is seen at its place and not
+    trained: ``skipped`` counts them, ``trained`` the rest."""
     plan = snap["plan"]
     first = (snap["attempts"][0]["restored"] or {}) if snap["attempts"] else {}
     resumed_epoch, resumed_at = first.get("epoch"), first.get("position", 0)
     B, per_epoch_steps = plan["global_batch_size"], plan["steps_per_epoch"]
     per_epoch: dict[int, list[int]] = {}
+    skipped: dict[int, int] = {}
     misplaced: dict[int, int] = {}
     orders: dict[int, np.ndarray] = {}
     for entry in _surviving_steps(snap):
         epoch = entry["epoch"]
         per_epoch.setdefault(epoch, []).extend(entry["ids"])
+        skipped[epoch] = skipped.get(epoch, 0) + len(entry.get("skipped", ()))
         if epoch not in orders:
             orders[epoch] = epoch_order(plan["num_samples"], plan["seed"], epoch)
         k = (entry["step"] - 1) % per_epoch_steps
@@ -162,7 +166,8 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "epoch": epoch,
                 "resumed_at": start,
-                "trained": int(len(ids)),
+                "trained": int(len(ids)) - skipped.get(epoch, 0),
+                "skipped": skipped.get(epoch, 0),
                 "unique": int(len(unique)),
                 "duplicates": int(len(ids) - len(unique)),
                 "missing": int(len(np.setdiff1d(expected, unique))),
@@ -354,10 +359,19 @@ def _records(
         "section_timeouts": snap.get("sections", {}),
         "config": config,
     }
+    summary["data"] = data_record(snap)
     if snap["audit"]:
         summary["audit"] = audit_report(snap)
         summary["audit_batches"] = audit_batches(snap)
     return summary
+
+
+def data_record(snap: dict[str, Any]) -> dict[str, Any]:
+    """What the run's data held that is not a sample: the files skipped as bad
+    (dataset.bad_files=skip), once each, with the split, catalog id, path and reason."""
+    files = snap.get("skipped_files", [])
+    keep = ("split", "id", "path", "reason", "attempt", "rank")
+    return {"skipped": len(files), "skipped_files": [{k: f.get(k) for k in keep} for f in files]}
 
 
 def write_summary(summary: dict[str, Any], run_dir: str) -> str:
@@ -392,6 +406,14 @@ def _event_lines(summary: dict[str, Any]) -> list[str]:
         )
     for skip in (summary.get("chaos") or {}).get("skipped", []):
         lines.append(f"  chaos: no {skip.get('kind')} kill: {skip.get('reason')}")
+    bad = (summary.get("data") or {}).get("skipped_files", [])
+    if bad:
+        lines.append(
+            f"  data: {len(bad)} bad file(s) skipped (dataset.bad_files=skip; summary.json "
+            "data.skipped_files):"
+        )
+        lines.extend(f"    {f.get('path')} ({f.get('reason')})" for f in bad[:20])
+        lines.extend([f"    ... and {len(bad) - 20} more"] if len(bad) > 20 else [])
     return lines
 
 

@@ -41,6 +41,7 @@ from ftjob.data.streams import (
     BatchFeeder,
     RayDataStream,
     ResumableIterator,
+    SkipLog,
     ValidationSet,
     decode_in_worker,
 )
@@ -263,14 +264,14 @@ class Worker:
         self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
         self.beat.step_started(waited)
         with self.metrics.timer(M.TRAIN_STEP):
-            self.losses.add(self._train_step(batch.images, batch.labels), B)
+            self.losses.add(self._train_step(batch), B)
         self.state.step += 1
         self.beat.step_done(self.state.step)
         self.state.position += B
         self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
         self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
         if t.audit_samples:
-            self.record.audit_step(self.state.step, epoch, batch.ids.tolist())
+            self.record.audit_step(self.state.step, epoch, batch.ids.tolist(), batch.skipped_ids())
         self.record.step_done(self.state.step)
         if first:  # with its own cost (batch wait + step): not set-up
             self.first_step_done = True
@@ -325,14 +326,14 @@ class Worker:
 
     # -- parts of a step ---------------------------------------------------------------------
 
-    def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _train_step(self, batch: Batch) -> torch.Tensor:
         torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = backward_in_micro_batches(
-            self.model, images, labels, self.trainer.batch_size, self._loss, self.beat.straggle
-        )  # chaos=slow sleeps between forward and backward: local time, not the others' wait
+        step = (self.model, batch.images, batch.labels, self.trainer.batch_size, self._loss)
+        # chaos=slow sleeps between forward and backward: local time, not the others' wait
+        loss = backward_in_micro_batches(*step, self.beat.straggle, batch.keep())
         self.optimizer.step()
         return loss
 
@@ -432,7 +433,8 @@ def open_streams(
     end of training, already decoding in Ray Data or in this process (the context's
     ``decode_here``, else ``trainer.decode_in``: :func:`decode_in_worker`); and how long
     positioning took (the skip). ``note`` hears what the user should know (where the batches
-    are decoded and why; a validation set too big to cache)."""
+    are decoded and why; a validation set too big to cache). Files skipped as bad
+    (dataset.bad_files=skip) are named to the run ledger by the rank that meets them."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
     common = {
         "decode_here": decodes_here(trainer, ctx, note),
@@ -443,6 +445,7 @@ def open_streams(
         "window_mb": trainer.decode_window_mb,
         "pin_memory": device.type == "cuda",
         "channels_last": trainer.channels_last,
+        "on_skip": SkipLog(dataset, catalogs, ctx.recorder.skipped_files),
     }
     train_stream = RayDataStream(dataset, catalogs[TRAIN], TRAIN, local_first_window=True, **common)
     val_stream = RayDataStream(dataset, catalogs[VAL], VAL, **common)
@@ -550,25 +553,58 @@ def backward_in_micro_batches(
     batch_size: int,
     loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     before_backward: Callable[[], None] = lambda: None,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradients of the mean loss over this rank's slice, in micro-batches of at most
     ``batch_size`` (several only below full size: elastic). Each micro-batch's mean loss is
     weighted by its share of the slice, so the accumulated gradient is the slice's mean; a DDP
-    model all-reduces once, with the last micro-batch. Returns the slice's mean loss."""
+    model all-reduces once, with the last micro-batch. Returns the slice's mean loss.
+
+    ``keep`` (bool per row) leaves out skipped samples (bad files): they never reach the
+    model, and count as a loss of 0 in the slice's mean -- the step's gradient is the kept
+    samples' loss summed over the global batch size, at any world size, with no collective
+    to count them. A rank whose whole slice was skipped still joins the gradient all-reduce
+    (:func:`_blank_backward`)."""
     n = images.shape[0]
-    chunks = micro_batches(n, batch_size)
+    if keep is not None:
+        if not bool(keep.any()):
+            return _blank_backward(model, images[:1], labels[:1], loss_of, before_backward)
+        images, labels = images[keep], labels[keep]
+    kept = images.shape[0]
+    chunks = micro_batches(kept, batch_size)
     total = torch.zeros((), device=images.device)
     for lo, hi in chunks:
-        local = hi < n and hasattr(model, "no_sync")  # no all-reduce until the last
+        local = hi < kept and hasattr(model, "no_sync")  # no all-reduce until the last
         with model.no_sync() if local else contextlib.nullcontext():
             loss = loss_of(images[lo:hi], labels[lo:hi])
-            if len(chunks) > 1:
+            if len(chunks) > 1 or kept < n:
                 loss = loss * ((hi - lo) / n)
             if lo == 0:  # after DDP's forward sync of buffers, before the gradient all-reduce
                 before_backward()
             loss.backward()
         total += loss.detach()
     return total
+
+
+def _blank_backward(
+    model: Any,
+    image: torch.Tensor,
+    label: torch.Tensor,
+    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    before_backward: Callable[[], None],
+) -> torch.Tensor:
+    """A zero gradient that still takes part in DDP's all-reduce, for a rank with nothing to
+    train this step: one blank image, in eval mode (batch-norm statistics stay as they were),
+    its loss weighted 0."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss = loss_of(image, label) * 0.0
+        before_backward()
+        loss.backward()
+    finally:
+        model.train(was_training)
+    return loss.detach()
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:

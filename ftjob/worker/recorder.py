@@ -67,8 +67,13 @@ class RunRecorder:
         """Where this rank runs (node, pid, raylet pid): chaos and hang handling target it."""
         self._tell("register_worker", self.attempt, self.rank, {**where, "time": time.time()})
 
-    def audit_step(self, step: int, epoch: int, ids: list[int]) -> None:
-        self._tell("audit_step", self.attempt, step, epoch, ids)
+    def audit_step(self, step: int, epoch: int, ids: list[int], skipped: list[int]) -> None:
+        """This rank's slice of a step: every sample of it, and those skipped (bad files)."""
+        self._tell("audit_step", self.attempt, step, epoch, ids, skipped)
+
+    def skipped_files(self, records: list[dict[str, Any]]) -> None:
+        """Files this rank skipped (dataset.bad_files=skip): split, id, path, reason."""
+        self._tell("skipped_files", self.attempt, self.rank, records)
 
     def storage_stats(self, source: str, stats: dict[str, Any]) -> None:
         self._tell("storage_stats", source, stats)

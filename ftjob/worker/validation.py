@@ -91,11 +91,17 @@ def evaluate(
         if stop is not None and stop():
             totals[3] = 1
             break
+        images, labels = batch.images, batch.labels
+        keep = batch.keep() if hasattr(batch, "keep") else None
+        if keep is not None:  # bad files skipped (dataset.bad_files=skip): not evaluated
+            images, labels = images[keep], labels[keep]
+            if not len(labels):
+                continue
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = module(batch.images)
-        totals[0] += F.cross_entropy(logits.float(), batch.labels, reduction="sum")
-        totals[1] += (logits.argmax(1) == batch.labels).sum()
-        totals[2] += len(batch.labels)
+            logits = module(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
     if world > 1:
         dist.all_reduce(totals)
     module.train()

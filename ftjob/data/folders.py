@@ -1,0 +1,134 @@
+"""Listing a class-per-folder image tree (``{root}/{class}/.../*.jpg``) and auditing it before
+anything trains: which files are samples, which are not and why, and whether the classes are
+what they look like. Used by :class:`ftjob.data.datasets.ImageFolderDataset` on the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+@dataclass
+class SplitListing:
+    """One split's samples by class folder (sorted paths), and one-line notes on the files
+    under it that are not samples."""
+
+    by_class: dict[str, list[str]]
+    notes: list[str] = field(default_factory=list)
+
+
+def is_local(fs: Any) -> bool:
+    protocol = fs.protocol
+    return protocol in ("file", "local") or (
+        isinstance(protocol, tuple) and protocol[0] in ("file", "local")
+    )
+
+
+def names(items: list[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def inside(fs: Any, base: str) -> Callable[[str], bool]:
+    """Whether a listed file stays inside ``base`` once its links are followed (local disk;
+    object stores have no links: every listed key is inside). A path from the user never
+    reaches outside the root it names."""
+    if not is_local(fs):
+        return lambda path: True
+    real_root = os.path.realpath(base).rstrip(os.sep) + os.sep
+    return lambda path: os.path.realpath(path).startswith(real_root)
+
+
+def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitListing:
+    """The samples under ``root`` (the split folder ``folder`` of the dataset at ``path``,
+    whose root on ``fs`` is ``base``): every image file at any depth under a class folder, as
+    torchvision's ImageFolder -- except hidden files (a name starting with ``.``: macOS's
+    AppleDouble ``._x.jpg``...), files directly in the split folder, and links to outside the
+    dataset, each said in a note. A class folder without images is refused by name."""
+    try:
+        files = fs.find(root)
+    except FileNotFoundError:
+        files = []
+    by_class: dict[str, list[str]] = {}
+    hidden: list[str] = []
+    loose: list[str] = []
+    outside: list[str] = []
+    within = inside(fs, base)
+    for f in sorted(files):
+        parts = posixpath.relpath(f, root).split("/")
+        if not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
+            continue
+        if any(part.startswith(".") for part in parts):
+            hidden.append(posixpath.join(folder, *parts))
+        elif len(parts) == 1:
+            loose.append(posixpath.join(folder, *parts))
+        elif not within(f):
+            outside.append(posixpath.join(folder, *parts))
+        else:
+            by_class.setdefault(parts[0], []).append(f)
+    check_class_folders(fs, root, folder, path, by_class)
+    notes = []
+    if hidden:
+        notes.append(
+            f"dataset.path={path}: skipped {len(hidden)} hidden/AppleDouble file(s) "
+            f"under {folder}/ (e.g. {hidden[0]}): a name starting with '.' is not a sample"
+        )
+    if outside:
+        notes.append(
+            f"dataset.path={path}: skipped {len(outside)} file(s) under {folder}/ that are "
+            f"links to outside dataset.path (e.g. {outside[0]}): nothing is read from outside "
+            "the dataset's root"
+        )
+    if loose:
+        notes.append(
+            f"dataset.path={path}: {len(loose)} image file(s) directly in {folder}/ "
+            f"(e.g. {loose[0]}) are not samples: a sample is under {folder}/<class>/"
+        )
+    return SplitListing(by_class, notes)
+
+
+def check_class_folders(
+    fs: Any, root: str, folder: str, path: str, by_class: dict[str, list[str]]
+) -> None:
+    """Every class folder holds images: an empty one would be a class with no samples that
+    shifts the label space (torchvision's ImageFolder refuses it too)."""
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return
+    folders = (
+        posixpath.basename(str(e["name"]).rstrip("/"))
+        for e in entries
+        if e.get("type") == "directory"
+    )
+    empty = sorted(n for n in folders if not n.startswith(".") and n not in by_class)
+    if empty:
+        raise ValueError(
+            f"dataset.path={path!r}: class folder(s) without images under {folder}/: "
+            f"{names(empty)}; a class needs at least one image "
+            f"({', '.join(IMAGE_EXTENSIONS)}): add its images or remove the folder"
+        )
+
+
+def check_same_classes(
+    path: str, train: list[str], val: list[str], train_dir: str, val_dir: str
+) -> None:
+    """The validation split has the training split's class folders, no more, no fewer:
+    labels are the training split's folders, so any other would be mislabelled or unseen."""
+    unknown, absent = sorted(set(val) - set(train)), sorted(set(train) - set(val))
+    if not (unknown or absent):
+        return
+    differ = ([f"not in {train_dir}/: {names(unknown)}"] if unknown else []) + (
+        [f"missing from {val_dir}/: {names(absent)}"] if absent else []
+    )
+    raise ValueError(
+        f"dataset.path={path!r}: the class folders of {val_dir}/ differ from {train_dir}/'s "
+        f"({'; '.join(differ)}): labels are the training split's class folders, so both "
+        "splits need the same ones"
+    )
