@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 
 from ftjob.config import JobConfig, fsspec_protocol, to_plain
+from ftjob.data.datasets import GONE
 from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
 from ftjob.storage.lease import LEASE_DIR
 
@@ -35,7 +36,11 @@ STATED_KEYS = (
     "trainer.lr_reference_batch",
     "trainer.warmup_steps",
     "trainer.warmup_epochs",
+    "dataset.bad_files",
+    "dataset.max_image_pixels",
 )
+# What a file that does not decode does (a policy, stated when changed), not what the data is.
+DECODE_POLICY_KEYS = ("bad_files", "max_image_pixels")
 # Steps a run is told to act at: the ones a checkpoint is past are never reached again.
 STEP_LISTS = ("chaos.fail_at_steps", "chaos.at_steps")
 
@@ -56,7 +61,9 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 def _fingerprint(config: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint depends on: the model, the dataset, the data order."""
     t = config["trainer"]
-    dataset = {k: v for k, v in config["dataset"].items() if k not in LOCATION_KEYS}
+    dataset = {
+        k: v for k, v in config["dataset"].items() if k not in LOCATION_KEYS + DECODE_POLICY_KEYS
+    }
     return {
         **_flatten(config["model"], "model"),
         **_flatten(dataset, "dataset"),
@@ -88,9 +95,11 @@ def stated_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 def catalog_fingerprint(table: pa.Table, num_classes: int) -> dict[str, Any]:
     """The train catalog as a checkpoint remembers it: rows, the real class count, and a hash
     of every column (ids, labels, sources). Source paths are hashed relative to their common
-    root, so a dataset copied to another place is the same dataset."""
+    root, so a dataset copied to another place is the same dataset. The ``gone`` marks of
+    rows removed since the run started (:mod:`ftjob.driver.started_catalog`) are not part of
+    it: those rows keep their places."""
     digest = hashlib.sha256()
-    for name in sorted(table.column_names):
+    for name in sorted(set(table.column_names) - {GONE}):
         values = table.column(name).to_pylist()
         if name == "path" and values:
             root = os.path.commonprefix([str(v) for v in values])

@@ -45,6 +45,7 @@ from ftjob.driver.resume import (
     check_run_name,
     check_run_place,
 )
+from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
 from ftjob.reporting.redact import Redactor
 from ftjob.reporting.summary import (
@@ -132,8 +133,9 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     check_run_name(job, store, url)
     dataset = build_dataset(job.dataset)
     catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+    catalogs[TRAIN], removed = started_catalog(probe_fs, run_path, catalogs[TRAIN], job.resume)
     data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
-    stated = check_resume(job, store, url, data, public)
+    stated = check_resume(job, store, url, data, public) + removed
     plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
     if job.trainer.num_workers > catalogs[VAL].num_rows:
         raise JobError(
@@ -145,6 +147,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         lease_note = lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
+    remember_catalog(probe_fs, run_path, catalogs[TRAIN])  # at the run's first start
     notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(probe_fs)}"]
     notes += ([lease_note] if lease_note else []) + [f"resume: {line}" for line in stated]
     notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
