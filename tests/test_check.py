@@ -8,7 +8,9 @@ import sys
 from importlib.resources import files
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from ftjob.cli.check import ERROR, NEEDS, OK, Verdict, check_all, exit_status, main
 
@@ -206,3 +208,42 @@ def test_the_custom_model_and_dataset_example_checks_clean(monkeypatch) -> None:
     }
     assert all(v.status == OK for v in verdicts), [v.line() for v in verdicts]
     assert exit_status(verdicts) == 0
+
+
+# -- python -m ftjob.check --data: every file decoded up front --------------------------------
+
+
+def test_check_data_decodes_every_file_in_parallel_and_lists_the_bad_ones(tmp_path: Path, capsys):
+    from tests.test_bad_files import bad_tree
+
+    bad = bad_tree(tmp_path)
+    big = tmp_path / "val" / "a" / "big.png"
+    Image.fromarray(np.zeros((120, 100, 3), np.uint8)).save(big)
+    args = ["dataset=imagefolder", f"dataset.path={tmp_path}", "dataset.max_image_pixels=10000"]
+    assert main(["--data", "--jobs", "2", *args]) == 1
+    out = capsys.readouterr().out.splitlines()
+    listed = sorted(line for line in out if line.startswith("BAD"))
+    assert listed == [
+        f"BAD    train {bad['empty']}: UnidentifiedImageError: no image format PIL reads "
+        "recognises its bytes",
+        f"BAD    train {bad['truncated']}: OSError: image file is truncated",
+        f"BAD    val {big}: ImageTooLarge: 100x120 = 12000 pixels, more than "
+        "dataset.max_image_pixels=10000",
+    ]
+    assert "decoding 48 train + 9 val files in 2 process(es)" in out[0]
+    assert out[-1].startswith("ftjob.check --data: 3 bad file(s) of 57")
+    for path in (*bad.values(), big):
+        path.unlink()
+    assert main(["--data", "--jobs", "2", *args]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "ftjob.check --data: all 54 files decode"
+
+
+def test_check_data_refuses_a_tree_that_fails_its_audit_before_decoding(tmp_path: Path, capsys):
+    from tests.test_bad_files import write_images
+
+    write_images(tmp_path, per_class=2, val=1)
+    (tmp_path / "train" / "c").mkdir()  # a class folder without images
+    assert main(["--data", "dataset=imagefolder", f"dataset.path={tmp_path}"]) == 1
+    out = capsys.readouterr().out
+    assert "class folder(s) without images under train/: c;" in out and "BAD" not in out
+    assert main(["dataset.path=/x"]) == 2  # overrides without --data: a wrong command

@@ -205,6 +205,9 @@ def test_the_keys_that_failed_late_on_inf_are_among_those_checked():
         (["dataset.mean=[0.5]"], "dataset.mean", "3 values"),
         (["dataset.std=[0.5,0,0.5]"], "dataset.std", "> 0"),
         (["dataset.resize_size=8"], "dataset.resize_size", "must be >= dataset.image_size"),
+        (["dataset.bad_files=ignore"], "dataset.bad_files", "must be fail (a file that does"),
+        (["dataset.max_image_pixels=0"], "dataset.max_image_pixels", "whole number of pixels"),
+        (["dataset.max_image_pixels=1e9"], "dataset.max_image_pixels", "or null for no limit"),
     ],
 )
 def test_dataset_values_that_would_fail_in_decode_tasks_are_refused_first(overrides, key, rule):

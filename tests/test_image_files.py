@@ -462,3 +462,110 @@ def test_a_data_error_of_the_first_window_and_the_feeder_reaches_the_training_th
     finally:
         feeder.close()
     assert isinstance(data_error_of(exc), DataError)
+
+
+# -- dataset.bad_files, dataset.max_image_pixels ------------------------------------------------
+
+
+def test_with_bad_files_skip_a_file_that_does_not_decode_is_skipped_the_same_in_every_epoch(
+    tmp_path: Path,
+):
+    ds = tree_of(
+        tmp_path, {**GOOD, "train/a/empty.jpg": b"", "train/b/3.png": solid(7, size=64)[:60]}
+    )
+    batch = rows(ds, TRAIN)
+    skip = ImageFolderDataset(path=str(tmp_path), image_size=8, resize_size=8, bad_files="skip")
+    names = [p.rsplit("/", 2)[-2] + "/" + p.rsplit("/", 1)[-1] for p in batch["path"]]
+    bad = [n in ("a/empty.jpg", "b/3.png") for n in names]
+    for epoch in (0, 1):
+        images, skipped = skip.decode_batch(batch, TRAIN, epoch=epoch, seed=0)
+        assert skipped.tolist() == bad
+        assert not images[skipped].any() and all(img.any() for img in images[~skipped])
+    with pytest.raises(DataError, match="a/empty.jpg cannot be decoded"):
+        ds.decode_batch(batch, TRAIN, epoch=0, seed=0)  # bad_files=fail, the default
+    assert skip.check_file(str(tmp_path / "train" / "b" / "3.png")) == (
+        "OSError: image file is truncated"
+    )
+    assert skip.check_file(str(tmp_path / "train" / "a" / "1.png")) is None
+
+
+def test_max_image_pixels_is_the_limit_in_every_process_not_pils_global_one(tmp_path: Path):
+    ds = tree_of(tmp_path, {**GOOD, "val/a/big.png": png(np.zeros((120, 100, 3), np.uint8))})
+    batch = rows(ds, VAL)
+    strict = ImageFolderDataset(
+        path=str(tmp_path), image_size=8, resize_size=8, max_image_pixels=11999
+    )
+    with pytest.raises(DataError) as err:
+        strict.decode(batch, VAL, epoch=0, seed=0)
+    assert (
+        "big.png cannot be decoded as an image (ImageTooLarge: 100x120 = 12000 pixels, more "
+        in (str(err.value))
+    )
+    assert "dataset.max_image_pixels=11999" in str(err.value)
+    # PIL's process-wide limit is not what decides: a process where it is lower decodes
+    # what the dataset allows.
+    Image.MAX_IMAGE_PIXELS = 100
+    try:
+        for allowed in (12000, None):
+            ok = ImageFolderDataset(
+                path=str(tmp_path), image_size=8, resize_size=8, max_image_pixels=allowed
+            )
+            assert ok.decode(batch, VAL, epoch=0, seed=0).shape == (5, 3, 8, 8)
+    finally:
+        Image.MAX_IMAGE_PIXELS = None
+
+
+# -- the tree's audit: classes that are not what they look like; links out of the root ---------
+
+
+def test_a_class_folder_without_images_is_refused_by_name(tmp_path: Path):
+    ds = tree_of(tmp_path, {**GOOD, "train/c/notes.txt": b"no images here", "train/.cache/x": b""})
+    (tmp_path / "train" / "d").mkdir()
+    with pytest.raises(ValueError) as err:
+        ds.catalog(TRAIN)
+    assert "class folder(s) without images under train/: c, d;" in str(err.value)
+    assert ".cache" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"val/c/1.png": solid(1)}, "not in train/: c"),
+        ({"train/c/1.png": solid(1)}, "missing from val/: c"),
+    ],
+)
+def test_a_validation_split_with_other_classes_is_refused_naming_them(
+    tmp_path: Path, extra: dict[str, bytes], named: str
+):
+    ds = tree_of(tmp_path, {**GOOD, **extra})
+    with pytest.raises(ValueError) as err:
+        ds.catalog(VAL)
+    assert "the class folders of val/ differ from train/'s (" + named in str(err.value)
+
+
+def test_a_class_count_other_than_num_classes_is_refused_naming_the_folders(tmp_path: Path):
+    from ftjob.config import ConfigError
+
+    write_tree(fsspec.filesystem("file"), str(tmp_path), GOOD)
+    ds = ImageFolderDataset(path=str(tmp_path), image_size=8, resize_size=8, num_classes=3)
+    with pytest.raises(ConfigError) as err:
+        ds.catalog(TRAIN)
+    assert err.value.key == "dataset.num_classes" and err.value.value == 3
+    assert "has 2 class folders under train/ (a, b)" in err.value.rule
+
+
+def test_links_to_outside_the_dataset_are_not_samples(tmp_path: Path):
+    outside = tmp_path / "private"
+    outside.mkdir()
+    (outside / "secret.png").write_bytes(solid(9))
+    root = tmp_path / "data"
+    ds = tree_of(root, GOOD)
+    (root / "train" / "a" / "link.png").symlink_to(outside / "secret.png")
+    (root / "train" / "b" / "elsewhere").symlink_to(outside, target_is_directory=True)  # not listed
+    (root / "train" / "b" / "same.png").symlink_to(root / "train" / "a" / "1.png")
+    ds = ImageFolderDataset(path=str(root), image_size=8, resize_size=8)
+    paths = ds.catalog(TRAIN).column("path").to_pylist()
+    assert not any("link.png" in p or "elsewhere" in p for p in paths)
+    assert str(root / "train" / "b" / "same.png") in paths  # a link inside the root is fine
+    [note] = [n for n in ds.catalog_notes() if "links to outside" in n]
+    assert "skipped 1 file(s) under train/ that are links to outside dataset.path" in note

@@ -1,5 +1,6 @@
 """``python -m ftjob.check [--config-dir DIR [--only-config-dir]]``: review configs as code, as a
-repo's CI would.
+repo's CI would. (``python -m ftjob.check --data OVERRIDES``: the job's data instead, every file
+decoded up front: :mod:`ftjob.cli.check_data`.)
 
 Composes the default config, every option of every config group, every experiment
 (``+experiment=NAME``) and every sweep preset (``+sweep=NAME``, once per combination of its
@@ -32,6 +33,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ftjob.cli.check_data import check_data
 from ftjob.config import TARGET_GROUPS, ConfigError, check_group_target, load_job, register_schema
 from ftjob.config import check_target as config_check_target
 from ftjob.config.compose import CONFIG_MODULE, JOB, SWEEP, Composer, Target, sweep_values
@@ -291,7 +293,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="check only the files of --config-dir, not ftjob's own (a repo of configs' CI)",
     )
+    parser.add_argument(
+        "--data",
+        action="store_true",
+        help="instead: list the job's dataset (OVERRIDES as for python -m ftjob), decode "
+        "every file in parallel and list the bad ones (exit 1 if any)",
+    )
+    parser.add_argument("--jobs", type=int, help="--data: decoding processes (default: cores)")
+    parser.add_argument("overrides", nargs="*", help="--data: the job's overrides")
     args = parser.parse_args(argv)
+    if args.data:
+        return check_data(args.overrides, args.jobs)
+    if args.overrides:
+        print(
+            "ftjob.check: overrides are for --data (the job whose data to check)", file=sys.stderr
+        )
+        return 2
     if args.only_config_dir and not args.config_dir:
         print("ftjob.check: --only-config-dir needs --config-dir DIR", file=sys.stderr)
         return 2

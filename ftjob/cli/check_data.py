@@ -1,0 +1,112 @@
+"""``python -m ftjob.check --data [overrides...]``: the job's dataset, listed and audited as a
+run lists it, then every file read and decoded up front, in parallel, and the bad ones listed
+-- for those who want to know before hour one, not when a run meets them.
+
+The overrides are a run's (``dataset=imagefolder dataset.path=/data/imagenet``). Each file is
+decoded as validation decodes it (:meth:`ImageFolderDataset.check_file`), in a pool of
+processes (``--jobs``, default: this machine's cores), with the dataset's own limits
+(``dataset.max_image_pixels``). Exit 0 when every file decodes, 1 when any does not (or the
+tree fails its audit: an empty class folder, validation classes that differ...), 2 when the
+command is wrong.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from ftjob.config import ConfigError, load_job, register_schema
+from ftjob.config.compose import Composer, Target
+from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
+
+
+@dataclass(frozen=True)
+class BadEntry:
+    """A listed file that does not decode: its split, path and reason."""
+
+    split: str
+    path: str
+    reason: str
+
+    def line(self) -> str:
+        return f"BAD    {self.split} {self.path}: {self.reason}"
+
+
+def _check_chunk(dataset: ImageDataset, split: str, paths: list[str]) -> list[BadEntry]:
+    """In a pool process: the bad files among ``paths``."""
+    check = dataset.check_file  # type: ignore[attr-defined]
+    out = []
+    for path in paths:
+        reason = check(path)
+        if reason is not None:
+            out.append(BadEntry(split, path, reason))
+    return out
+
+
+def find_bad_files(dataset: ImageDataset, files: dict[str, list[str]], jobs: int) -> list[BadEntry]:
+    """Every file of ``files`` (split -> paths) decoded in ``jobs`` processes (spawned: no
+    filesystem client or thread is inherited); the bad ones, in listing order."""
+    work: list[tuple[str, list[str]]] = []
+    for split, paths in files.items():
+        size = max(1, min(256, len(paths) // (jobs * 8)))  # a few chunks per process
+        work += [(split, paths[i : i + size]) for i in range(0, len(paths), size)]
+    if not work:
+        return []
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        results = pool.map(_check_chunk, [dataset] * len(work), *zip(*work, strict=True))
+        return [bad for chunk in results for bad in chunk]
+
+
+def _say(line: str) -> None:
+    print(f"ftjob.check --data: {line}", flush=True)
+
+
+def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
+    """Compose the job as ``python -m ftjob`` would, list its dataset, decode every file."""
+    register_schema()
+    try:
+        job = load_job(Composer().compose(Target("command line"), overrides))
+    except (ConfigError, HydraException, OmegaConfBaseException) as exc:
+        print(f"ftjob.check --data: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        dataset = build_dataset(job.dataset)
+        catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+        notes = dataset.catalog_notes()
+    except (ConfigError, ValueError, FileNotFoundError, PermissionError) as exc:
+        _say(f"ERROR {exc}")
+        return 1
+    for note in notes:
+        _say(note)
+    if not hasattr(dataset, "check_file") or "path" not in catalogs[TRAIN].column_names:
+        _say(f"{dataset.describe()} reads no files: nothing to decode")
+        return 0
+    files = {split: [str(p) for p in t.column("path").to_pylist()] for split, t in catalogs.items()}
+    jobs = max(1, jobs or os.cpu_count() or 1)
+    total = sum(len(paths) for paths in files.values())
+    _say(
+        f"{dataset.describe()}: decoding {len(files[TRAIN])} {TRAIN} + {len(files[VAL])} {VAL} "
+        f"files in {jobs} process(es)"
+    )
+    bad = find_bad_files(dataset, files, jobs)
+    for entry in bad:
+        print(entry.line(), flush=True)
+    if not bad:
+        _say(f"all {total} files decode")
+        return 0
+    _say(
+        f"{len(bad)} bad file(s) of {total}: remove or fix them, or run with "
+        "dataset.bad_files=skip (each is left out of every epoch and listed in summary.json)"
+    )
+    return 1
