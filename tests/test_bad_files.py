@@ -12,13 +12,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from ftjob.data.datasets import GONE, GONE_REASON, TRAIN, ImageFolderDataset
 from ftjob.data.order import epoch_order
 from ftjob.driver.resume import catalog_fingerprint
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
-from ftjob.reporting.summary import exactly_once
+from ftjob.reporting.summary import exactly_once, format_summary
+from ftjob.worker.loop import backward_in_micro_batches
 from tests.helpers import compose_job
 from tests.local_run import run_locally
 
@@ -106,6 +109,9 @@ def test_skipped_files_keep_exact_once_across_a_restart_and_a_resume_after_their
     assert {f["id"] for f in listed.values()} == BAD_IDS
     said = [line for line in first.lines if line.startswith("data: skipped train file")]
     assert len(said) == 2  # once each for the run, not once per epoch or attempt
+    printed = format_summary(s)
+    assert "  data: 2 bad file(s) skipped (dataset.bad_files=skip" in printed
+    assert f"    {bad['truncated']} (OSError: image file is truncated)" in printed
 
     # The bad files are removed; the run resumes on one worker (8 a step: the same global
     # batch), with the default dataset.bad_files=fail: the removed files keep their places
@@ -168,3 +174,46 @@ def test_a_removed_file_keeps_its_row_and_the_fingerprint_while_added_files_chan
     images, skipped = ds.decode_batch(rows, TRAIN, epoch=0, seed=0)
     assert skipped.tolist() == [False, False, False, True]
     assert not images[3].any() and all(images[i].any() for i in range(3))
+
+
+def grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ]
+
+
+def test_a_step_trains_on_the_kept_samples_over_the_whole_slice_and_a_skipped_slice_adds_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(144, 2),
+    )
+    images, labels = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 1, 0])
+    keep = torch.tensor([True, False, True, True])
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y)
+
+    # The kept rows alone, their summed loss over the slice of 4: a skipped sample adds 0.
+    model.zero_grad()
+    (F.cross_entropy(model(images[keep]), labels[keep], reduction="sum") / 4).backward()
+    expected = grads(model)
+    model.zero_grad()
+    loss = backward_in_micro_batches(model, images, labels, 4, loss_of, keep=keep)
+    assert all(torch.allclose(g, e, atol=1e-6) for g, e in zip(grads(model), expected, strict=True))
+    assert loss.item() == pytest.approx(
+        F.cross_entropy(model(images[keep]), labels[keep], reduction="sum").item() / 4, rel=1e-5
+    )
+    # A slice with nothing kept: a zero gradient, batch-norm statistics untouched, still
+    # training mode afterwards.
+    bn = model[1]
+    before = (bn.running_mean.clone(), bn.running_var.clone(), int(bn.num_batches_tracked))
+    model.zero_grad()
+    loss = backward_in_micro_batches(
+        model, images, labels, 4, loss_of, keep=torch.zeros(4, dtype=torch.bool)
+    )
+    assert loss.item() == 0.0 and all(not g.any() for g in grads(model))
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+    assert int(bn.num_batches_tracked) == before[2] and model.training
