@@ -318,7 +318,7 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
                 "checkpoint.retry.initial_backoff=0.05",
                 "checkpoint.retry.max_backoff=0.5",
                 "name=s3-e2e",
-                "+checkpoint.storage_options.key=ftjob-test",
+                "+checkpoint.storage_options.key=AKIAIOSFODNN7EXAMPLE",
                 f"+checkpoint.storage_options.secret={secret}",
                 "+ray.runtime_env.env_vars.FTJOB_TEST_TOKEN=${oc.env:FTJOB_SECRET_FROM_ENV}",
                 "logger=many",
