@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from ftjob.driver.ledger import empty_snapshot
-from ftjob.reporting.redact import (
+from ftjob.config.secrets import (
     REDACTED,
     Redactor,
     env_sources,
@@ -26,6 +25,7 @@ from ftjob.reporting.redact import (
     redact_url,
     redactor_for,
 )
+from ftjob.driver.ledger import empty_snapshot
 
 
 def test_credential_keys_are_recognised_and_ordinary_keys_are_not() -> None:
@@ -408,6 +408,35 @@ def test_log_records_lose_known_secrets_and_url_passwords(restore_logging: None)
     out = stream.getvalue()
     assert "Traceback" in out and "upload failed: password <redacted> rejected" in out
     for secret in ("hunter2", "Sup3rS3cretPw", SESSION):
+        assert secret not in out, out
+
+
+def test_a_workers_log_records_lose_the_jobs_secrets(restore_logging: None) -> None:
+    """A Ray worker's records reach Ray's log files and the driver's console (streamed, past
+    the driver's own guard): the worker guards its own process with the job it was given."""
+    from ftjob.worker.loop import guard_worker_logging
+    from tests.helpers import compose_job
+
+    job = compose_job(
+        "+checkpoint.storage_options.secret=wJalrXUtnFEMIK7MDENG",
+        "+ray.runtime_env.env_vars.HF_TOKEN=hf_0123456789abcdef",
+    )
+    guard_worker_logging(job)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("ftjob.storage.retry")
+    log.addHandler(handler)
+    try:
+        log.warning(
+            "storage retry: put_file https://ci:Sup3rS3cretPw@store.example/x failed (%s, %s)",
+            "SignatureDoesNotMatch for wJalrXUtnFEMIK7MDENG",
+            "token hf_0123456789abcdef",
+        )
+    finally:
+        log.removeHandler(handler)
+    out = stream.getvalue()
+    assert "storage retry: put_file" in out and "store.example/x" in out
+    for secret in ("Sup3rS3cretPw", "wJalrXUtnFEMIK7MDENG", "hf_0123456789abcdef"):
         assert secret not in out, out
 
 

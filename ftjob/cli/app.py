@@ -14,8 +14,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ftjob.config import ConfigError, load_job
+from ftjob.config.secrets import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.driver.ledger import empty_snapshot
-from ftjob.reporting.redact import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
 

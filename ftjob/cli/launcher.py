@@ -31,8 +31,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ftjob.config.secrets import Redactor, redact_yaml, redactor_for
 from ftjob.driver.ledger import empty_snapshot
-from ftjob.reporting.redact import Redactor, redact_yaml, redactor_for
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import MULTIRUN_FILE
 

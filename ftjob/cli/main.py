@@ -30,7 +30,7 @@ from ftjob.config.compose import (
     parse_overrides,
     sweep_values,
 )
-from ftjob.reporting.redact import Redactor, guard_logging
+from ftjob.config.secrets import Redactor, guard_logging
 
 # Flags after which Hydra does not run the job: nothing to precheck.
 _NO_RUN_FLAGS = {

@@ -27,6 +27,7 @@ from typing import Any
 from ftjob.chaos.killer import node_chaos_targets
 from ftjob.config import NODE_KINDS, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
+from ftjob.config.secrets import Redactor
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
 from ftjob.data.order import EpochPlan
 from ftjob.driver.cluster import (
@@ -47,7 +48,6 @@ from ftjob.driver.resume import (
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
-from ftjob.reporting.redact import Redactor
 from ftjob.reporting.summary import (
     FitOutcome,
     build_summary,

@@ -475,7 +475,7 @@ def write_failed_summary(
 ) -> str:
     """summary.json for a job that could not start (so a sweep still reports it): ``snapshot``
     is an empty run record; its config with the secrets ``redactor``
-    (:class:`ftjob.reporting.redact.Redactor`) knows redacted."""
+    (:class:`ftjob.config.secrets.Redactor`) knows redacted."""
     from omegaconf import OmegaConf
 
     plain = (

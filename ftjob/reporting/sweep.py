@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 
 from ftjob import metrics as M
 from ftjob.config.compose import parse_overrides, sweep_values
+from ftjob.config.secrets import Redactor, redact_yaml
 from ftjob.reporting.goodput import write_goodput_plot
-from ftjob.reporting.redact import Redactor, redact_yaml
 from ftjob.reporting.summary import SUMMARY_FILE
 from ftjob.reporting.timeline import TIMELINE_FILE
 

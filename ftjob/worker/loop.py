@@ -32,7 +32,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftjob import metrics as M
-from ftjob.config import JobConfig
+from ftjob.config import JobConfig, to_plain
+from ftjob.config.secrets import Redactor, guard_logging
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, data_error_of
 from ftjob.data.order import EpochPlan, validation_ids
 from ftjob.data.streams import (
@@ -85,7 +86,15 @@ def train_loop(spec: WorkerSpec, config: dict[str, Any] | None = None) -> None:
     ``train_loop_config`` (``config``) is the job's config with secrets redacted, for what
     Ray shows of the run (its dashboard's Train view, Ray Train's state export); the spec
     travels with the function, never into that view."""
+    guard_worker_logging(spec.job)
     Worker(spec, ray_context(spec.ledger)).train()
+
+
+def guard_worker_logging(job: JobConfig) -> None:
+    """This worker process's log records lose the job's secrets (storage options, the
+    workers' environment) and any URL's password: they reach Ray's log files and, streamed,
+    the driver's console, which the driver's own guard never sees."""
+    guard_logging(Redactor(resolved=to_plain(job)))
 
 
 class InjectedFailure(RuntimeError):
