@@ -21,7 +21,13 @@ from fsspec import AbstractFileSystem
 from ftjob.config import RetryConfig
 from ftjob.data.order import EpochPlan
 from ftjob.driver.ledger import RunLedger
-from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint, object_of
+from ftjob.storage.checkpoint import (
+    MANIFEST,
+    CheckpointStore,
+    CorruptCheckpoint,
+    manifest_of,
+    object_of,
+)
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import _DelegatingFileSystem
 
@@ -54,6 +60,8 @@ def no_sleep_policy(max_attempts: int = 3) -> RetryPolicy:
 def remote(store: CheckpointStore, step: int, name: str) -> str:
     """Where file ``name`` of the checkpoint of ``step`` is stored: under its writer's own
     object name once a manifest names it."""
+    if name == MANIFEST:
+        return store.manifest_path(step)
     try:
         meta = store.read_manifest(step)["files"].get(name)
     except CorruptCheckpoint:
@@ -293,6 +301,14 @@ def wandb_config(records: list[dict[str, Any]]) -> dict[str, Any]:
         body = record.get("config") or (record.get("run") or {}).get("config") or {}
         config.update(body.get("update") or {})
     return config
+
+
+def manifest_in(fs: AbstractFileSystem, directory: str) -> dict[str, Any]:
+    """The manifest of the checkpoint in ``directory`` (a step's, or a quarantined one)."""
+    names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)]
+    name = manifest_of(names)
+    assert name is not None, f"no manifest in {directory}: {names}"
+    return json.loads(fs.cat_file(f"{directory.rstrip('/')}/{name}"))
 
 
 def tagged_checkpoint(root: str, tag: str, step: int) -> str:

@@ -34,6 +34,7 @@ from ftjob.worker.uploads import AsyncUploader, UploadOutcome, upload_checkpoint
 from tests.helpers import (
     RecordingFileSystem,
     flip_bytes,
+    manifest_in,
     no_sleep_policy,
     remote,
     tagged_checkpoint,
@@ -73,7 +74,7 @@ def write_checkpoint(root: Path, step: int) -> str:
 
 def model_in(store: CheckpointStore, directory: str) -> bool:
     """Is the model file its manifest names in ``directory`` (a quarantined checkpoint)?"""
-    manifest = json.loads(store.fs.cat_file(posixpath.join(directory, MANIFEST)))
+    manifest = manifest_in(store.fs, directory)
     return store.fs.exists(posixpath.join(directory, manifest["files"]["model.pt"]["object"]))
 
 
@@ -399,6 +400,36 @@ def test_a_zombie_past_the_fence_cannot_publish_over_a_newer_writers_manifest(
     assert Path(restored.local_dir, "model.pt").read_text() == "C model.pt step 20\n"
 
 
+def test_an_older_writer_that_publishes_after_a_newer_one_names_no_checkpoint(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # The older writer (a previous attempt of this driver: the fence passes for both) found
+    # no manifest, then paused; the newer one committed the same step meanwhile; then the
+    # older one published. Nothing is replaced: the newest writer's manifest is the step's.
+    base, run_path = storage
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    newer = CheckpointStore(fs, run_path, StaleFence(1), attempt=2)
+
+    def newer_commits_first(op: str, path: str) -> None:
+        if op == "pipe_file" and "/manifest." in path and not done:
+            done.append(newer.commit(tagged_checkpoint(str(tmp_path), "B", 10), 10))
+
+    done: list[str] = []
+    older = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(base, newer_commits_first), no_sleep_policy()),
+        run_path,
+        StaleFence(1),
+        attempt=1,
+    )
+    with pytest.raises(StepTaken, match="attempt 2"):
+        older.commit(tagged_checkpoint(str(tmp_path), "A", 10), 10)
+    store = CheckpointStore(fs, run_path)
+    assert len([n for n in base.ls(store.path_for(10), detail=False) if "/manifest." in n]) == 2
+    restored = store.restore_latest(str(tmp_path / "restore"))
+    assert Path(restored.local_dir, "model.pt").read_text() == "B model.pt step 10\n"
+    assert store.prune(keep=1) == [] and store.verifies(10)
+
+
 @pytest.mark.parametrize("damage", [_truncate, _remove, _drop_manifest], ids=lambda f: f.__name__)
 def test_prune_never_deletes_the_newest_checkpoint_that_verifies(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path, damage: Callable[..., None]
@@ -448,7 +479,7 @@ def test_restore_leaves_an_upload_in_flight_alone_and_its_commit_then_holds(
     store = committed_store(storage, tmp_path, [5])
 
     def restore_before_the_manifest(op: str, path: str) -> None:
-        if op == "pipe_file" and path.endswith(MANIFEST) and not chosen:
+        if op == "pipe_file" and "/manifest." in path and not chosen:
             restorer = CheckpointStore(store.fs, run_path, attempt=2)
             chosen.append(choose_checkpoint(restorer, str(tmp_path / "r"), CheckpointConfig()))
 
@@ -472,8 +503,9 @@ def test_restore_leaves_an_upload_in_flight_alone_and_its_commit_then_holds(
     assert result is not None and result.step == 10 and result.skipped == []
 
 
+@pytest.mark.parametrize("full_at", ["cp_file", "pipe_file"])
 def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
-    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path, full_at: str
 ) -> None:
     store = committed_store(storage, tmp_path, [5])
     partial = write_checkpoint(tmp_path / "partial", 10)
@@ -481,7 +513,7 @@ def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
     store.fs.put_file(f"{partial}/model.pt", f"{store.path_for(10)}/model.pt")  # ENOSPC here
 
     def disk_full(op: str, path: str) -> BaseException | None:
-        return OSError(errno.ENOSPC, "No space left on device") if op == "cp_file" else None
+        return OSError(errno.ENOSPC, "No space left on device") if op == full_at else None
 
     full = CheckpointStore(
         RetryingFileSystem(RecordingFileSystem(store.fs.fs, disk_full), no_sleep_policy()),
@@ -491,7 +523,9 @@ def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
     choice = choose_checkpoint(full, str(tmp_path / "r"), CheckpointConfig())
     [bad] = choice.set_aside
     assert choice.step == 5 and bad["step"] == 10
-    if isinstance(storage[0], LocalFileSystem):  # a rename: no room needed
+    if full_at == "pipe_file":  # not even the clock's probe could be written: left, said
+        assert "No space left on device" in bad["left"] and full.steps() == [10, 5]
+    elif isinstance(storage[0], LocalFileSystem):  # a rename: no room needed
         assert full.steps() == [5] and model_in_quarantine(full, bad["quarantined_to"])
     else:  # copies could not be made: said, left, and the restore went on
         assert "No space left on device" in bad["left"] and full.steps() == [10, 5]

@@ -4,7 +4,6 @@ never ends without its final checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainSta
 from ftjob.worker.context import DirectHandle
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.snapshots import MemoryTier
-from tests.helpers import RecordingFileSystem, flip_bytes, no_sleep_policy, remote
+from tests.helpers import RecordingFileSystem, flip_bytes, manifest_in, no_sleep_policy, remote
 
 
 class Call:
@@ -112,7 +111,7 @@ def test_no_verifying_checkpoint_stops_the_job_and_deletes_nothing(tmp_path: Pat
     assert "step 5: model.pt does not match its checksum" in str(err.value)
     assert checkpointer.store.steps() == []
     [moved] = checkpointer.store.fs.ls(checkpointer.store.quarantine_root, detail=False)
-    manifest = json.loads(checkpointer.store.fs.cat_file(f"{moved}/manifest.json"))
+    manifest = manifest_in(checkpointer.store.fs, moved)
     assert checkpointer.store.fs.exists(f"{moved}/{manifest['files']['model.pt']['object']}")
     assert str(checkpointer.store.quarantine_root) in str(err.value)  # said where they are
 

@@ -19,6 +19,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
+from ftjob.storage.checkpoint import manifest_of
 from tests.helpers import compose_job, read_until, start_ftjob
 from tests.local_run import run_locally, stop_when
 
@@ -91,7 +92,7 @@ def test_a_resume_past_a_damaged_checkpoint_one_driver_a_worker_sigterm_and_a_ha
         for p in jit_dir.parent.glob("step_*")
         if int(p.name.removeprefix("step_")) < jit_step
     )
-    manifest = json.loads((jit_dir / "manifest.json").read_text())
+    manifest = json.loads((jit_dir / manifest_of(os.listdir(jit_dir))).read_text())
     model = jit_dir / manifest["files"]["model.pt"]["object"]
     model.write_bytes(model.read_bytes()[:100])
     run_dir = tmp_path / "resumed"

@@ -21,12 +21,12 @@ import s3fs
 from ftjob import metrics as M
 from ftjob.config import RetryConfig
 from ftjob.reporting.summary import exactly_once
-from ftjob.storage.checkpoint import MANIFEST, CheckpointStore
+from ftjob.storage.checkpoint import MANIFEST, CheckpointStore, manifest_of
 from ftjob.storage.fs import RetryingFileSystem, StorageError, build_filesystem, preflight
 from ftjob.storage.lease import LeaseLost
 from ftjob.storage.wrapper import innermost
 from tests.fault_proxy import FaultProxy
-from tests.helpers import check_loggers, run_ftjob, zombie_commit
+from tests.helpers import check_loggers, manifest_in, run_ftjob, zombie_commit
 
 pytestmark = pytest.mark.s3
 
@@ -151,7 +151,7 @@ def test_listing_sees_checkpoints_written_by_another_process(
     client = boto3.client("s3", endpoint_url=s3_endpoint)
     for key in s3_keys(s3_endpoint, s3_bucket, "run/checkpoints/step_000000010/"):
         body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
-        if key.endswith(MANIFEST):
+        if "/manifest." in key:
             body = body.replace(b'"step": 10', b'"step": 20')
         client.put_object(Bucket=s3_bucket, Key=key.replace("010", "020"), Body=body)
     assert store.steps() == [20, 10]
@@ -161,8 +161,16 @@ def test_listing_sees_checkpoints_written_by_another_process(
 
 def _key(client: Any, bucket: str, directory: str, name: str) -> str:
     """The key file ``name`` of a checkpoint is stored under (its manifest names it)."""
-    manifest = client.get_object(Bucket=bucket, Key=f"{directory}/{MANIFEST}")["Body"].read()
+    key = _manifest_key(client, bucket, directory)
+    if name == MANIFEST:
+        return key
+    manifest = client.get_object(Bucket=bucket, Key=key)["Body"].read()
     return f"{directory}/{json.loads(manifest)['files'][name]['object']}"
+
+
+def _manifest_key(client: Any, bucket: str, directory: str) -> str:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{directory}/").get("Contents", [])
+    return f"{directory}/{manifest_of(o['Key'].rsplit('/', 1)[-1] for o in listed)}"
 
 
 def _flip_model_bytes(client: Any, bucket: str, key: str) -> None:
@@ -177,7 +185,7 @@ def _flip_model_bytes(client: Any, bucket: str, key: str) -> None:
             lambda c, b, d: _flip_model_bytes(c, b, _key(c, b, d, "model.pt")),
             "model.pt does not match",
         ),
-        (lambda c, b, d: c.delete_object(Bucket=b, Key=f"{d}/{MANIFEST}"), "no manifest"),
+        (lambda c, b, d: c.delete_object(Bucket=b, Key=_key(c, b, d, MANIFEST)), "no manifest"),
         (
             lambda c, b, d: c.put_object(
                 Bucket=b, Key=_key(c, b, d, "optimizer.pt"), Body=b"short"
@@ -218,7 +226,7 @@ def test_prune_and_quarantine_on_s3_touch_only_their_own_run(
         store.commit(write_checkpoint(tmp_path / "s", step, size=1024), step)
     assert store.prune(keep=1) == [20, 10]
     moved = store.quarantine(30, "damaged")
-    manifest = json.loads(store.fs.cat_file(f"{moved}/{MANIFEST}"))
+    manifest = manifest_in(store.fs, moved)
     assert store.steps() == [] and store.fs.exists(
         f"{moved}/{manifest['files']['model.pt']['object']}"
     )

@@ -46,7 +46,7 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +58,8 @@ from ftjob.storage.urls import is_object_store
 
 logger = logging.getLogger("ftjob.storage.checkpoint")
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # format 1's one manifest; format 2: manifest.<writer tag>.json
+_MANIFEST_FILE = re.compile(r"^manifest(?:\.g(\d+)a(-?\d+)-([0-9a-f]+))?\.json$")
 CHECKPOINTS_DIR = "checkpoints"
 QUARANTINE_DIR = "quarantine"  # beside checkpoints/: directories that did not verify
 QUARANTINE_NOTE = "QUARANTINED.json"
@@ -98,6 +99,11 @@ class Writer:
         stem, ext = posixpath.splitext(name)
         return f"{stem}.{self.tag}{ext}"
 
+    @property
+    def manifest(self) -> str:
+        """The name this writer publishes its manifest under (created, never replaced)."""
+        return f"manifest.{self.tag}.json"
+
     def as_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "attempt": self.attempt, "nonce": self.nonce}
 
@@ -118,7 +124,7 @@ def build_manifest(local_dir: str, step: int, writer: Writer | None = None) -> d
     files = {}
     for name in sorted(os.listdir(local_dir)):
         full = os.path.join(local_dir, name)
-        if name == MANIFEST or not os.path.isfile(full):
+        if _MANIFEST_FILE.match(name) or not os.path.isfile(full):
             continue
         files[name] = {
             "size": os.path.getsize(full),
@@ -188,6 +194,20 @@ def _sizes(fs: AbstractFileSystem, directory: str) -> dict[str, int]:
     }
 
 
+def manifest_of(names: Iterable[str]) -> str | None:
+    """Of the file names in a checkpoint directory, its manifest: the newest writer's
+    (highest lease generation, then attempt; format 1's ``manifest.json`` is the oldest). A
+    late manifest of an older writer is never the checkpoint's."""
+    ranked = []
+    for name in names:
+        found = _MANIFEST_FILE.match(name)
+        if found:
+            generation, attempt, nonce = found.groups()
+            key = (-1, -1, "") if generation is None else (int(generation), int(attempt), nonce)
+            ranked.append((key, name))
+    return max(ranked)[1] if ranked else None
+
+
 def _remove_files(fs: AbstractFileSystem, root: str, files: list[str], dirs: list[str]) -> None:
     """Delete exactly ``files`` (from a listing of ``root``), then -- on filesystems with
     directories -- those of ``dirs`` and ``root`` that are empty now, deepest first: a file
@@ -249,6 +269,22 @@ def checkpoint_file(url: str, name: str, storage_options: dict[str, Any] | None 
     return data
 
 
+def written_ago(fs: AbstractFileSystem, directory: str, probe_dir: str) -> float | None:
+    """Seconds since the newest object under ``directory`` was written, on the store's clock
+    (against a probe written to ``probe_dir`` now); None when it holds none."""
+    files, _ = _listing(fs, fs._strip_protocol(directory).rstrip("/"))
+    if not files:
+        return None
+    newest = max(fs.modified(name) for name in files)
+    probe = posixpath.join(probe_dir, f".clock-{secrets.token_hex(6)}")
+    fs.pipe_file(probe, b"")
+    try:
+        return float((fs.modified(probe) - newest).total_seconds())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(probe)
+
+
 class CorruptCheckpoint(Exception):
     """A checkpoint that is incomplete or does not match its manifest."""
 
@@ -265,7 +301,8 @@ class StepTaken(LeaseLost):
 def _plain(name: Any) -> bool:
     return (
         isinstance(name, str)
-        and name not in ("", ".", "..", MANIFEST)
+        and name not in ("", ".", "..")
+        and not _MANIFEST_FILE.match(name)
         and "/" not in name
         and "\\" not in name
     )
@@ -345,6 +382,7 @@ class CheckpointStore:
         self.generation = int(getattr(fence, "generation", 0) or 0)
         self.attempt, self.settle_s = attempt, settle_s
         self._verified: set[int] = set()  # steps this store saw verify (their files listed)
+        self._commits = 0
 
     def dir_name(self, step: int) -> str:
         return f"step_{step:09d}"
@@ -353,13 +391,19 @@ class CheckpointStore:
         return posixpath.join(self.root, self.dir_name(step))
 
     def manifest_path(self, step: int) -> str:
-        return posixpath.join(self.path_for(step), MANIFEST)
+        """The manifest that makes ``step``'s directory a checkpoint (the newest writer's);
+        where format 1's would be when it has none."""
+        name = manifest_of(_sizes(self.fs, self.path_for(step)))
+        return posixpath.join(self.path_for(step), name or MANIFEST)
 
     # -- write ----------------------------------------------------------------------------
 
     def writer(self) -> Writer:
-        """A fresh writer identity for one commit (its objects' names are its own)."""
-        return Writer(self.generation, self.attempt, secrets.token_hex(4))
+        """A fresh writer identity for one commit (its objects' names are its own); its nonce
+        starts with this store's commit count, so of two commits of one step by one writer
+        the later one's manifest ranks higher."""
+        self._commits += 1
+        return Writer(self.generation, self.attempt, f"{self._commits:06x}{secrets.token_hex(3)}")
 
     @contextlib.contextmanager
     def _fenced_retries(self) -> Iterator[None]:
@@ -395,41 +439,36 @@ class CheckpointStore:
                 raise OSError(errno.EIO, f"{remote}: uploaded, but {exc}") from None
             body = json.dumps(manifest, indent=1).encode()
             self.fence()
-            self._publish(step, body, Writer.of(manifest))
+            published = self._publish(step, body, Writer.of(manifest))
         if local:
-            for path in (self.manifest_path(step), remote, self.root):
+            for path in (published, remote, self.root):
                 _sync(self.fs._strip_protocol(path))
-        if self.fs.cat_file(self.manifest_path(step)) != body:  # a storage fault: a failed upload
+        if self.fs.cat_file(published) != body:  # a storage fault: a failed upload
             raise OSError(errno.EIO, f"the manifest of {remote} read back different bytes")
         self._verified.add(step)
         return remote
 
-    def _publish(self, step: int, body: bytes, writer: Writer) -> None:
-        """Write the manifest of ``step``: created exclusively, or replacing the manifest of an
-        older writer (whose files stay, named by nothing); refused when a newer writer's is
-        there."""
-        path = self.manifest_path(step)
-        for _ in range(3):
-            try:
-                existing = Writer.of(json.loads(self.fs.cat_file(path)))
-            except FileNotFoundError:
-                try:
-                    self.fs.pipe_file(path, body, mode="create")
-                    return
-                except FileExistsError:
-                    continue  # another writer published in between: compare with it
-            except ValueError:
-                existing = Writer()  # unreadable: no writer can be newer than one that says so
-                logger.warning("replacing the unreadable manifest of %s", self.path_for(step))
-            if existing.key > writer.key:
-                raise StepTaken(
-                    f"step {step} of {self.path_for(step)} was committed by a newer writer "
-                    f"(lease generation {existing.generation}, attempt {existing.attempt}); this "
-                    f"one (generation {writer.generation}, attempt {writer.attempt}) stopped"
-                )
-            self.fs.pipe_file(path, body)
+    def _publish(self, step: int, body: bytes, writer: Writer) -> str:
+        """Publish this writer's manifest of ``step`` under its own name: a create, so nothing
+        is ever replaced. Readers take the newest writer's manifest, so a newer writer's
+        there, before or after, means this commit is no checkpoint: :class:`StepTaken`."""
+        self._refuse_if_newer(step, writer)
+        path = posixpath.join(self.path_for(step), writer.manifest)
+        self.fs.pipe_file(path, body, mode="create")
+        self._refuse_if_newer(step, writer)
+        return path
+
+    def _refuse_if_newer(self, step: int, writer: Writer) -> None:
+        found = _MANIFEST_FILE.match(manifest_of(_sizes(self.fs, self.path_for(step))) or "")
+        if not found or found.group(1) is None:
             return
-        raise OSError(errno.EIO, f"the manifest of {self.path_for(step)} kept changing")
+        other = Writer(int(found.group(1)), int(found.group(2)), found.group(3))
+        if other.key > writer.key:
+            raise StepTaken(
+                f"step {step} of {self.path_for(step)} was committed by a newer writer (lease "
+                f"generation {other.generation}, attempt {other.attempt}); this one "
+                f"(generation {writer.generation}, attempt {writer.attempt}) stopped"
+            )
 
     # -- read -----------------------------------------------------------------------------
 
@@ -446,16 +485,22 @@ class CheckpointStore:
 
     def committed_steps(self) -> list[int]:
         """Steps whose upload completed (they have a manifest), newest first; not verified."""
-        return [s for s in self.steps() if self.fs.exists(self.manifest_path(s))]
+        return [s for s in self.steps() if manifest_of(_sizes(self.fs, self.path_for(s)))]
 
     @staticmethod
     def step_of(path: str) -> int | None:
         found = _STEP_DIR.match(posixpath.basename(path.rstrip("/")))
         return int(found.group(1)) if found else None
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
+    def read_manifest(self, step: int, listed: dict[str, int] | None = None) -> dict[str, Any]:
+        """The manifest of ``step``'s checkpoint (``listed``: its directory's listing, if the
+        caller has one), checked for shape; raises :class:`CorruptCheckpoint`."""
+        listed = _sizes(self.fs, self.path_for(step)) if listed is None else listed
+        name = manifest_of(listed)
+        if name is None:
+            raise UncommittedCheckpoint("no manifest: the upload never completed")
         try:
-            raw = self.fs.cat_file(self.manifest_path(step))
+            raw = self.fs.cat_file(posixpath.join(self.path_for(step), name))
         except FileNotFoundError:
             raise UncommittedCheckpoint("no manifest: the upload never completed") from None
         try:
@@ -463,6 +508,8 @@ class CheckpointStore:
         except ValueError as exc:
             raise CorruptCheckpoint(f"unreadable manifest ({exc})") from None
         _check_manifest(manifest, step)
+        if name != MANIFEST and Writer.of(manifest).manifest != name:
+            raise CorruptCheckpoint(f"{name} names another writer")
         return manifest
 
     def read_file(self, step: int, name: str, manifest: dict[str, Any] | None = None) -> bytes:
@@ -479,7 +526,8 @@ class CheckpointStore:
         if step in self._verified:
             return True
         try:
-            _check_sizes(self.read_manifest(step), _sizes(self.fs, self.path_for(step)))
+            listed = _sizes(self.fs, self.path_for(step))
+            _check_sizes(self.read_manifest(step, listed), listed)
         except CorruptCheckpoint as exc:
             logger.warning("checkpoint %s does not verify: %s", self.path_for(step), exc)
             return False
@@ -568,44 +616,28 @@ class CheckpointStore:
         """What a restore could not use (:meth:`restore_latest`'s ``skipped``), quarantined;
         each record gains ``quarantined_to``, or ``left`` (why it stayed). A directory without
         a manifest whose newest object is younger than ``settle_s`` may still be written by an
-        upload in flight: it is left where it is. A quarantine that fails (a full disk) is
-        said, and the restore goes on. Raises LeaseLost when the run is not this driver's."""
+        upload in flight: it is left where it is. A quarantine that fails (a full disk, a
+        store that cannot say when a file was written) is said, and the restore goes on.
+        Raises LeaseLost when the run is not this driver's."""
         if unusable:
             self.fence()
         for bad in unusable:
-            if not bad["committed"]:
-                age = self.age(bad["step"])
-                if age is not None and age < self.settle_s:
-                    bad["left"] = (
-                        f"its newest file is {max(age, 0):.0f} s old, under {self.settle_s:g} s "
-                        "(checkpoint.lease_timeout): an upload may still be writing it"
-                    )
-                    logger.warning("left %s in place: %s", bad["path"], bad["left"])
-                    continue
             try:
-                bad["quarantined_to"] = self.quarantine(bad["step"], bad["reason"])
+                age = None if bad["committed"] else written_ago(self.fs, bad["path"], self.root)
+                if age is None or age >= self.settle_s:
+                    bad["quarantined_to"] = self.quarantine(bad["step"], bad["reason"])
+                    continue
+                bad["left"] = (
+                    f"its newest file is {max(age, 0):.0f} s old, under {self.settle_s:g} s "
+                    "(checkpoint.lease_timeout): an upload may still be writing it"
+                )
             except LeaseLost:
                 raise
             except Exception as exc:
-                if not is_storage_error(exc):
+                if not is_storage_error(exc) and not isinstance(exc, NotImplementedError):
                     raise
-                bad["left"] = f"quarantining it failed ({type(exc).__name__}: {exc})"
-                logger.warning("left %s in place: %s", bad["path"], bad["left"])
-
-    def age(self, step: int) -> float | None:
-        """Seconds since the newest object of ``step``'s directory was written, on the store's
-        clock (against a probe written now); None when it holds none."""
-        files, _ = _listing(self.fs, self.fs._strip_protocol(self.path_for(step)).rstrip("/"))
-        if not files:
-            return None
-        newest = max(self.fs.modified(name) for name in files)
-        probe = posixpath.join(self.root, f".clock-{secrets.token_hex(6)}")
-        self.fs.pipe_file(probe, b"")
-        try:
-            return (self.fs.modified(probe) - newest).total_seconds()
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm_file(probe)
+                bad["left"] = f"setting it aside failed ({type(exc).__name__}: {exc})"
+            logger.warning("left %s in place: %s", bad["path"], bad["left"])
 
     def prune(self, keep: int) -> list[int]:
         """Delete committed checkpoints older than the newest ``keep`` that verify (Ray Train's
