@@ -569,3 +569,23 @@ def test_links_to_outside_the_dataset_are_not_samples(tmp_path: Path):
     assert str(root / "train" / "b" / "same.png") in paths  # a link inside the root is fine
     [note] = [n for n in ds.catalog_notes() if "links to outside" in n]
     assert "skipped 1 file(s) under train/ that are links to outside dataset.path" in note
+
+
+def test_a_tree_of_links_into_an_image_pool_is_refused_with_the_key_or_read_when_asked(
+    tmp_path: Path,
+):
+    pool, root = tmp_path / "pool", tmp_path / "data"
+    pool.mkdir()
+    for split in ("train", "val"):
+        for label, value in (("a", 10), ("b", 200)):
+            (root / split / label).mkdir(parents=True)
+            for i in range(2):
+                image = pool / f"{split}-{label}-{i}.png"
+                image.write_bytes(solid(value + i))
+                (root / split / label / f"{i}.png").symlink_to(image)
+    confined = ImageFolderDataset(path=str(root), image_size=8, resize_size=8)
+    with pytest.raises(ValueError, match="are all links to outside dataset.path") as err:
+        confined.catalog(TRAIN)
+    assert "dataset.follow_links=true" in str(err.value) and "without images" not in str(err.value)
+    linked = ImageFolderDataset(path=str(root), image_size=8, resize_size=8, follow_links=True)
+    assert linked.catalog(TRAIN).num_rows == 4 and linked.num_classes == 2

@@ -411,7 +411,9 @@ class ImageFolderDataset(ImageDataset):
         storage_options: dict[str, Any] | None = None,
         bad_files: str = "fail",
         max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+        follow_links: bool = False,
     ) -> None:
+        self.follow_links = bool(follow_links)
         self.check_args(
             image_size=image_size,
             resize_size=resize_size,
@@ -482,7 +484,7 @@ class ImageFolderDataset(ImageDataset):
         folder = self.train_dir if split == TRAIN else self.val_dir
         _, base = fsspec.core.url_to_fs(self.path, **self.storage_options)
         root = self._root(split)
-        listing = list_split(self.fs, root, folder, self.path, base)
+        listing = list_split(self.fs, root, folder, self.path, base, self.follow_links)
         self._notes[split] = listing.notes
         if not listing.by_class:
             raise FileNotFoundError(

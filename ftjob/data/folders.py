@@ -35,17 +35,19 @@ def names(items: list[str], limit: int = 10) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def inside(fs: Any, base: str) -> Callable[[str], bool]:
+def inside(fs: Any, base: str, follow_links: bool = False) -> Callable[[str], bool]:
     """Whether a listed file stays inside ``base`` once its links are followed (local disk;
     object stores have no links: every listed key is inside). A path from the user never
-    reaches outside the root it names."""
-    if not is_local(fs):
+    reaches outside the root it names, unless ``dataset.follow_links`` says it may."""
+    if follow_links or not is_local(fs):
         return lambda path: True
     real_root = os.path.realpath(base).rstrip(os.sep) + os.sep
     return lambda path: os.path.realpath(path).startswith(real_root)
 
 
-def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitListing:
+def list_split(
+    fs: Any, root: str, folder: str, path: str, base: str, follow_links: bool = False
+) -> SplitListing:
     """The samples under ``root`` (the split folder ``folder`` of the dataset at ``path``,
     whose root on ``fs`` is ``base``): every image file at any depth under a class folder, as
     torchvision's ImageFolder -- except hidden files (a name starting with ``.``: macOS's
@@ -59,7 +61,7 @@ def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitLi
     hidden: list[str] = []
     loose: list[str] = []
     outside: list[str] = []
-    within = inside(fs, base)
+    within = inside(fs, base, follow_links)
     for f in sorted(files):
         parts = posixpath.relpath(f, root).split("/")
         if not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
@@ -72,7 +74,8 @@ def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitLi
             outside.append(posixpath.join(folder, *parts))
         else:
             by_class.setdefault(parts[0], []).append(f)
-    check_class_folders(fs, root, folder, path, by_class)
+    linked_out = {posixpath.relpath(p, folder).split("/")[0] for p in outside}
+    check_class_folders(fs, root, folder, path, by_class, linked_out)
     notes = []
     if hidden:
         notes.append(
@@ -83,7 +86,7 @@ def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitLi
         notes.append(
             f"dataset.path={path}: skipped {len(outside)} file(s) under {folder}/ that are "
             f"links to outside dataset.path (e.g. {outside[0]}): nothing is read from outside "
-            "the dataset's root"
+            "the dataset's root unless dataset.follow_links=true"
         )
     if loose:
         notes.append(
@@ -94,10 +97,16 @@ def list_split(fs: Any, root: str, folder: str, path: str, base: str) -> SplitLi
 
 
 def check_class_folders(
-    fs: Any, root: str, folder: str, path: str, by_class: dict[str, list[str]]
+    fs: Any,
+    root: str,
+    folder: str,
+    path: str,
+    by_class: dict[str, list[str]],
+    linked_out: set[str] | frozenset[str] = frozenset(),
 ) -> None:
     """Every class folder holds images: an empty one would be a class with no samples that
-    shifts the label space (torchvision's ImageFolder refuses it too)."""
+    shifts the label space (torchvision's ImageFolder refuses it too). One whose images are
+    all links to outside the dataset (``linked_out``) is said as such."""
     try:
         entries = fs.ls(root, detail=True)
     except FileNotFoundError:
@@ -108,6 +117,13 @@ def check_class_folders(
         if e.get("type") == "directory"
     )
     empty = sorted(n for n in folders if not n.startswith(".") and n not in by_class)
+    linked = [n for n in empty if n in linked_out]
+    if linked:
+        raise ValueError(
+            f"dataset.path={path!r}: the images of class folder(s) {names(linked)} under "
+            f"{folder}/ are all links to outside dataset.path, which are not read: set "
+            "dataset.follow_links=true to read them where they lead, or copy them in"
+        )
     if empty:
         raise ValueError(
             f"dataset.path={path!r}: class folder(s) without images under {folder}/: "
