@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 import torch.nn.functional as F
+from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 
 from ftjob.data.datasets import GONE, GONE_REASON, TRAIN, ImageFolderDataset
@@ -180,6 +181,20 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [
         p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
     ]
+
+
+def test_a_removed_file_whose_name_differed_from_the_rest_keeps_the_others_in_place(
+    tmp_path: Path,
+):
+    # x1, x2 and y: without y every remaining path shares "x", a longer common prefix.
+    fs, run_path = LocalFileSystem(), str(tmp_path / "run")
+    paths = [str(tmp_path / "data" / "train" / "a" / n) for n in ("x1.png", "x2.png", "y.png")]
+    table = pa.table({"id": [0, 1, 2], "label": [0, 0, 0], "path": paths})
+    remember_catalog(fs, run_path, table)
+    now = pa.table({"id": [0, 1], "label": [0, 0], "path": paths[:2]})
+    kept, stated = started_catalog(fs, run_path, now, resume=True)
+    assert kept.column(GONE).to_pylist() == [False, False, True]
+    assert kept.column("path").to_pylist() == paths and "1 file(s) removed" in stated[0]
 
 
 def test_a_step_trains_on_the_kept_samples_over_the_whole_slice_and_a_skipped_slice_adds_nothing():

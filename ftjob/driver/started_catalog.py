@@ -27,9 +27,11 @@ PATH = "path"
 
 
 def _relative(paths: list[str]) -> tuple[str, list[str]]:
-    """Paths relative to their common prefix (as the catalog fingerprint hashes them), and
-    the prefix: a dataset moved elsewhere has the same relative paths."""
-    root = os.path.commonprefix(paths) if paths else ""
+    """Paths relative to their common directory, and that directory (``/``-ended): a dataset
+    moved elsewhere has the same relative paths, and so does one with a file removed (a
+    character prefix would grow when the removed file was the one that differed)."""
+    prefix = os.path.commonprefix(paths) if paths else ""
+    root = prefix[: prefix.rfind("/") + 1]
     return root, [p[len(root) :] for p in paths]
 
 
