@@ -203,6 +203,21 @@ def test_a_live_holder_behind_stale_modification_times_is_not_taken_over(
     assert note is not None and "still while watched 30 s" in note
 
 
+def test_a_lease_taken_by_a_third_driver_during_the_watch_is_not_taken_again(
+    tmp_path: Path,
+) -> None:
+    run = str(tmp_path / "run")
+    RunLease(local_fs(), run, timeout=60, owner="host-a:100").acquire()
+    age_by(run, 1, 61)
+    third = RunLease(local_fs(), run, timeout=60, owner="host-c:300", sleep=no_wait)
+    watcher = RunLease(
+        local_fs(), run, timeout=60, owner="host-b:200", sleep=lambda s: third.acquire()
+    )
+    with pytest.raises(LeaseHeld, match="taken over by another driver while this one watched"):
+        watcher.acquire()
+    third.check()  # the third driver holds it
+
+
 HOLDER_IN_ANOTHER_PID_NAMESPACE = textwrap.dedent(
     """
     import json, os, sys, time

@@ -270,9 +270,14 @@ class RunLease:
         )
         self.sleep(watch)
         now = read_generation(self.fs, self.directory, generation)
-        if now is None or now.get("beats") != held.get("beats") or now.get("released"):
-            if now is not None and now.get("released"):
-                return f"took over run {self.run_name!r} from {owner}: it released the run"
+        if now is None:  # a newer generation's driver removed it: taken while watched
+            raise LeaseHeld(
+                f"run {self.run_name!r} was taken over by another driver while this one "
+                f"watched the silent lease of {owner}"
+            )
+        if now.get("released"):
+            return f"took over run {self.run_name!r} from {owner}: it released the run"
+        if now.get("beats") != held.get("beats"):
             raise LeaseHeld(
                 f"run {self.run_name!r} is being trained by another driver ({owner}): its lease "
                 f"looked {age:.0f} s old by the store's modification times, but its beat counter "
