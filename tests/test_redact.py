@@ -411,6 +411,24 @@ def test_log_records_lose_known_secrets_and_url_passwords(restore_logging: None)
         assert secret not in out, out
 
 
+def test_each_jobs_secrets_stay_scrubbed_after_the_next_job_guards_the_process(
+    restore_logging: None,
+) -> None:
+    # A sweep's jobs run one after another in one process; Hydra logs the next job's
+    # launch line before that job guards the process with its own secrets.
+    for value in ("first-job-secret-1", "second-job-secret-2"):
+        guard_logging(Redactor(resolved={"checkpoint": {"storage_options": {"secret": value}}}))
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log = logging.getLogger("ftjob.test.sweep")
+    log.addHandler(handler)
+    try:
+        log.warning("jobs: %s and %s", "first-job-secret-1", "second-job-secret-2")
+    finally:
+        log.removeHandler(handler)
+    assert stream.getvalue() == "jobs: <redacted> and <redacted>\n"
+
+
 def test_a_workers_log_records_lose_the_jobs_secrets(restore_logging: None) -> None:
     """A Ray worker's records reach Ray's log files and the driver's console (streamed, past
     the driver's own guard): the worker guards its own process with the job it was given."""

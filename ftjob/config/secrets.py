@@ -229,6 +229,13 @@ class Redactor:
         elif short and len(value) >= SCRUBBED_AS_TOKEN and value != REDACTED:
             self._tokens[value] = _token_pattern(value)
 
+    def joined(self, other: Redactor) -> Redactor:
+        """A redactor that scrubs from text every value either one does."""
+        both = Redactor({**self.env, **other.env})
+        both.values = self.values | other.values
+        both._tokens = {**self._tokens, **other._tokens}
+        return both
+
     def add_env(self, variables: dict[str, Any]) -> None:
         """Environment variables set for the job: all redacted where written; scrubbed from
         text as :meth:`add` says, by whether the name is a credential's."""
@@ -388,8 +395,9 @@ def guard_logging(redactor: Redactor) -> None:
     ``redactor``'s secrets (a later call replaces them). It is applied where records are
     made, not on handlers: Hydra replaces the handlers (``hydra_logging``, then each job's
     ``job_logging``) after ftjob's entry point runs, and a launcher logs the sweep's
-    overrides before any job starts."""
-    _GUARD.redactor = redactor
+    overrides before any job starts. Values accumulate: a later call (the next job of a
+    sweep) adds its secrets to those already scrubbed, never drops them."""
+    _GUARD.redactor = _GUARD.redactor.joined(redactor)
     make = logging.getLogRecordFactory()
     if getattr(make, "ftjob_guard", False):
         return
