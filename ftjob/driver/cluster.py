@@ -191,14 +191,9 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 )
                 ray.init(address=local.address, **common)
             else:
-                t = job.trainer
-                # Training workers hold their CPUs for the whole run; data decoding needs its
-                # own: the machine's cores, and at least one decode task per worker.
-                decode = max(os.cpu_count() or 1, math.ceil(t.num_workers * t.decode_cpus))
-                num_cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
                 ray.init(
                     address="local",
-                    num_cpus=num_cpus,
+                    num_cpus=embedded_cpus(job, os.cpu_count() or 1),
                     include_dashboard=False,
                     _system_config=system_config(r),
                     **common,
@@ -275,15 +270,23 @@ def worker_bundle(job: JobConfig) -> dict[str, float]:
 def started_nodes(job: JobConfig, machine: Machine) -> tuple[list[dict[str, float]], str]:
     """The nodes of the cluster ftjob starts for ``job`` on ``machine`` (each node of a
     simulated cluster sees the machine's GPUs and memory, as Ray's do), and how to say it."""
-    r, t = job.ray, job.trainer
+    r = job.ray
     shared = {"GPU": float(machine.gpus), "memory": machine.memory}
     if r.local_nodes > 1:
         where = f"the simulated cluster ({r.local_nodes - 1} nodes of ray.node_cpus={r.node_cpus})"
         workers = [{"CPU": float(r.node_cpus), **shared} for _ in range(r.local_nodes - 1)]
         return [{"CPU": 0.0, **shared}, *workers], where
-    decode = max(machine.cpus, math.ceil(t.num_workers * t.decode_cpus))
-    cpus = r.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus)
+    cpus = embedded_cpus(job, machine.cpus)
     return [{"CPU": float(cpus), **shared}], f"this machine's embedded Ray ({cpus} CPUs)"
+
+
+def embedded_cpus(job: JobConfig, machine_cpus: int) -> int:
+    """The CPUs of the embedded Ray ftjob starts (``ray.num_cpus``, else): training workers
+    hold theirs for the whole run, and data decoding needs its own -- the machine's cores,
+    and at least one decode task per worker."""
+    t = job.trainer
+    decode = max(machine_cpus, math.ceil(t.num_workers * t.decode_cpus))
+    return int(job.ray.num_cpus or decode + math.ceil(t.num_workers * t.worker_cpus))
 
 
 def _amount(name: str, value: float) -> str:
