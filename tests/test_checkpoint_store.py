@@ -376,6 +376,33 @@ def test_a_deposed_drivers_late_upload_never_touches_the_new_holders_checkpoint(
     assert store.prune(1) == []  # and it still counts as the one to keep
 
 
+def test_a_writer_that_lost_the_run_stops_retrying_its_upload(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # A partitioned writer would otherwise retry each request up to checkpoint.retry.deadline
+    # (300 s by default) against a 60 s lease; the fence runs before every retry instead, and
+    # its own requests (on this very filesystem) retry as any does.
+    base, run_path = storage
+    puts: list[str] = []
+
+    def reset_uploads(op: str, path: str) -> BaseException | None:
+        if op == "put_file":
+            puts.append(path)
+            return ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")
+        return None
+
+    fs = RetryingFileSystem(RecordingFileSystem(base, reset_uploads), no_sleep_policy(10))
+
+    def fence() -> None:
+        fs.exists(posixpath.join(run_path, "lease"))  # the lease is read here too
+        if puts:
+            raise LeaseLost("run 'r' is now held by another driver")
+
+    with pytest.raises(LeaseLost):
+        CheckpointStore(fs, run_path, fence).commit(write_checkpoint(tmp_path, 10), 10)
+    assert len(puts) == 1  # not the policy's 10 attempts
+
+
 def test_a_zombie_past_the_fence_cannot_publish_over_a_newer_writers_manifest(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path
 ) -> None:

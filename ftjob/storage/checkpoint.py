@@ -381,7 +381,7 @@ class CheckpointStore:
         self.fence = fence or (lambda: None)
         self.generation = int(getattr(fence, "generation", 0) or 0)
         self.attempt, self.settle_s = attempt, settle_s
-        self._verified: set[int] = set()  # steps this store saw verify (their files listed)
+        self._confirmed: int | None = None  # the step this store last committed (listed)
         self._commits = 0
 
     def dir_name(self, step: int) -> str:
@@ -415,7 +415,8 @@ class CheckpointStore:
 
     def commit(self, local_dir: str, step: int) -> str:
         """Upload ``local_dir`` as the checkpoint of ``step``: every file under this writer's
-        own names, confirmed by one listing, then the manifest, read back. Raises when an
+        own names, confirmed by one listing, then the manifest (created under this writer's
+        name too: nothing is replaced), confirmed by another. Raises when an
         upload fails after the retry policy gave up (the checkpoint then has no manifest and
         never counts), :class:`~ftjob.storage.lease.LeaseLost` when the run is no longer this
         driver's, and :class:`StepTaken` when a newer writer committed this step."""
@@ -433,33 +434,32 @@ class CheckpointStore:
                 self.fs.put_file(os.path.join(local_dir, name), target)
                 if local:
                     _sync(self.fs._strip_protocol(target))
+            listed = _sizes(self.fs, remote)
             try:
-                _check_sizes(manifest, _sizes(self.fs, remote))
+                _check_sizes(manifest, listed)
             except CorruptCheckpoint as exc:  # a storage fault: a failed upload
                 raise OSError(errno.EIO, f"{remote}: uploaded, but {exc}") from None
-            body = json.dumps(manifest, indent=1).encode()
+            writer, body = Writer.of(manifest), json.dumps(manifest, indent=1).encode()
+            self._refuse_if_newer(step, writer, listed)
             self.fence()
-            published = self._publish(step, body, Writer.of(manifest))
+            published = posixpath.join(remote, writer.manifest)
+            self.fs.pipe_file(published, body, mode="create")
         if local:
             for path in (published, remote, self.root):
                 _sync(self.fs._strip_protocol(path))
-        if self.fs.cat_file(published) != body:  # a storage fault: a failed upload
-            raise OSError(errno.EIO, f"the manifest of {remote} read back different bytes")
-        self._verified.add(step)
+        # One listing confirms it: there at its size (else a storage fault: a failed upload),
+        # and no newer writer's beside it (readers take the newest writer's manifest).
+        listed = _sizes(self.fs, remote)
+        if listed.get(writer.manifest) != len(body):
+            raise OSError(errno.EIO, f"the manifest of {remote} is not there at its size")
+        self._refuse_if_newer(step, writer, listed)
+        self._confirmed = step
         return remote
 
-    def _publish(self, step: int, body: bytes, writer: Writer) -> str:
-        """Publish this writer's manifest of ``step`` under its own name: a create, so nothing
-        is ever replaced. Readers take the newest writer's manifest, so a newer writer's
-        there, before or after, means this commit is no checkpoint: :class:`StepTaken`."""
-        self._refuse_if_newer(step, writer)
-        path = posixpath.join(self.path_for(step), writer.manifest)
-        self.fs.pipe_file(path, body, mode="create")
-        self._refuse_if_newer(step, writer)
-        return path
-
-    def _refuse_if_newer(self, step: int, writer: Writer) -> None:
-        found = _MANIFEST_FILE.match(manifest_of(_sizes(self.fs, self.path_for(step))) or "")
+    def _refuse_if_newer(self, step: int, writer: Writer, listed: dict[str, int]) -> None:
+        """:class:`StepTaken` when ``step``'s directory (``listed``) has a newer writer's
+        manifest: this commit would name a checkpoint nobody restores."""
+        found = _MANIFEST_FILE.match(manifest_of(listed) or "")
         if not found or found.group(1) is None:
             return
         other = Writer(int(found.group(1)), int(found.group(2)), found.group(3))
@@ -523,15 +523,16 @@ class CheckpointStore:
     def verifies(self, step: int) -> bool:
         """Does the checkpoint of ``step`` have a manifest whose files are all there, at their
         sizes (one listing)? Said when not. Storage errors propagate."""
-        if step in self._verified:
+        if step == self._confirmed:  # its files and manifest were listed moments ago
             return True
         try:
             listed = _sizes(self.fs, self.path_for(step))
             _check_sizes(self.read_manifest(step, listed), listed)
+        except UncommittedCheckpoint:  # an upload not done (or in flight): no checkpoint yet
+            return False
         except CorruptCheckpoint as exc:
             logger.warning("checkpoint %s does not verify: %s", self.path_for(step), exc)
             return False
-        self._verified.add(step)
         return True
 
     def newest_verified(self) -> list[int]:
@@ -646,13 +647,12 @@ class CheckpointStore:
         Directories without a manifest are left. Fenced before each delete: a driver that lost
         the run deletes nothing."""
         verified, removed = 0, []
-        for step in self.committed_steps():
-            if verified >= keep:
+        for step in self.steps():
+            if verified < keep:
+                verified += self.verifies(step)
+            elif manifest_of(_sizes(self.fs, self.path_for(step))):
                 removed.append(step)
-            elif self.verifies(step):
-                verified += 1
         for step in removed:
             self.fence()
             remove_tree(self.fs, self.path_for(step))
-            self._verified.discard(step)
         return removed

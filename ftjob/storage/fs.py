@@ -81,11 +81,20 @@ class RetryingFileSystem(_DelegatingFileSystem):
         finally:
             self._guard.check = previous
 
+    def _unguarded(self, check: Callable[[], None]) -> None:
+        """Run ``check`` with this thread's guard off: its own requests (the lease's, often on
+        this very filesystem) retry as any request does, never by checking again."""
+        self._guard.check = None
+        try:
+            check()
+        finally:
+            self._guard.check = check
+
     def _call(self, op: str, path: str, fn: Callable[[], Any]) -> Any:
         kind = OPERATIONS.get(op, "other")
         check = getattr(self._guard, "check", None)
         if check is not None:
-            fn = _checked_retries(fn, check)
+            fn = _checked_retries(fn, lambda: self._unguarded(check))
         local = OpStats()
         # A missing file is an answer to a read or a listing, but a failure of an upload (no
         # such bucket).
