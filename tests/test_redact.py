@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -10,6 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -381,6 +383,18 @@ def test_a_config_error_names_the_key_without_its_secret(
     assert _leaks(err) == [], err
 
 
+@contextlib.contextmanager
+def written_by(name: str) -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    """The logger ``name`` and what its records write, as a handler sees them."""
+    stream, log = io.StringIO(), logging.getLogger(name)
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        yield log, stream
+    finally:
+        log.removeHandler(handler)
+
+
 @pytest.fixture
 def restore_logging() -> Any:
     factory = logging.getLogRecordFactory()
@@ -393,18 +407,12 @@ def test_log_records_lose_known_secrets_and_url_passwords(restore_logging: None)
     override lines), its traceback included."""
     redactor = Redactor(resolved={"checkpoint": {"storage_options": {"password": "hunter2"}}})
     guard_logging(redactor)
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    log = logging.getLogger("ftjob.storage.fs.test")
-    log.addHandler(handler)
-    try:
+    with written_by("ftjob.storage.fs.test") as (log, stream):
         try:
             raise OSError("login as ci:hunter2 to https://ci:Sup3rS3cretPw@store.example/x")
         except OSError:
             log.exception("upload failed: %s", "password hunter2 rejected")
         log.warning("#0 : +checkpoint.storage_options.SessionToken=%s", SESSION)
-    finally:
-        log.removeHandler(handler)
     out = stream.getvalue()
     assert "Traceback" in out and "upload failed: password <redacted> rejected" in out
     for secret in ("hunter2", "Sup3rS3cretPw", SESSION):
@@ -418,14 +426,8 @@ def test_each_jobs_secrets_stay_scrubbed_after_the_next_job_guards_the_process(
     # launch line before that job guards the process with its own secrets.
     for value in ("first-job-secret-1", "second-job-secret-2"):
         guard_logging(Redactor(resolved={"checkpoint": {"storage_options": {"secret": value}}}))
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    log = logging.getLogger("ftjob.test.sweep")
-    log.addHandler(handler)
-    try:
+    with written_by("ftjob.test.sweep") as (log, stream):
         log.warning("jobs: %s and %s", "first-job-secret-1", "second-job-secret-2")
-    finally:
-        log.removeHandler(handler)
     assert stream.getvalue() == "jobs: <redacted> and <redacted>\n"
 
 
@@ -440,18 +442,12 @@ def test_a_workers_log_records_lose_the_jobs_secrets(restore_logging: None) -> N
         "+ray.runtime_env.env_vars.HF_TOKEN=hf_0123456789abcdef",
     )
     guard_worker_logging(job)
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    log = logging.getLogger("ftjob.storage.retry")
-    log.addHandler(handler)
-    try:
+    with written_by("ftjob.storage.retry") as (log, stream):
         log.warning(
             "storage retry: put_file https://ci:Sup3rS3cretPw@store.example/x failed (%s, %s)",
             "SignatureDoesNotMatch for wJalrXUtnFEMIK7MDENG",
             "token hf_0123456789abcdef",
         )
-    finally:
-        log.removeHandler(handler)
     out = stream.getvalue()
     assert "storage retry: put_file" in out and "store.example/x" in out
     for secret in ("Sup3rS3cretPw", "wJalrXUtnFEMIK7MDENG", "hf_0123456789abcdef"):
