@@ -313,14 +313,14 @@ def _finish(
         _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
     summary = redactor.strings(summary)  # workers' error texts, paths: every string scrubbed
     path = write_summary(summary, run_dir)
+    for line in format_summary(summary).splitlines():
+        echo(line)
+    if "resume_command" in summary:  # before the slow parts: a stop's SIGKILL may come next
+        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    echo(f"summary: {path}")
     picture = draw_timeline(summary, run_dir)
     if trained.feed is not None:
         trained.feed.finish(summary)
-    for line in format_summary(summary).splitlines():
-        echo(line)
-    if "resume_command" in summary:
-        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
-    echo(f"summary: {path}")
     echo(picture)
     return RunResult(name, status, error, summary, path)
 
