@@ -313,12 +313,14 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
                 "failure.max_failures=1",  # the failure's; the notice must not need one
                 # The notice comes while step 30's checkpoint uploads: every upload request
                 # takes 1 s more (5 files), longer than a notice takes to arrive (the killer's
-                # poll, then the drain relay's, ~1.5 s).
+                # poll, then the drain relay's, ~1.5 s). The ranks hear it once that upload is
+                # committed (6+ s through a third of requests failing, and a busy machine):
+                # its 30 s give the commit room to end well before the node goes.
                 "ray.local_nodes=3",
                 "trainer.decode_in=ray",  # Ray Data's decode through a failure and a drain
                 "chaos=preempt",
                 "chaos.at_steps=[30]",
-                "chaos.notice=10",
+                "chaos.notice=30",
                 "chaos.storage.upload_delay=1.0",
                 f"checkpoint.storage_path=s3://{s3_bucket}/runs",
                 f"+checkpoint.storage_options.endpoint_url={proxy.url}",
