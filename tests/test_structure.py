@@ -30,6 +30,7 @@ LAYERS = {
     "policy": 1,
     "config": 0,
     "metrics": 0,
+    "record": 0,
 }
 # Top-level modules: entry points (the command line's layer) and the public names of the
 # extension points users reference in their configs.

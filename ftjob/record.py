@@ -1,0 +1,617 @@
+"""The run record: what the run ledger keeps of a run, as typed, frozen data.
+
+Every event a training worker, the chaos killer or the driver tells the ledger is one of these
+records, and the ledger's snapshot (:class:`RunSnapshot`) is made of them; the reports
+(``ftjob.reporting``) and the restart-loop rule read them by attribute, so a renamed field
+breaks at type-check time, not in the middle of a run. Each record has one JSON form
+(:meth:`Record.to_json` / :meth:`Record.from_json`), the one summary.json has always shown:
+field names are the JSON keys (``from_`` is written ``from``), and an optional field marked
+:func:`optional` is left out while it is None.
+
+:class:`WorkerLedger` is the part of the ledger's API a training worker calls
+(``ftjob.worker.recorder`` calls it through these typed methods; the ledger implements it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, TypeVar, Union
+
+R = TypeVar("R", bound="Record")
+
+
+def optional(*, key: str | None = None) -> Any:
+    """A field that defaults to None and is left out of the JSON form while it is None."""
+    return field(default=None, metadata={"omit_none": True, **({"key": key} if key else {})})
+
+
+def renamed(key: str, default: Any = None) -> Any:
+    """A field whose JSON key is not a Python name (``from``)."""
+    return field(default=default, metadata={"key": key})
+
+
+class Record:
+    """JSON (de)serialisation for the frozen dataclasses below, from their type hints."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.metadata.get("omit_none"):
+                continue
+            out[f.metadata.get("key", f.name)] = _encode(value)
+        return out
+
+    @classmethod
+    def from_json(cls: type[R], data: typing.Mapping[str, object]) -> R:
+        hints = _hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            key = f.metadata.get("key", f.name)
+            if key in data:
+                kwargs[f.name] = _decode(hints[f.name], data[key])
+        return cls(**kwargs)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, Record):
+        return value.to_json()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(hint: Any, value: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if value is None:
+        return None
+    if origin in (Union, types.UnionType):
+        kinds = [a for a in args if a is not type(None)]
+        return _decode(kinds[0], value) if len(kinds) == 1 else value
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return hint.from_json(value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if origin is tuple:
+        return tuple(_decode(args[0], v) for v in value)
+    if origin is list:
+        return [_decode(args[0], v) for v in value]
+    if origin is dict:
+        key, item = args
+        return {
+            _decode(key, k) if key is not str else k: _decode(item, v) for k, v in value.items()
+        }
+    if hint is int and isinstance(value, str):
+        return int(value)  # a JSON object's key
+    if hint is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+# -- what the run is -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPlan(Record):
+    """The run's shape, known before the first worker starts (zeros: a run that never
+    reached the cluster)."""
+
+    num_samples: int = 0
+    global_batch_size: int = 0
+    samples_per_epoch: int = 0
+    steps_per_epoch: int = 0
+    seed: int = 0
+    epochs: int = 0
+    num_workers: int | None = None  # the most (elastic: min_workers the fewest)
+
+
+# -- an attempt: one worker group, from its start to its end ---------------------------------
+
+
+class Tier(enum.StrEnum):
+    """Where a restore came from."""
+
+    STORAGE = "storage"
+    MEMORY = "memory"
+
+
+class NoticeSource(enum.StrEnum):
+    """Who gave an agreed notice. A real preemption outranks a planned resize."""
+
+    RESIZE = "resize"  # not a preemption: the elastic group is about to be resized
+    DRAIN = "drain"  # Ray Train: a node of the run is being drained
+    DRIVER = "driver"  # the driver got SIGTERM
+    WORKER = "worker"  # a training worker process got SIGTERM
+
+
+@dataclass(frozen=True)
+class WorkerPlace(Record):
+    """Where a training rank runs: chaos and hang handling target it."""
+
+    node_id: str
+    pid: int
+    raylet_pid: int = 0  # a Ray worker's parent is its node's raylet
+    time: float = 0.0  # when the rank registered
+    rank: int | None = optional()  # set where a list of places is handed out
+
+
+@dataclass(frozen=True)
+class Fallback(Record):
+    """A checkpoint a restore could not use, and where it went."""
+
+    step: int
+    path: str
+    reason: str
+    committed: bool = True
+    quarantined_to: str | None = optional()
+    left: str | None = optional()  # why it was left in place
+
+
+@dataclass(frozen=True)
+class Restore(Record):
+    """An attempt's restore: the state it went back to, where from, and what each part took."""
+
+    step: int
+    epoch: int
+    position: int
+    path: str | None
+    download: float = 0.0
+    load: float = 0.0
+    skip: float = 0.0  # moving the data iterator to the position
+    skipped: tuple[Fallback, ...] = ()
+    tier: Tier = Tier.STORAGE
+
+
+@dataclass(frozen=True)
+class FirstStep(Record):
+    """An attempt's first trained step: when it ended, what it took (its batch wait and the
+    step), and rank 0's set-up phases before it."""
+
+    step: int
+    time: float
+    took: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JitCheckpoint(Record):
+    """A just-in-time checkpoint after a notice: its path, or why there is none."""
+
+    step: int
+    path: str | None = optional()
+    reason: str | None = optional()
+    reused: bool | None = optional()  # the periodic checkpoint of this step was already in
+    seconds: float | None = optional()
+    time: float | None = optional()
+
+
+@dataclass(frozen=True)
+class Notice(Record):
+    """A notice every rank agreed on: a preemption (its source, deadline) or a planned resize
+    (with the request it serves), and the just-in-time checkpoint that followed it."""
+
+    source: NoticeSource
+    received: float
+    step: int
+    deadline: float | None = None
+    ranks: tuple[int, ...] = ()
+    validation_cut: int | None = None  # a validation the notice cut short
+    from_: int | None = optional(key="from")  # a resize: the world size it leaves
+    to: int | None = optional()  # ... and the one it goes to
+    requested: float | None = optional()  # ... when the scaling policy asked for it
+    jit: JitCheckpoint | None = optional()
+
+
+@dataclass(frozen=True)
+class Attempt(Record):
+    """One worker group's run, from Ray Train's (re)start of the train function."""
+
+    index: int
+    started: float
+    world_size: int | None = None
+    workers: dict[int, WorkerPlace] = field(default_factory=dict)
+    restored: Restore | None = None
+    preemption: Notice | None = None  # ended by a preemption notice
+    resize: Notice | None = None  # ended by a planned resize
+    first_step: FirstStep | None = None
+    max_step: int = 0  # the furthest step it trained
+
+    @property
+    def planned_end(self) -> bool:
+        """It ended by a notice or a planned resize, not by a failure."""
+        return self.preemption is not None or self.resize is not None
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress(Record):
+    """Rank 0's progress point (every trainer.log_every_n_steps)."""
+
+    step: int
+    epoch: int
+    epochs: int
+    total_steps: int
+    loss: float | None
+    throughput: float
+    lr: float
+    time: float | None = None
+    attempt: int | None = optional()
+
+
+@dataclass(frozen=True)
+class HistoryPoint(Record):
+    """A progress point that survived: each step's version from the attempt that kept it."""
+
+    step: int
+    time: float | None
+    attempt: int
+    loss: float | None = None
+    throughput: float | None = None
+    lr: float | None = None
+    world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord(Record):
+    """A point for the experiment loggers: a train or a validation step's values."""
+
+    kind: str  # "train" | "validation"
+    attempt: int
+    step: int
+    values: dict[str, float | None]
+
+
+@dataclass(frozen=True)
+class ValidationResult(Record):
+    """A validation pass over the whole validation stream."""
+
+    epoch: int
+    loss: float
+    accuracy: float
+    samples: int
+    time: float
+    step: int | None = optional()
+    attempt: int | None = optional()
+
+
+@dataclass(frozen=True)
+class CheckpointRecord(Record):
+    """An upload's outcome: committed (its path) or failed (its error)."""
+
+    step: int
+    path: str | None
+    error: str | None
+    seconds: float
+    time: float | None = None
+    attempt: int | None = optional()
+
+    @property
+    def committed(self) -> bool:
+        return bool(self.path)
+
+
+@dataclass(frozen=True)
+class Failure(Record):
+    """Ray Train noticed worker failures: when, and each failed rank's error."""
+
+    noticed: float
+    errors: dict[int, str]
+
+
+@dataclass(frozen=True)
+class KillTarget(Record):
+    """What chaos hits: a node (its ranks) or one training worker."""
+
+    node_id: str
+    ranks: tuple[int, ...] | None = optional()  # a node: the ranks it runs
+    pid: int | None = optional()  # a worker: its process ...
+    rank: int | None = optional()  # ... and rank
+
+
+@dataclass(frozen=True)
+class Kill(Record):
+    """A chaos event the killer carried out."""
+
+    time: float
+    kind: str  # chaos.kind
+    target: KillTarget
+    attempt: int | None
+    notice: float | None = optional()  # preempt: the drain (the notice) ...
+    deadline: float | None = optional()  # ... and when the node goes
+    slowdown: float | None = optional()  # slow: the share of each step the rank sleeps
+    killed_pid: int | None = optional()
+    confirmed: bool | None = optional()  # a node kill: Ray declared the node dead
+
+
+@dataclass(frozen=True)
+class ChaosSkip(Record):
+    """A kill window that ended without a kill, and why."""
+
+    time: float
+    kind: str
+    reason: str
+    attempt: int | None = None
+    window: int | None = optional()
+    target: KillTarget | None = optional()
+    notice: float | None = optional()
+    deadline: float | None = optional()
+    slowdown: float | None = optional()
+    killed_pid: int | None = optional()
+    confirmed: bool | None = optional()
+
+
+@dataclass(frozen=True)
+class Injected(Record):
+    """A failure chaos.fail_at_steps injected."""
+
+    time: float
+    step: int
+
+
+@dataclass(frozen=True)
+class ChaosView(Record):
+    """What the chaos killer needs: when training began, and the current attempt."""
+
+    training_started: float | None
+    attempt: int | None
+    training: bool
+    workers: tuple[WorkerPlace, ...]
+    step: int
+
+
+# -- the watch: hangs and stragglers ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Beat(Record):
+    """A rank's heartbeat: its section, how long ago it progressed, what its sections and
+    steps took since the last beat, and its storage requests completed."""
+
+    section: str
+    age: float
+    step: int
+    durations: dict[str, list[float]] = field(default_factory=dict)
+    local: list[float] = field(default_factory=list)  # local step times (no all-reduce wait)
+    io: int = -1
+
+
+@dataclass(frozen=True)
+class StackCapture(Record):
+    """The driver's handling of a hang: the stalled worker's stack, then its end."""
+
+    pid: int
+    stack: str | None = None
+    stack_source: str | None = None
+    killed: bool | None = optional()
+    error: str | None = optional()
+
+
+@dataclass(frozen=True)
+class Hang(Record):
+    """A hang: the rank the attempt waits on, where it stalled, and for how long."""
+
+    time: float
+    attempt: int
+    rank: int
+    node_id: str
+    pid: int
+    section: str
+    step: int
+    stalled_since: float
+    stalled_for_s: float
+    timeout_s: float
+    detection_latency_s: float
+    learned: bool
+    heartbeats_stopped: bool
+    others: dict[int, str]  # the other ranks' sections
+    stack: str | None = optional()
+    stack_source: str | None = optional()
+    killed: bool | None = optional()
+    error: str | None = optional()
+
+    def handled(self, result: StackCapture) -> Hang:
+        return dataclasses.replace(
+            self,
+            stack=result.stack,
+            stack_source=result.stack_source,
+            killed=result.killed,
+            error=result.error,
+        )
+
+
+@dataclass(frozen=True)
+class Straggler(Record):
+    """A rank slower than the fastest for failure.straggler.patience checks in a row."""
+
+    time: float
+    attempt: int
+    rank: int
+    node_id: str | None
+    slowdown: float
+    vs_own_best: float
+    restarted: bool = False
+    pid: int | None = optional()  # to restart it (failure.straggler.action=restart)
+
+
+@dataclass(frozen=True)
+class StragglerScore(Record):
+    slowdown: float
+    vs_own_best: float
+
+
+@dataclass(frozen=True)
+class StragglerReport(Record):
+    flagged: tuple[Straggler, ...] = ()
+    scores: dict[str, StragglerScore] = field(default_factory=dict)  # by rank
+    max_slowdown: float = 0.0
+    threshold: float = 0.0
+
+
+@dataclass(frozen=True)
+class SectionTimeout(Record):
+    """A section's hang timeout: learned from its observed times, or configured."""
+
+    observed: int
+    p99_s: float | None
+    timeout_s: float | None
+    learned: bool
+
+
+@dataclass(frozen=True)
+class WatchRecord(Record):
+    hangs: tuple[Hang, ...] = ()
+    stragglers: StragglerReport = field(default_factory=StragglerReport)
+    sections: dict[str, SectionTimeout] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # by attempt
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AuditStep(Record):
+    """The samples of one global step (every rank's slice), and those skipped as bad files."""
+
+    attempt: int
+    step: int
+    epoch: int
+    ids: tuple[int, ...]
+    skipped: tuple[int, ...] | None = optional()
+
+
+@dataclass(frozen=True)
+class SkippedFile(Record):
+    """A file skipped as bad (dataset.bad_files=skip)."""
+
+    split: str
+    id: int
+    path: str
+    reason: str
+    attempt: int | None = None
+    rank: int | None = None
+
+
+# -- requests between the driver and the workers ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopRequest(Record):
+    reason: str
+    time: float
+
+
+@dataclass(frozen=True)
+class ResizeRequest(Record):
+    from_: int = renamed("from", 0)
+    to: int = 0
+    requested: float = 0.0
+
+
+@dataclass(frozen=True)
+class AttemptStart(Record):
+    """The ledger's answer to a new attempt: its index, and why it must not train."""
+
+    attempt: int
+    stop: str | None = None
+
+
+@dataclass(frozen=True)
+class LogFeed(Record):
+    """Step records since a cursor, and the step up to which records are settled."""
+
+    records: tuple[StepRecord, ...]
+    cursor: int
+    settled: float
+
+
+StorageCounters = dict[str, dict[str, float]]  # per kind of request: calls, retries, ...
+
+
+# -- the whole run ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSnapshot(Record):
+    """Everything the ledger recorded of a run; summary.json is built from it."""
+
+    plan: RunPlan = field(default_factory=RunPlan)
+    started: float = 0.0
+    finished: float | None = None
+    attempts: tuple[Attempt, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    kills: tuple[Kill, ...] = ()
+    chaos_skipped: tuple[ChaosSkip, ...] = ()
+    injected: tuple[Injected, ...] = ()
+    validations: tuple[ValidationResult, ...] = ()
+    replaced_validations: int = 0
+    checkpoints: tuple[CheckpointRecord, ...] = ()
+    storage: dict[str, StorageCounters] = field(default_factory=dict)  # by process
+    audit: tuple[AuditStep, ...] = ()
+    skipped_files: tuple[SkippedFile, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+    progress: Progress | None = None
+    history: tuple[HistoryPoint, ...] = ()
+    fatal: str | None = None
+    stop_request: StopRequest | None = None
+    executed_resizes: tuple[float, ...] = ()
+    watch: WatchRecord = field(default_factory=WatchRecord)
+
+    @property
+    def first_step(self) -> FirstStep | None:
+        """The run's first trained step (an attempt that died starting up has none)."""
+        return next((a.first_step for a in self.attempts if a.first_step), None)
+
+    def restores(self) -> list[Restore]:
+        return [a.restored for a in self.attempts if a.restored is not None]
+
+    def committed(self) -> list[CheckpointRecord]:
+        return [c for c in self.checkpoints if c.committed]
+
+
+# -- the calls a training worker makes --------------------------------------------------------
+
+
+class WorkerLedger(Protocol):
+    """The run ledger as a training worker calls it (through ``ftjob.worker.recorder``)."""
+
+    def start_attempt(self, now: float, world: int | None = None) -> AttemptStart: ...
+    def claim_injected_failure(self, step: int, now: float) -> bool: ...
+    def notice_request(self) -> NoticeSource | None: ...
+    def heartbeat(self, attempt: int, rank: int, beat: Beat) -> float: ...
+    def register_worker(self, attempt: int, rank: int, place: WorkerPlace) -> None: ...
+    def audit_step(
+        self, attempt: int, step: int, epoch: int, ids: list[int], skipped: list[int]
+    ) -> None: ...
+    def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> None: ...
+    def storage_stats(self, source: str, stats: StorageCounters) -> None: ...
+    def set_fatal(self, error: str) -> None: ...
+    def log(self, line: str) -> None: ...
+    def restored(self, attempt: int, restore: Restore) -> None: ...
+    def step_done(self, attempt: int, step: int) -> None: ...
+    def first_step(self, attempt: int, first: FirstStep) -> None: ...
+    def progress_update(
+        self, attempt: int, progress: Progress, metrics: dict[str, float]
+    ) -> None: ...
+    def validation(self, attempt: int, step: int, result: ValidationResult) -> None: ...
+    def checkpoint(self, attempt: int, record: CheckpointRecord) -> None: ...
+    def preemption_notice(self, attempt: int, notice: Notice) -> None: ...
+    def jit_checkpoint(self, attempt: int, record: JitCheckpoint) -> None: ...
+    def finish(self, now: float) -> None: ...
