@@ -31,6 +31,8 @@ LAYERS = {
     "config": 0,
     "metrics": 0,
     "record": 0,
+    "ray_internals": 0,
+    "placement": 0,
 }
 # Top-level modules: entry points (the command line's layer) and the public names of the
 # extension points users reference in their configs.
@@ -95,6 +97,38 @@ def test_dependencies_point_down_the_layers_never_back():
             if LAYERS[theirs] >= LAYERS[mine]:
                 wrong.append(f"{name} ({mine}) -> {target} ({theirs})")
     assert not wrong, "\n".join(wrong)
+
+
+def ray_private_uses(tree: ast.Module) -> set[str]:
+    """Ray's private modules a module imports (``ray._private...``, ``ray.train.v2._internal
+    ...``, ``ray.core.generated``) or reaches as attributes of ``ray`` (``ray._raylet``)."""
+
+    def private(dotted: str) -> bool:
+        parts = dotted.split(".")
+        return parts[0] == "ray" and (
+            any(p.startswith("_") for p in parts) or dotted.startswith("ray.core.generated")
+        )
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and private(node.module):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if private(a.name)}
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "ray" and node.attr.startswith("_"):
+                found.add(f"ray.{node.attr}")
+    return found
+
+
+def test_rays_private_apis_are_used_in_one_module():
+    # A Ray upgrade is then checked in ftjob.ray_internals alone.
+    strays = {
+        name: sorted(uses)
+        for name, tree in modules().items()
+        if name != "ftjob.ray_internals" and (uses := ray_private_uses(tree))
+    }
+    assert not strays, f"import these through ftjob.ray_internals: {strays}"
 
 
 def oversized() -> dict[str, int]:

@@ -12,18 +12,9 @@ from typing import Any
 
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.config import NODE_KINDS, WORKER_KINDS, ChaosConfig
-
-
-def run_on_node(node_id: str, fn: Any, *args: Any, timeout: float | None = 60.0) -> Any:
-    """``fn(*args)`` as a zero-CPU task pinned to ``node_id``: its answer, or (``timeout=None``)
-    the ObjectRef without waiting -- for a task that takes its own node down."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-    task = ray.remote(num_cpus=0, max_retries=0)(fn).options(scheduling_strategy=strategy)
-    ref = task.remote(*args)
-    return ref if timeout is None else ray.get(ref, timeout=timeout)
+from ftjob.placement import run_on_node, start_pinned_actor
+from ftjob.ray_internals import HEAD_NODE_RESOURCE, drain_node_for_preemption
+from ftjob.record import ChaosSkip, ChaosView, Kill, KillTarget
 
 
 def _kill_on_node(kind: str, pid: int | None) -> int:
@@ -34,19 +25,16 @@ def _kill_on_node(kind: str, pid: int | None) -> int:
     return victim
 
 
-def _ray_kill(kind: str, target: dict[str, Any], notice: float = 0.0) -> int:
+def _ray_kill(kind: str, target: KillTarget, notice: float = 0.0) -> int:
     """A kill as a zero-CPU task pinned to the target node; ``preempt`` as :func:`_preempt`."""
     if kind == "slow":
         return -1  # no signal: the ledger tells the rank through its heartbeat
     if kind == "preempt":
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        strategy = NodeAffinitySchedulingStrategy(node_id=target["node_id"], soft=False)
-        return _preempt(target["node_id"], notice, strategy)
+        return _preempt(target.node_id, notice)
     if kind in NODE_KINDS:  # the task dies with its raylet; its answer never comes
-        run_on_node(target["node_id"], _kill_on_node, kind, None, timeout=None)
+        run_on_node(target.node_id, _kill_on_node, kind, None, timeout=None)
         return -1
-    return int(run_on_node(target["node_id"], _kill_on_node, kind, target.get("pid"), timeout=30))
+    return int(run_on_node(target.node_id, _kill_on_node, kind, target.pid, timeout=30))
 
 
 class NodeReaper:
@@ -67,16 +55,12 @@ class NodeReaper:
 _reapers: list[Any] = []  # armed reapers: an actor whose handle is dropped is killed
 
 
-def _preempt(node_id: str, notice: float, strategy: Any) -> int:
+def _preempt(node_id: str, notice: float) -> int:
     """Drain the node through Ray's drain API with ``notice`` seconds to its deadline (reason:
     preemption), as a cloud provider's reclaim would, and kill it at the deadline."""
     import ray
 
-    reaper = (
-        ray.remote(num_cpus=0, max_restarts=0)(NodeReaper)
-        .options(scheduling_strategy=strategy)
-        .remote()
-    )
+    reaper = start_pinned_actor(NodeReaper, node_id=node_id)
     raylet = int(ray.get(reaper.arm.remote(notice), timeout=60))
     _reapers.append(reaper)
     drain_node(node_id, notice)
@@ -86,22 +70,16 @@ def _preempt(node_id: str, notice: float, strategy: Any) -> int:
 def drain_node(node_id: str, notice: float) -> None:
     """Tell Ray the node goes away in ``notice`` seconds (what ``ray drain-node --reason
     DRAIN_NODE_REASON_PREEMPTION`` sends); ftjob's drain relay sees it."""
-    import ray
-    from ray.core.generated import autoscaler_pb2
-
-    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
-    deadline_ms = int((time.time() + notice) * 1000)
-    accepted, why = client.drain_node(
+    accepted, why = drain_node_for_preemption(
         node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
         f"ftjob chaos: preempted with {notice:g} s of notice",
-        deadline_ms,
+        int((time.time() + notice) * 1000),
     )
     if not accepted:
         raise RuntimeError(f"Ray refused to drain node {node_id[:12]}: {why}")
 
 
-def _node_gone(target: dict[str, Any], timeout: float = 60.0) -> bool:
+def _node_gone(target: KillTarget, timeout: float = 60.0) -> bool:
     """Is the killed node gone? Its raylet no longer answers the GCS (Ray marks the node dead)
     or, before that, its workers are gone (the kill task died with its raylet)."""
     import ray
@@ -109,7 +87,7 @@ def _node_gone(target: dict[str, Any], timeout: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if target["node_id"] not in alive:
+        if target.node_id not in alive:
             return True
         time.sleep(0.5)
     return False
@@ -121,15 +99,15 @@ class _LedgerView:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def chaos_view(self) -> dict[str, Any]:
+    def chaos_view(self) -> ChaosView:
         import ray
 
         return ray.get(self.handle.chaos_view.remote())
 
-    def record_kill(self, record: dict[str, Any]) -> None:
+    def record_kill(self, record: Kill) -> None:
         self.handle.kill.remote(record)
 
-    def record_skip(self, record: dict[str, Any]) -> None:
+    def record_skip(self, record: ChaosSkip) -> None:
         self.handle.chaos_skipped.remote(record)
 
     def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
@@ -171,7 +149,7 @@ def protected_nodes() -> list[str]:
     head = [
         n["NodeID"]
         for n in ray.nodes()
-        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
+        if n.get("Alive") and HEAD_NODE_RESOURCE in n.get("Resources", {})
     ]
     return sorted(set(head) | {ray.get_runtime_context().get_node_id()})
 
@@ -190,10 +168,4 @@ def node_chaos_targets() -> list[str]:
 
 def start_killer(chaos: ChaosConfig, ledger: Any) -> Any:
     """Start the killer actor on the driver's node (the head node of a local cluster)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    node = ray.get_runtime_context().get_node_id()
-    actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=2)(KillerActor)
-    strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-    return actor.options(scheduling_strategy=strategy).remote(chaos, ledger, protected_nodes())
+    return start_pinned_actor(KillerActor, chaos, ledger, protected_nodes(), max_concurrency=2)

@@ -20,21 +20,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ftjob.ray_internals import draining_nodes
+
 logger = logging.getLogger("ftjob.driver.drains")
-
-
-def _ray_draining_nodes() -> dict[str, int]:
-    """Ray Core's draining nodes: ``{node_id_hex: deadline_ms}`` (0 = no deadline)."""
-    import ray._private.state
-
-    return ray._private.state.state.get_draining_nodes() or {}
 
 
 class DrainRelay:
     """Polls for drains of the current worker group's nodes; marks its workers preempted."""
 
     def __init__(
-        self, interval_s: float, drains: Callable[[], dict[str, int]] = _ray_draining_nodes
+        self, interval_s: float, drains: Callable[[], dict[str, int]] = draining_nodes
     ) -> None:
         self.interval, self._drains = interval_s, drains
         self._lock = threading.Lock()
@@ -123,7 +118,7 @@ class _RelayHooks:
 def drain_relay(ledger: Any, interval_s: float) -> Any:
     """The Ray Train callback that replaces its per-attempt PreemptionWatcher (with
     ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``)."""
-    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+    from ftjob.ray_internals import WorkerGroupCallback
 
     cls = type("DrainRelayCallback", (_RelayHooks, WorkerGroupCallback), {})
     return cls(ledger, interval_s)

@@ -495,7 +495,8 @@ def _torch_trainer() -> Any:
     DatasetManager actor -- a new process -- with every attempt, on the controller's node
     (measured: 1.5 CPU-seconds while the new workers start, on a 2-core machine)."""
     from ray.train.torch import TorchTrainer
-    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    from ftjob.ray_internals import DatasetsCallback
 
     class FtjobTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:

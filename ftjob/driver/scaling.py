@@ -29,13 +29,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.scaling_policy import (
+
+from ftjob.ray_internals import (
+    ElasticScalingPolicy,
     NoopDecision,
     ResizeDecision,
     ScalingDecision,
+    scaling_policy_factory,
+    time_monotonic,
 )
-from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
-from ray.train.v2._internal.util import time_monotonic
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +147,11 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
 @contextlib.contextmanager
 def elastic_policy(ledger: Any, grow_timeout_s: float = 120.0) -> Iterator[None]:
     """While active, an elastic TorchTrainer.fit() runs :class:`FtjobElasticPolicy`."""
-    from ray.train.v2.api import data_parallel_trainer as dpt
 
-    original = dpt.create_scaling_policy
-
-    def create(scaling_config: Any) -> Any:
+    def create(scaling_config: Any, ray_factory: Any) -> Any:
         if scaling_config.elasticity_enabled:
             return FtjobElasticPolicy(scaling_config, ledger, grow_timeout_s)
-        return original(scaling_config)
+        return ray_factory(scaling_config)
 
-    dpt.create_scaling_policy = create
-    try:
+    with scaling_policy_factory(create):
         yield
-    finally:
-        dpt.create_scaling_policy = original

@@ -89,7 +89,8 @@ def _ray_machine() -> tuple[float, bool]:
     """The CPUs this process may use (Ray's count: cgroup limits included), and whether every
     live node of the cluster is on this machine (a simulated cluster, or one node)."""
     import ray
-    from ray._private.utils import get_num_cpus
+
+    from ftjob.ray_internals import get_num_cpus
 
     here = ray.util.get_node_ip_address()
     ips = {n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}

@@ -21,8 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-DRAIN, DRIVER, WORKER = "drain", "driver", "worker"
-RESIZE = "resize"  # not a preemption: an elastic group about to be resized (ftjob.driver.scaling)
+from ftjob.record import JitCheckpoint, NoticeSource
+from ftjob.record import Notice as NoticeRecord
+
+from ftjob.ray_internals import preemption_info, ray_exit_handler, set_ray_exit_handler
+
+DRAIN, DRIVER, WORKER = NoticeSource.DRAIN, NoticeSource.DRIVER, NoticeSource.WORKER
+RESIZE = NoticeSource.RESIZE  # not a preemption: the elastic group is about to be resized
 # The agreed kind is the highest any rank saw: a real preemption outranks a planned resize.
 SOURCES = {1: RESIZE, 2: DRAIN, 3: DRIVER, 4: WORKER}
 _KIND = {source: kind for kind, source in SOURCES.items()}
@@ -32,30 +37,30 @@ _KIND = {source: kind for kind, source in SOURCES.items()}
 class Notice:
     """An agreed preemption notice."""
 
-    source: str  # DRAIN (a node drain) | DRIVER (the driver got SIGTERM) | WORKER (a worker did)
+    source: NoticeSource
     deadline: float | None  # UNIX seconds the node goes away; None if not announced
     received: float  # when this rank saw it agreed
 
     def remaining(self, now: float) -> float:
         return math.inf if self.deadline is None else self.deadline - now
 
-    def record(self, step: int, ranks: list[int]) -> dict[str, Any]:
-        """What the run ledger keeps of it."""
-        return {
-            "source": self.source,
-            "deadline": self.deadline,
-            "received": self.received,
-            "step": step,
-            "ranks": ranks,
-        }
+    def record(self, step: int, ranks: list[int], validation_cut: int | None) -> NoticeRecord:
+        """What the run ledger keeps of it: also the step it came at, the ranks a drain
+        named, and a validation it cut short."""
+        return NoticeRecord(
+            source=self.source,
+            received=self.received,
+            step=step,
+            deadline=self.deadline,
+            ranks=tuple(ranks),
+            validation_cut=validation_cut,
+        )
 
 
 def ray_drain_notice() -> tuple[float | None, list[int]] | None:
     """(deadline in UNIX seconds or None, preempted ranks) if Ray Train marked this worker
     preempted, read locally (``ray.train.get_preemption_info`` is a barrier per call)."""
-    from ray.train.v2._internal.execution.context import get_train_context
-
-    info = get_train_context().preemption_context.preemption_info
+    info = preemption_info()
     if info is None:
         return None
     deadline = info.deadline_ms / 1000.0 if info.deadline_ms else None
@@ -141,9 +146,7 @@ class PreemptionNotices:
         """Make SIGTERM to this worker process a notice. Ray's handler (on the process's main
         thread; training runs on another, which cannot install one) would exit at once: the
         message it exits with is taken over while a notice can still be acted on."""
-        import ray._private.worker as ray_worker
-
-        self._ray_exit = original = ray_worker.raise_sys_exit_with_custom_error_message
+        self._ray_exit = original = ray_exit_handler()
 
         def on_exit(message: str, exit_code: int = 1) -> None:
             if "SIGTERM" in message and not self.terminated.is_set() and not self._stop.is_set():
@@ -151,7 +154,7 @@ class PreemptionNotices:
                 return
             original(message, exit_code)
 
-        ray_worker.raise_sys_exit_with_custom_error_message = on_exit
+        set_ray_exit_handler(on_exit)
 
     def wait_for_teardown(self, teardown: Callable[[], None]) -> None:
         """After the just-in-time checkpoint: a worker that got SIGTERM now exits as Ray would
@@ -165,37 +168,34 @@ class PreemptionNotices:
     def close(self) -> None:
         self._stop.set()
         if self._ray_exit is not None:
-            import ray._private.worker as ray_worker
-
-            ray_worker.raise_sys_exit_with_custom_error_message = self._ray_exit
+            set_ray_exit_handler(self._ray_exit)
             self._ray_exit = None
 
 
-def describe_notice(record: dict[str, Any]) -> list[str]:
-    """Progress lines for a notice every rank agreed on, or (``{"jit": ...}``) for the
-    just-in-time checkpoint that followed it."""
-    jit = record.get("jit")
-    if jit is not None:
-        if not jit.get("path"):
-            return [f"no just-in-time checkpoint: {jit.get('reason')}"]
-        how = "already committed" if jit.get("reused") else f"in {jit['seconds']:.2f}s"
-        return [f"just-in-time checkpoint of step {jit['step']} {how}: 0 steps will be lost"]
-    if record["source"] == RESIZE:
+def describe_jit(jit: JitCheckpoint) -> str:
+    """The progress line of the just-in-time checkpoint after a notice."""
+    if not jit.path:
+        return f"no just-in-time checkpoint: {jit.reason}"
+    how = "already committed" if jit.reused else f"in {jit.seconds or 0.0:.2f}s"
+    return f"just-in-time checkpoint of step {jit.step} {how}: 0 steps will be lost"
+
+
+def describe_notice(notice: NoticeRecord) -> list[str]:
+    """Progress lines for a notice every rank agreed on."""
+    if notice.source == RESIZE:
         return [
-            f"resizing from {record.get('from')} to {record.get('to')} workers at step "
-            f"{record['step']}: saving a just-in-time checkpoint first"
+            f"resizing from {notice.from_} to {notice.to} workers at step "
+            f"{notice.step}: saving a just-in-time checkpoint first"
         ]
-    deadline = record.get("deadline")
-    left = (
-        f"{deadline - record['received']:.0f} s before the deadline" if deadline else "no deadline"
-    )
+    deadline = notice.deadline
+    left = f"{deadline - notice.received:.0f} s before the deadline" if deadline else "no deadline"
     lines = [
-        f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
+        f"preemption notice ({notice.source}) at step {notice.step}, {left}: "
         "saving a just-in-time checkpoint"
     ]
-    if record.get("validation_cut") is not None:
+    if notice.validation_cut is not None:
         lines.append(
-            f"validation at step {record['validation_cut']} was cut short by the notice; "
+            f"validation at step {notice.validation_cut} was cut short by the notice; "
             "it runs again after the restart"
         )
     return lines
