@@ -22,8 +22,8 @@ import torch
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.models import SmallCNN
-from ftjob.storage.memory import Snapshot, start_holder
-from ftjob.worker.snapshots import Flat, MemoryTier, pack
+from ftjob.storage.memory import Flat, Snapshot, pack, start_holder
+from ftjob.worker.snapshots import MemoryTier
 
 
 def cpu_seconds(pid: int) -> float:

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
-from ftjob.worker.snapshots import Flat, pack, unpack
+from ftjob.storage.memory import (
+    Flat,
+    Ring,
+    RingRef,
+    Snapshot,
+    SnapshotHolder,
+    digest_all,
+    machine,
+    pack,
+    unpack,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = machine()

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.storage.memory import machine
+from ftjob.storage.memory.ring import machine
 from ftjob.storage.retry import RetryPolicy, is_storage_error
 from ftjob.storage.urls import is_object_store
 

@@ -33,8 +33,9 @@ from ftjob.config import CheckpointConfig
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.storage.checkpoint import CheckpointStore, RestoreChoice
 from ftjob.storage.lease import LeaseLost
+from ftjob.storage.memory.format import unpack
 from ftjob.worker.recorder import JobStopped, RunRecorder
-from ftjob.worker.snapshots import MemoryTier, unpack
+from ftjob.worker.snapshots import MemoryTier
 from ftjob.worker.uploads import (
     CONFIG_FILE,
     AsyncUploader,

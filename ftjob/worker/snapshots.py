@@ -1,14 +1,15 @@
-"""A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.storage.memory`).
+"""A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.storage.memory`):
+taking snapshots of the training state and restoring one.
 
 Taking: every ``every_n_steps`` steps rank 0 copies the model's and optimizer's tensors (the
 only part on the training thread: a memory copy, so the next step can change the weights) and
-hands the copy to a background thread, which packs it (:func:`pack`: each tensor's bytes as an
-array, the rest as small files), digests it and gives it to the run's holder. On the holder's
-machine the copy is made straight into a slot of the holder's ring (shared memory; the thread
-commits the slot, nothing is sent); elsewhere the thread sends it through Ray. One snapshot is
-in flight at a time; a due snapshot while one is still being sent is skipped (training never
-waits for the tier). The state is the same on every rank (DDP), so rank 0's copy serves all of
-them.
+hands the copy to a background thread, which packs it
+(:func:`~ftjob.storage.memory.format.pack`: each tensor's bytes as an array, the rest as small
+files), digests it and gives it to the run's holder. On the holder's machine the copy is made
+straight into a slot of the holder's ring (shared memory; the thread commits the slot, nothing
+is sent); elsewhere the thread sends it through Ray. One snapshot is in flight at a time; a due
+snapshot while one is still being sent is skipped (training never waits for the tier). The
+state is the same on every rank (DDP), so rank 0's copy serves all of them.
 
 Restoring: rank 0 offers the newest held snapshot that is newer than every committed durable
 checkpoint and verifies; every rank loads it. A snapshot that fails verification is dropped
@@ -17,29 +18,23 @@ from the holder with a line, never loaded.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import math
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.storage.checkpoint import RestoreChoice
-from ftjob.storage.memory import Buffer, Ring, RingRef, Snapshot, digest_all, machine
+from ftjob.storage.memory.format import Buffer, Flat, Snapshot, digest_all, pack, state_bytes
+from ftjob.storage.memory.holder import RingRef
+from ftjob.storage.memory.ring import Arena, Ring, machine
 
 logger = logging.getLogger(__name__)
 
 MEMORY_PREFIX = "memory:"
-TENSOR = "ftjob.tensor"  # (TENSOR, offset, dtype, shape) stands for a tensor in a skeleton
 
 
 def holder_errors() -> tuple[type[BaseException], ...]:
@@ -50,193 +45,9 @@ def holder_errors() -> tuple[type[BaseException], ...]:
     return (ray.exceptions.RayError, ConnectionError, EOFError)
 
 
-def state_bytes(state: Any) -> int:
-    """Bytes of the tensors in a state dict."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(state_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(state_bytes(v) for v in state)
-    return 0
-
-
-ALIGN = 64  # where each dtype's run of tensors starts in a flat buffer
-
-
-def _replace(value: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any]) -> Any:
-    """``value`` (dicts, lists, tuples) with every ``is_leaf`` item replaced by ``leaf(item)``,
-    in depth-first order."""
-    if is_leaf(value):
-        return leaf(value)
-    if isinstance(value, dict):
-        return {k: _replace(v, is_leaf, leaf) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_replace(v, is_leaf, leaf) for v in value)
-    return value
-
-
-def _is_marker(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR
-
-
-@dataclass(frozen=True)
-class Flat:
-    """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
-    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies, in the
-    state's order. Tensors of one dtype lie back to back in one run of the buffer
-    (``regions``: dtype -> (start, end)), so one operation covers all of them."""
-
-    skeleton: Any
-    buffer: Any  # torch.Tensor, uint8, 1-D
-    views: list[Any]
-    regions: dict[Any, tuple[int, int]]
-
-    @classmethod
-    def copy_of(cls, state: Any, alloc: Callable[[int], Any] | None = None) -> Flat:
-        """The stall: each tensor copied once, into its place in the buffer (``alloc(n)``:
-        where the buffer lies, a uint8 tensor of ``n`` bytes; a new one by default)."""
-        import torch
-
-        def is_tensor(value: Any) -> bool:
-            return isinstance(value, torch.Tensor)
-
-        tensors: list[Any] = []
-        _replace(state, is_tensor, tensors.append)  # the tensors, in the state's order
-        offsets, regions, end = [0] * len(tensors), {}, 0
-        for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
-            start = end = -(-end // ALIGN) * ALIGN
-            for i, tensor in enumerate(tensors):
-                if tensor.dtype == dtype:
-                    offsets[i], end = end, end + tensor.numel() * tensor.element_size()
-            regions[dtype] = (start, end)
-        buffer = torch.empty(end, dtype=torch.uint8) if alloc is None else alloc(end)
-        views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
-        sources = [t.detach() for t in tensors]
-        if all(t.device.type == "cpu" for t in sources):
-            torch._foreach_copy_(views, sources)  # one call, not one per tensor
-        else:
-            for view, source in zip(views, sources, strict=True):
-                view.copy_(source)
-
-        placed = iter(zip(offsets, tensors, strict=True))  # the same order, walked again
-
-        def marker(_: Any) -> tuple[str, int, str, tuple[int, ...]]:
-            offset, tensor = next(placed)
-            return (TENSOR, offset, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-
-        return cls(_replace(state, is_tensor, marker), buffer, views, regions)
-
-    def all_finite(self) -> bool:
-        """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
-        (a NaN or inf anywhere makes it NaN or inf); a sum that is not finite is confirmed
-        element by element (float64 values near its limit can overflow their sum)."""
-        import torch
-
-        summed = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-        for dtype, (start, end) in self.regions.items():
-            if dtype.is_floating_point:
-                run = self.buffer[start:end].view(dtype)
-                run = run if dtype in summed else run.double()  # float8: no sum of its own
-                finite = bool(run.sum(dtype=torch.float64).isfinite())
-                if not finite and not bool(torch.isfinite(run).all()):
-                    return False
-        return True
-
-
-def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
-    """The tensor of ``dtype`` and ``shape`` stored at ``offset`` of a flat uint8 buffer."""
-    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
-class Arena:
-    """Buffers laid out one after another in a ring slot's payload (a uint8 array): a
-    snapshot's tensors are copied straight into the memory the holder reads."""
-
-    class Full(Exception):
-        """The snapshot does not fit the slot."""
-
-    def __init__(self, payload: np.ndarray) -> None:
-        self.payload, self.end = payload, 0
-
-    def take(self, nbytes: int) -> np.ndarray:
-        start = -(-self.end // ALIGN) * ALIGN
-        if start + nbytes > len(self.payload):
-            raise Arena.Full(f"{start + nbytes} bytes do not fit a slot of {len(self.payload)}")
-        self.end = start + nbytes
-        return self.payload[start : self.end]
-
-    def tensor(self, nbytes: int) -> Any:
-        import torch
-
-        return torch.from_numpy(self.take(nbytes))
-
-    def place(self, files: dict[str, Buffer]) -> dict[str, tuple[int, int, bool]]:
-        """Where each file lies in the payload -- (offset, length, is an array) -- copying in
-        those that are not there yet (the skeletons and records :func:`pack` made)."""
-        base, layout = self.payload.ctypes.data, {}
-        for name, data in files.items():
-            if isinstance(data, np.ndarray):
-                offset = data.ctypes.data - base
-                if not (0 <= offset and offset + data.nbytes <= len(self.payload)):
-                    offset = self._copy_in(data)
-                layout[name] = (offset, data.nbytes, True)
-            else:
-                layout[name] = (self._copy_in(np.frombuffer(data, np.uint8)), len(data), False)
-        return layout
-
-    def _copy_in(self, data: np.ndarray) -> int:
-        view = self.take(data.nbytes)
-        view[:] = data
-        return view.ctypes.data - self.payload.ctypes.data
-
-
-def pack(states: dict[str, Flat], records: dict[str, Any]) -> dict[str, Buffer]:
-    """A snapshot's buffers: each state (file name -> :class:`Flat`) as its skeleton
-    (``torch.save`` of the structure) under its name and its flat buffer as a uint8 array
-    under ``name#tensors`` (no copy: a view); ``records`` as JSON."""
-    import torch
-
-    files: dict[str, Buffer] = {}
-    for name, flat in states.items():
-        skeleton = io.BytesIO()
-        torch.save(flat.skeleton, skeleton)
-        files[name] = skeleton.getvalue()
-        files[f"{name}#tensors"] = flat.buffer.numpy()
-    for name, record in records.items():
-        files[name] = json.dumps(record).encode()
-    return files
-
-
-def unpack(files: dict[str, Buffer], name: str, device: Any = None) -> Any:
-    """The state dict :func:`pack` stored as ``name``. Its tensors are views of the array
-    (a read-only one when it came out of Ray's object store), or with a ``device`` views of
-    one copy on it: a consumer that keeps the tensors it is given (an optimizer) needs a
-    device, one that copies them into its own (a module's ``load_state_dict``) does not."""
-    import torch
-
-    skeleton = files[name]
-    assert isinstance(skeleton, bytes)
-    # weights_only: tensors and plain containers, never pickled code (as for storage's files)
-    state = torch.load(io.BytesIO(skeleton), weights_only=True)
-    with warnings.catch_warnings():  # read-only is fine: it is read once, or copied
-        warnings.simplefilter("ignore", UserWarning)
-        buffer = torch.from_numpy(files[f"{name}#tensors"])
-    if device is not None:
-        buffer = buffer.to(device, copy=True)
-
-    def tensor(marker: tuple[str, int, str, tuple[int, ...]]) -> Any:
-        _, offset, dtype, shape = marker
-        return _view(buffer, offset, getattr(torch, dtype), shape)
-
-    return _replace(state, _is_marker, tensor)
-
-
 class MemoryTier:
     """Rank 0 takes snapshots; every rank restores from one. ``holder``: the run's
-    :class:`~ftjob.storage.memory.SnapshotHolder` handle; ``fetch`` resolves its answers."""
+    :class:`~ftjob.storage.memory.holder.SnapshotHolder` handle; ``fetch`` resolves its answers."""
 
     def __init__(
         self,
@@ -496,4 +307,4 @@ class MemoryTier:
         return self.fetch(self.holder.copy.remote(ref.step))
 
 
-__all__ = ["MEMORY_PREFIX", "Arena", "Flat", "MemoryTier", "pack", "state_bytes", "unpack"]
+__all__ = ["MEMORY_PREFIX", "MemoryTier", "holder_errors"]

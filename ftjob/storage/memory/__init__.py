@@ -1,0 +1,44 @@
+"""The memory tier (``checkpoint.memory``): snapshots of the training state, held in memory by
+a process that outlives the training workers, so a restart restores from memory what storage
+would give seconds later and several steps older. Snapshots never replace durable checkpoints:
+a run's final checkpoint is always a durable one.
+
+- :mod:`~ftjob.storage.memory.format`: a snapshot (named buffers, each with its SHA-256
+  digest, trusted only when every one verifies) and a state dict packed into its buffers.
+- :mod:`~ftjob.storage.memory.ring`: the holder's shared-memory ring, which a rank on its
+  machine writes snapshots into with no call per snapshot.
+- :mod:`~ftjob.storage.memory.holder`: the holder, a Ray actor on the driver's node that keeps
+  the newest snapshots within a count and a byte cap.
+
+A worker takes and restores them through :mod:`ftjob.worker.snapshots`.
+"""
+
+from ftjob.storage.memory.format import (
+    Buffer,
+    Flat,
+    Snapshot,
+    digest,
+    digest_all,
+    pack,
+    state_bytes,
+    unpack,
+)
+from ftjob.storage.memory.holder import RingRef, SnapshotHolder, start_holder
+from ftjob.storage.memory.ring import Arena, Ring, machine
+
+__all__ = [
+    "Arena",
+    "Buffer",
+    "Flat",
+    "Ring",
+    "RingRef",
+    "Snapshot",
+    "SnapshotHolder",
+    "digest",
+    "digest_all",
+    "machine",
+    "pack",
+    "start_holder",
+    "state_bytes",
+    "unpack",
+]

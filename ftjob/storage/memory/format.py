@@ -1,0 +1,233 @@
+"""The memory tier's snapshot format: a checkpoint's files as named buffers with their
+digests, and a training state dict packed into them.
+
+A :class:`Snapshot` holds what a durable checkpoint holds (model, optimizer, training state) as
+named buffers -- small ones as ``bytes``, the tensors' bytes as flat ``uint8`` numpy arrays --
+each with its SHA-256 digest; it is only trusted when every buffer verifies. A state dict
+becomes two buffers (:func:`pack`): its structure (``torch.save`` of the dict with each tensor
+replaced by a marker) and every tensor's bytes in one flat array (:class:`Flat`: one copy, the
+tensors of one dtype back to back); :func:`unpack` gives the state dict back, its tensors views
+of that array.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Buffer = bytes | np.ndarray  # a flat uint8 array when it is one
+
+
+def digest(data: Buffer) -> str:
+    return hashlib.sha256(memoryview(data)).hexdigest()
+
+
+def digest_all(files: dict[str, Buffer]) -> dict[str, str]:
+    """Every buffer's digest; hashlib releases the GIL over large buffers, so a large state's
+    arrays are hashed on every core at once (a small one's in this thread: cheaper)."""
+    if sum(memoryview(data).nbytes for data in files.values()) < 16 * 2**20:
+        return {name: digest(data) for name, data in files.items()}
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        return dict(zip(files, pool.map(digest, files.values()), strict=True))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The buffers of a checkpoint of ``step``, in memory, with their digests."""
+
+    step: int
+    files: dict[str, Buffer]
+    digests: dict[str, str]
+    taken: float = field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, step: int, files: dict[str, Buffer]) -> Snapshot:
+        return cls(step, files, digest_all(files))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(data).nbytes for data in self.files.values())
+
+    def verify(self) -> str | None:
+        """None when every buffer matches its digest, else what does not."""
+        if set(self.files) != set(self.digests):
+            return f"files {sorted(self.files)} do not match the digests' {sorted(self.digests)}"
+        for name, found in digest_all(self.files).items():
+            if found != self.digests[name]:
+                return f"{name} does not match its sha256"
+        return None
+
+    def own(self) -> Snapshot:
+        """This snapshot with arrays of its own: arrays that arrive through Ray are views of
+        the object store's copy, which the sender owns and which would go with it."""
+        files = {n: np.array(d) if isinstance(d, np.ndarray) else d for n, d in self.files.items()}
+        return Snapshot(self.step, files, self.digests, self.taken)
+
+
+TENSOR = "ftjob.tensor"  # (TENSOR, offset, dtype, shape) stands for a tensor in a skeleton
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a state dict."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+ALIGN = 64  # where each dtype's run of tensors starts in a flat buffer
+
+
+def _replace(value: Any, is_leaf: Callable[[Any], bool], leaf: Callable[[Any], Any]) -> Any:
+    """``value`` (dicts, lists, tuples) with every ``is_leaf`` item replaced by ``leaf(item)``,
+    in depth-first order."""
+    if is_leaf(value):
+        return leaf(value)
+    if isinstance(value, dict):
+        return {k: _replace(v, is_leaf, leaf) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace(v, is_leaf, leaf) for v in value)
+    return value
+
+
+def _is_marker(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
+    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies, in the
+    state's order. Tensors of one dtype lie back to back in one run of the buffer
+    (``regions``: dtype -> (start, end)), so one operation covers all of them."""
+
+    skeleton: Any
+    buffer: Any  # torch.Tensor, uint8, 1-D
+    views: list[Any]
+    regions: dict[Any, tuple[int, int]]
+
+    @classmethod
+    def copy_of(cls, state: Any, alloc: Callable[[int], Any] | None = None) -> Flat:
+        """The stall: each tensor copied once, into its place in the buffer (``alloc(n)``:
+        where the buffer lies, a uint8 tensor of ``n`` bytes; a new one by default)."""
+        import torch
+
+        def is_tensor(value: Any) -> bool:
+            return isinstance(value, torch.Tensor)
+
+        tensors: list[Any] = []
+        _replace(state, is_tensor, tensors.append)  # the tensors, in the state's order
+        offsets, regions, end = [0] * len(tensors), {}, 0
+        for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
+            start = end = -(-end // ALIGN) * ALIGN
+            for i, tensor in enumerate(tensors):
+                if tensor.dtype == dtype:
+                    offsets[i], end = end, end + tensor.numel() * tensor.element_size()
+            regions[dtype] = (start, end)
+        buffer = torch.empty(end, dtype=torch.uint8) if alloc is None else alloc(end)
+        views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
+        sources = [t.detach() for t in tensors]
+        if all(t.device.type == "cpu" for t in sources):
+            torch._foreach_copy_(views, sources)  # one call, not one per tensor
+        else:
+            for view, source in zip(views, sources, strict=True):
+                view.copy_(source)
+
+        placed = iter(zip(offsets, tensors, strict=True))  # the same order, walked again
+
+        def marker(_: Any) -> tuple[str, int, str, tuple[int, ...]]:
+            offset, tensor = next(placed)
+            return (TENSOR, offset, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+
+        return cls(_replace(state, is_tensor, marker), buffer, views, regions)
+
+    def all_finite(self) -> bool:
+        """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
+        (a NaN or inf anywhere makes it NaN or inf); a sum that is not finite is confirmed
+        element by element (float64 values near its limit can overflow their sum)."""
+        import torch
+
+        summed = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        for dtype, (start, end) in self.regions.items():
+            if dtype.is_floating_point:
+                run = self.buffer[start:end].view(dtype)
+                run = run if dtype in summed else run.double()  # float8: no sum of its own
+                finite = bool(run.sum(dtype=torch.float64).isfinite())
+                if not finite and not bool(torch.isfinite(run).all()):
+                    return False
+        return True
+
+
+def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
+    """The tensor of ``dtype`` and ``shape`` stored at ``offset`` of a flat uint8 buffer."""
+    return buffer[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def pack(states: dict[str, Flat], records: dict[str, Any]) -> dict[str, Buffer]:
+    """A snapshot's buffers: each state (file name -> :class:`Flat`) as its skeleton
+    (``torch.save`` of the structure) under its name and its flat buffer as a uint8 array
+    under ``name#tensors`` (no copy: a view); ``records`` as JSON."""
+    import torch
+
+    files: dict[str, Buffer] = {}
+    for name, flat in states.items():
+        skeleton = io.BytesIO()
+        torch.save(flat.skeleton, skeleton)
+        files[name] = skeleton.getvalue()
+        files[f"{name}#tensors"] = flat.buffer.numpy()
+    for name, record in records.items():
+        files[name] = json.dumps(record).encode()
+    return files
+
+
+def unpack(files: dict[str, Buffer], name: str, device: Any = None) -> Any:
+    """The state dict :func:`pack` stored as ``name``. Its tensors are views of the array
+    (a read-only one when it came out of Ray's object store), or with a ``device`` views of
+    one copy on it: a consumer that keeps the tensors it is given (an optimizer) needs a
+    device, one that copies them into its own (a module's ``load_state_dict``) does not."""
+    import torch
+
+    skeleton = files[name]
+    assert isinstance(skeleton, bytes)
+    # weights_only: tensors and plain containers, never pickled code (as for storage's files)
+    state = torch.load(io.BytesIO(skeleton), weights_only=True)
+    with warnings.catch_warnings():  # read-only is fine: it is read once, or copied
+        warnings.simplefilter("ignore", UserWarning)
+        buffer = torch.from_numpy(files[f"{name}#tensors"])
+    if device is not None:
+        buffer = buffer.to(device, copy=True)
+
+    def tensor(marker: tuple[str, int, str, tuple[int, ...]]) -> Any:
+        _, offset, dtype, shape = marker
+        return _view(buffer, offset, getattr(torch, dtype), shape)
+
+    return _replace(state, _is_marker, tensor)
+
+
+__all__ = [
+    "ALIGN",
+    "Buffer",
+    "Flat",
+    "Snapshot",
+    "digest",
+    "digest_all",
+    "pack",
+    "state_bytes",
+    "unpack",
+]

@@ -1,0 +1,279 @@
+"""The memory tier's shared-memory ring: snapshot slots a rank on the holder's machine writes
+into, with no call per snapshot; and :class:`Arena`, which lays a snapshot's buffers out in a
+slot's payload so its tensors are copied straight into the memory the holder reads.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+from typing import Any
+
+import numpy as np
+
+from ftjob.storage.memory.format import ALIGN, Buffer, Snapshot
+
+
+def machine() -> str:
+    """Which kernel and pid namespace this process runs in: two processes that agree can map
+    each other's memory files through ``/proc/<pid>/fd``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+class Ring:
+    """Snapshot slots in one block of shared memory: the channel from a rank to the holder on
+    its machine that costs no call per snapshot (the Ray path costs an actor call carrying the
+    snapshot and the holder's copy of it, each time).
+
+    The holder creates it (:meth:`create`): an anonymous memory file (``memfd``) that exists
+    only while a process maps it or holds it open -- nothing to clean up when the holder dies
+    however it dies. A process on the same machine opens it through ``/proc/<holder>/fd/<n>``
+    (:meth:`attach`) and checks the random token at its start: another machine, or another
+    process behind the same pid (a container's), finds no token and uses the Ray path.
+
+    Slot ``i``: a header -- its state, its step, then JSON naming each file's offset, length
+    and digest -- and ``slot_bytes`` of payload. The writer marks a slot being written before
+    it touches it and committed after every byte and the header are in, so a writer that dies
+    half-way leaves a slot no reader takes; and a reader trusts a slot only when every file
+    matches its digest. One writer at a time (the rank taking snapshots); a reader reads while
+    no snapshot is being written (a restore, before training resumes)."""
+
+    MAGIC = b"ftjob-snapshots1"
+    TOKEN = 16
+    HEAD = 64  # magic, token, taken, dropped
+    SLOT_HEAD = 64 * 1024  # state, step, JSON length, JSON
+    EMPTY, WRITING, COMMITTED = 0, 1, 2
+
+    def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int | None = None) -> None:
+        self.memory, self.address, self.fd = memory, address, fd  # fd: the holder's, kept open
+        self.slots, self.slot_bytes = address["slots"], address["slot_bytes"]
+
+    @classmethod
+    def size(cls, slots: int, slot_bytes: int) -> int:
+        return cls.HEAD + slots * (cls.SLOT_HEAD + slot_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size(self.slots, self.slot_bytes)
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> Ring:
+        """A new ring, its memory reserved now (a machine short of it says so here, not with a
+        bus error in the middle of a snapshot). Raises OSError where there is no memfd."""
+        slot_bytes = -(-slot_bytes // 64) * 64  # every payload starts 64-byte aligned
+        size = cls.size(slots, slot_bytes)
+        fd = os.memfd_create("ftjob-snapshots", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            memory = mmap.mmap(fd, size)
+        except OSError:
+            os.close(fd)
+            raise
+        token = secrets.token_bytes(cls.TOKEN)
+        memory[: len(cls.MAGIC) + cls.TOKEN] = cls.MAGIC + token
+        address = {
+            "path": f"/proc/{os.getpid()}/fd/{fd}",
+            "token": token.hex(),
+            "slots": slots,
+            "slot_bytes": slot_bytes,
+        }
+        return cls(memory, address, fd)  # the fd kept open: the memory lives while the holder does
+
+    @classmethod
+    def attach(cls, address: dict[str, Any]) -> Ring | None:
+        """The holder's ring, when this process can map it (same machine, and the token
+        matches), else None."""
+        if not re.fullmatch(r"/proc/\d+/fd/\d+", str(address.get("path"))):
+            return None  # only a holder's memory file, never another path
+        try:
+            fd = os.open(address["path"], os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            size = cls.size(address["slots"], address["slot_bytes"])
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_size != size:
+                return None
+            memory = mmap.mmap(fd, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+        if memory[: len(cls.MAGIC) + cls.TOKEN] != cls.MAGIC + bytes.fromhex(address["token"]):
+            memory.close()
+            return None
+        return cls(memory, address)
+
+    def close(self) -> None:
+        """The holder lets its ring go (its memory goes once no process maps it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        try:
+            self.memory.close()
+        except BufferError:  # arrays still view it: the mapping goes with the last of them
+            pass
+
+    # -- counts and slot headers ------------------------------------------------------------
+
+    def _count(self, which: int, add: int = 0) -> int:
+        at = len(self.MAGIC) + self.TOKEN + 8 * which  # one writer: its rank
+        value = struct.unpack_from("<Q", self.memory, at)[0] + add
+        if add:
+            struct.pack_into("<Q", self.memory, at, value)
+        return value
+
+    def counts(self) -> tuple[int, int]:
+        """Snapshots committed and dropped over the ring's life."""
+        return self._count(0), self._count(1)
+
+    def _start(self, slot: int) -> int:
+        return self.HEAD + slot * (self.SLOT_HEAD + self.slot_bytes)
+
+    def _state(self, slot: int) -> tuple[int, int]:
+        return struct.unpack_from("<QQ", self.memory, self._start(slot))  # type: ignore[return-value]
+
+    def _set_state(self, slot: int, state: int, step: int = 0) -> None:
+        struct.pack_into("<QQ", self.memory, self._start(slot), state, step)
+
+    def committed(self) -> dict[int, int]:
+        """Step -> slot of every committed snapshot."""
+        held = {}
+        for slot in range(self.slots):
+            state, step = self._state(slot)
+            if state == self.COMMITTED:
+                held[step] = slot
+        return held
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def claim(self) -> tuple[int, np.ndarray]:
+        """A slot to write the next snapshot into, marked as being written, and its payload:
+        one not committed (the writer keeps at most ``slots - 1`` committed, :meth:`keep_newest`)."""
+        held = set(self.committed().values())
+        slot = next(s for s in range(self.slots) if s not in held)
+        self._set_state(slot, self.WRITING)
+        return slot, self.payload(slot)
+
+    def payload(self, slot: int) -> np.ndarray:
+        start = self._start(slot) + self.SLOT_HEAD
+        return np.frombuffer(self.memory, np.uint8, self.slot_bytes, start)
+
+    def commit(
+        self,
+        slot: int,
+        step: int,
+        layout: dict[str, tuple[int, int, bool]],
+        digests: dict[str, str],
+    ) -> None:
+        """Slot ``slot`` holds the snapshot of ``step``: each file at (offset, length, is an
+        array) of the payload, with its digest. Then the oldest beyond ``keep`` go."""
+        header = json.dumps(
+            {"step": step, "files": layout, "digests": digests, "taken": time.time()}
+        ).encode()
+        if 24 + len(header) > self.SLOT_HEAD:
+            raise ValueError(f"a snapshot header of {len(header)} bytes does not fit a slot's")
+        start = self._start(slot)
+        struct.pack_into("<Q", self.memory, start + 16, len(header))
+        self.memory[start + 24 : start + 24 + len(header)] = header
+        self._set_state(slot, self.COMMITTED, step)
+        self._count(0, add=1)
+
+    def release(self, slot: int) -> None:
+        """A slot whose snapshot was not committed (not finite, too big): empty again."""
+        self._set_state(slot, self.EMPTY)
+
+    def keep_newest(self, keep: int) -> list[int]:
+        """Drops committed snapshots older than the newest ``keep``; their steps."""
+        held = self.committed()
+        old = sorted(held, reverse=True)[keep:]
+        for step in old:
+            self.drop(step)
+        return old
+
+    def drop(self, step: int) -> bool:
+        slot = self.committed().get(step)
+        if slot is None:
+            return False
+        self._set_state(slot, self.EMPTY)
+        self._count(1, add=1)
+        return True
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read(self, step: int) -> Snapshot | None:
+        """The snapshot of ``step`` as it lies in the ring (arrays are views of the ring's
+        memory: verify before use, copy what must outlive the next write), or None."""
+        slot = self.committed().get(step)
+        if slot is None:
+            return None
+        start = self._start(slot)
+        length = struct.unpack_from("<Q", self.memory, start + 16)[0]
+        try:
+            header = json.loads(bytes(self.memory[start + 24 : start + 24 + length]))
+        except ValueError:
+            return None  # a header overwritten under the reader: not this snapshot
+        if header.get("step") != step:
+            return None
+        payload, files = self.payload(slot), {}
+        for name, (offset, size, is_array) in header["files"].items():
+            data = payload[offset : offset + size]
+            files[name] = data if is_array else data.tobytes()
+        return Snapshot(step, files, header["digests"], header["taken"])
+
+
+class Arena:
+    """Buffers laid out one after another in a ring slot's payload (a uint8 array): a
+    snapshot's tensors are copied straight into the memory the holder reads."""
+
+    class Full(Exception):
+        """The snapshot does not fit the slot."""
+
+    def __init__(self, payload: np.ndarray) -> None:
+        self.payload, self.end = payload, 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        start = -(-self.end // ALIGN) * ALIGN
+        if start + nbytes > len(self.payload):
+            raise Arena.Full(f"{start + nbytes} bytes do not fit a slot of {len(self.payload)}")
+        self.end = start + nbytes
+        return self.payload[start : self.end]
+
+    def tensor(self, nbytes: int) -> Any:
+        import torch
+
+        return torch.from_numpy(self.take(nbytes))
+
+    def place(self, files: dict[str, Buffer]) -> dict[str, tuple[int, int, bool]]:
+        """Where each file lies in the payload -- (offset, length, is an array) -- copying in
+        those that are not there yet (the skeletons and records :func:`pack` made)."""
+        base, layout = self.payload.ctypes.data, {}
+        for name, data in files.items():
+            if isinstance(data, np.ndarray):
+                offset = data.ctypes.data - base
+                if not (0 <= offset and offset + data.nbytes <= len(self.payload)):
+                    offset = self._copy_in(data)
+                layout[name] = (offset, data.nbytes, True)
+            else:
+                layout[name] = (self._copy_in(np.frombuffer(data, np.uint8)), len(data), False)
+        return layout
+
+    def _copy_in(self, data: np.ndarray) -> int:
+        view = self.take(data.nbytes)
+        view[:] = data
+        return view.ctypes.data - self.payload.ctypes.data
+
+
+__all__ = ["Arena", "Ring", "machine"]
