@@ -29,6 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from s3fs.errors import translate_boto_error
 
 from ftjob.config import ConfigError, RetryConfig, StorageChaosConfig
+from ftjob.storage.errors import ErrorClassifier, is_storage_error
 from ftjob.storage.faults import INJECTED_ERRORS, FaultInjectingFileSystem
 from ftjob.storage.fs import (
     RetryingFileSystem,
@@ -38,13 +39,7 @@ from ftjob.storage.fs import (
     split_options,
     to_pyarrow,
 )
-from ftjob.storage.retry import (
-    ErrorClassifier,
-    OpStats,
-    RetryPolicy,
-    StorageStats,
-    is_storage_error,
-)
+from ftjob.storage.retry import OpStats, RetryPolicy, StorageStats
 from ftjob.storage.wrapper import _DelegatingFileSystem, exclusive_create_guarantee, innermost
 
 S3_TARGET = "s3://ckpt-bucket/runs/exp1/checkpoints/step_000000010/model.pt"

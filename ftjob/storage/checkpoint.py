@@ -52,8 +52,8 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from ftjob.storage.errors import is_storage_error
 from ftjob.storage.lease import LeaseLost
-from ftjob.storage.retry import is_storage_error
 from ftjob.storage.urls import is_object_store
 
 logger = logging.getLogger("ftjob.storage.checkpoint")

@@ -49,8 +49,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.storage.errors import is_storage_error
 from ftjob.storage.memory.ring import machine
-from ftjob.storage.retry import RetryPolicy, is_storage_error
+from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.urls import is_object_store
 
 logger = logging.getLogger("ftjob.storage.lease")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.errors import is_storage_error
 from ftjob.storage.lease import LeaseLost
-from ftjob.storage.retry import is_storage_error
 
 logger = logging.getLogger("ftjob.worker.uploads")
 
