@@ -278,10 +278,10 @@ def test_hang_chaos_needs_hang_detection():
 
 
 def test_failure_keys_spelled_the_old_way_still_work_and_say_their_new_name(capsys, monkeypatch):
-    import ftjob.config
+    import ftjob.config.legacy
     from tests.helpers import compose_job
 
-    monkeypatch.setattr(ftjob.config, "_said", set())  # said once per process: this one's
+    monkeypatch.setattr(ftjob.config.legacy, "_said", set())  # said once per process: this one's
 
     job = compose_job(
         "failure.hang_timeout=7", "failure.straggler_patience=4", "failure.restart_loop_attempts=2"

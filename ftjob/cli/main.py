@@ -87,7 +87,9 @@ def _explain(
     exc: Exception, overrides: list[str], options: Callable[[str], list[str]] | None = None
 ) -> ConfigError:
     """One ConfigError (key, value, rule) from a Hydra/OmegaConf composition error."""
-    cause = exc.__cause__ if isinstance(exc.__cause__, OmegaConfBaseException) else exc
+    # An error in a config file: Hydra raises its own while handling OmegaConf's (the context).
+    inner = exc.__cause__ or exc.__context__
+    cause = inner if isinstance(inner, OmegaConfBaseException) else exc
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     head = lines[0] if lines else type(exc).__name__
     given = parse_overrides(overrides)
@@ -118,7 +120,7 @@ def _explain(
         rule = f"unknown key ({detail}); check the spelling, or see the keys with --cfg job"
     else:
         rule = detail
-    return ConfigError(key, given.get(key), rule)
+    return ConfigError(key, given[key] if key in given else getattr(cause, "value", None), rule)
 
 
 def precheck(argv: list[str]) -> None:

@@ -1,0 +1,48 @@
+"""Keys spelled the way earlier versions did: they still work, moved to where they live now,
+with one line on stderr that names the new key."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+# Flat failure.* keys of earlier versions -> where they live now (under ``failure``).
+RENAMED_FAILURE_KEYS = {
+    "hang_detection": "hang.enabled",
+    "hang_timeout": "hang.timeout",
+    "hang_safety_factor": "hang.safety_factor",
+    "hang_min_timeout": "hang.min_timeout",
+    "hang_max_timeout": "hang.max_timeout",
+    "hang_warmup": "hang.warmup",
+    "heartbeat_interval": "hang.heartbeat_interval",
+    "straggler_threshold": "straggler.threshold",
+    "straggler_patience": "straggler.patience",
+    "straggler_action": "straggler.action",
+    "restart_loop_attempts": "restart_loop.attempts",
+    "restart_loop_min_steps": "restart_loop.min_steps",
+}
+_said: set[str] = set()
+
+
+def say_deprecated(old: str, new: str) -> None:
+    """One line on stderr, once per process, for a key spelled the old way."""
+    if old not in _said:
+        _said.add(old)
+        print(f"ftjob: {old} is deprecated: it is {new} now", file=sys.stderr)
+
+
+def move_renamed_failure_keys(failure: Any) -> None:
+    """Move each old-spelled key of ``failure`` (a FailureConfig) that was given (not null) to
+    its new home, say so, and apply the new home's value rules to the values moved there."""
+    moved_to = set()
+    for old, new in RENAMED_FAILURE_KEYS.items():
+        value = getattr(failure, old)
+        if value is None:
+            continue
+        section, key = new.split(".")
+        setattr(getattr(failure, section), key, value)
+        setattr(failure, old, None)
+        moved_to.add(section)
+        say_deprecated(f"{failure._group}.{old}", f"{failure._group}.{new}")
+    for section in moved_to:
+        getattr(failure, section).__post_init__()

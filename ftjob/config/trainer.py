@@ -1,0 +1,220 @@
+"""``trainer.*``: the training job's shape -- workers and their resources, epochs and batches,
+the learning rate and its schedule, precision, data loading, validation and checkpoint cadence,
+and an elastic group's bounds."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from ftjob.config.choices import Choice, coerce_choices
+from ftjob.config.rules import at_least, require
+
+
+class LrSchedule(Choice):
+    """``trainer.lr_schedule``: the learning rate after warm-up."""
+
+    constant = "constant"
+    cosine = "cosine"  # cosine decay to 0 over the run's steps
+
+
+class Precision(Choice):
+    """``trainer.precision``: the forward pass's arithmetic."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"  # bf16 autocast
+
+
+class DecodePlace(Choice):
+    """``trainer.decode_in``: where training and validation batches are decoded."""
+
+    auto = "auto"  # the worker where CPU training holds the cores of one machine, else ray
+    worker = "worker"  # in the training process, a thread ahead of the step
+    ray = "ray"  # Ray Data tasks
+
+
+class Placement(Choice):
+    """``trainer.placement``: Ray's placement strategy for the workers (null: SPREAD on a
+    simulated cluster, else PACK)."""
+
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+
+
+@dataclass
+class TrainerConfig:
+    _group: ClassVar[str] = "trainer"
+    num_workers: int = 2
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    epochs: int = 3
+    batch_size: int = 32
+    val_batch_size: int | None = None
+    lr: float = 1e-3
+    lr_schedule: LrSchedule = LrSchedule.cosine
+    warmup_steps: int = 0
+    warmup_epochs: float = 0.0
+    lr_reference_batch: int | None = None
+    label_smoothing: float = 0.0
+    weight_decay_norm_and_bias: bool = True
+    validate_every_n_steps: int = 0
+    # Steps, or "auto". OmegaConf 2.3 types no union of int and a word, so this key is checked
+    # here.
+    checkpoint_every_n_steps: Any = 0
+    log_every_n_steps: int = 10
+    seed: int = 0
+    audit_samples: bool = False
+    stop_on_nonfinite_loss: bool = True
+    prefetch_batches: int = 2
+    validation_cache_mb: int = 512
+    decode_cpus: float = 1.0
+    decode_window_mb: float = 256
+    decode_in: DecodePlace = DecodePlace.auto
+    precision: Precision = Precision.fp32
+    channels_last: bool = False
+    placement: Placement | None = None
+    min_workers: int | None = None  # elastic: train on as few as this; num_workers is the most
+    resize_interval: float = 60.0  # elastic: how often a running group checks for capacity
+
+    def __post_init__(self) -> None:
+        coerce_choices(self)
+        self._check_shape()
+        self._check_cadence()
+        self._check_optimisation()
+        self._check_data_loading()
+        self._check_resources()
+        self._check_elastic()
+
+    def _check_shape(self) -> None:
+        at_least(self, "num_workers", 1)
+        at_least(self, "epochs", 1)
+        at_least(self, "batch_size", 1, " (per worker)")
+        require(
+            self.val_batch_size is None or self.val_batch_size >= 1,
+            self._group,
+            "val_batch_size",
+            self.val_batch_size,
+            "must be >= 1, or null for batch_size",
+        )
+
+    def _check_cadence(self) -> None:
+        at_least(self, "validate_every_n_steps", 0, " (0 = at the end of each epoch only)")
+        at_least(self, "log_every_n_steps", 1)
+        every = self.checkpoint_every_n_steps
+        require(
+            every == "auto" or (type(every) is int and every >= 0),
+            self._group,
+            "checkpoint_every_n_steps",
+            every,
+            "must be a number of steps >= 0 (0 = at the end of each epoch only), or auto (the "
+            "interval that wastes least for the measured checkpoint cost and "
+            "failure.expected_mtbf_s)",
+        )
+
+    def _check_optimisation(self) -> None:
+        g = self._group
+        require(
+            self.lr > 0 and math.isfinite(self.lr), g, "lr", self.lr, "must be a finite number > 0"
+        )
+        at_least(self, "warmup_steps", 0)
+        at_least(self, "warmup_epochs", 0)
+        require(
+            self.lr_reference_batch is None or self.lr_reference_batch >= 1,
+            g,
+            "lr_reference_batch",
+            self.lr_reference_batch,
+            "must be >= 1 (the global batch trainer.lr is meant for, e.g. 256), or null",
+        )
+        require(
+            0 <= self.label_smoothing < 1,
+            g,
+            "label_smoothing",
+            self.label_smoothing,
+            "must be in [0, 1)",
+        )
+
+    def _check_data_loading(self) -> None:
+        g = self._group
+        at_least(self, "prefetch_batches", 0)
+        at_least(
+            self,
+            "validation_cache_mb",
+            0,
+            " (0 = read and decode the validation set at every validation)",
+        )
+        require(self.decode_cpus > 0, g, "decode_cpus", self.decode_cpus, "must be > 0")
+        require(
+            self.decode_window_mb > 0,
+            g,
+            "decode_window_mb",
+            self.decode_window_mb,
+            "must be > 0 (decoded data per worker held ahead of training, in MB)",
+        )
+
+    def _check_resources(self) -> None:
+        g = self._group
+        gpus = self.resources_per_worker.get("GPU", 0)
+        require(
+            self.use_gpu or not gpus,
+            g,
+            "resources_per_worker",
+            self.resources_per_worker,
+            f"asks for {gpus:g} GPU per worker while trainer.use_gpu=false: set trainer.use_gpu=true, "
+            "or drop the GPU with '~trainer.resources_per_worker.GPU'",
+        )
+        negative = {k: v for k, v in self.resources_per_worker.items() if v < 0}
+        require(
+            not negative,
+            g,
+            "resources_per_worker",
+            self.resources_per_worker,
+            "amounts must be >= 0",
+        )
+
+    def _check_elastic(self) -> None:
+        """Every world size the group may run at must split the global batch evenly: each
+        rank trains the same share of every global batch, so the averaged gradient is the
+        global batch's."""
+        g = self._group
+        low = self.min_workers
+        require(
+            low is None or 1 <= low <= self.num_workers,
+            g,
+            "min_workers",
+            low,
+            f"must be between 1 and trainer.num_workers={self.num_workers} (the most workers), or "
+            "null for a fixed-size group",
+        )
+        require(
+            self.resize_interval > 0,
+            g,
+            "resize_interval",
+            self.resize_interval,
+            "must be > 0 seconds",
+        )
+        if low is None:
+            return
+        uneven = [w for w in range(low, self.num_workers + 1) if self.global_batch_size % w]
+        require(
+            not uneven,
+            g,
+            "min_workers",
+            low,
+            f"the global batch {self.global_batch_size} (trainer.batch_size x trainer.num_workers) "
+            f"does not split evenly over {uneven[0] if uneven else 0} workers: raise "
+            "trainer.min_workers, or choose a batch_size that every world size from min_workers "
+            "to num_workers divides",
+        )
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.num_workers
+
+    @property
+    def worker_cpus(self) -> float:
+        return float(self.resources_per_worker.get("CPU", 1.0))
