@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,55 +37,71 @@ def _job(cfg: DictConfig) -> str:
     redactor = _keep_secrets(cfg, run_dir, multirun)
     try:
         job = load_job(cfg)
-        result = runner.run(job, run_dir, overrides=list(hc.overrides.task), redactor=redactor)
+        overrides = list(hc.overrides.task)
+        result = runner.run(job, run_dir, overrides=overrides, redactor=redactor)
     except KeyboardInterrupt:
-        written = os.path.join(run_dir, SUMMARY_FILE)
-        if os.path.exists(written):
-            # Ctrl-C after the run wrote its record (drawing its timeline, closing loggers):
-            # the record stands, and so does its exit code (a scheduler must not requeue a
-            # run that succeeded).
-            with open(written) as f:
-                status = json.load(f).get("status")
-            print(
-                f"ftjob: Ctrl-C after the run ended ({status}); its summary stands", file=sys.stderr
-            )
-            sys.exit(EXIT_CODES.get(status, 0))
-        # Ctrl-C before the runner started (it keeps its own record of later ones).
-        error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
-        write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")
-        print(f"ftjob: {error}", file=sys.stderr)
-        sys.exit(130)
+        _stop_on_ctrl_c(cfg, run_dir, redactor)
     except Exception as exc:
         bad_input = isinstance(
             exc, (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError)
         )
-        if not multirun:
-            if bad_input:
-                print(f"{ERROR_PREFIX}{redactor.text(str(exc))}", file=sys.stderr)
-                sys.exit(2)
-            # A bug: the record (summary.json with the error) and the traceback stay in the
-            # run dir; the console gets one line.
-            trace = os.path.join(run_dir, "traceback.txt")
-            with open(trace, "w") as f:
-                f.write(redactor.text(traceback.format_exc()))
-            error = redactor.text(f"{type(exc).__name__}: {exc}")
-            write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
-            print(f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})", file=sys.stderr)
-            sys.exit(1)
-        # A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
-        # recorded as failed and reported with the others.
-        if not bad_input:
-            logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
-        write_failed_summary(
-            run_dir, redactor.text(f"{type(exc).__name__}: {exc}"), cfg, empty_snapshot(), redactor
-        )
-        _failed_jobs.append(run_dir)
-        return "failed"
+        if multirun:
+            return _record_failed_sweep_job(exc, bad_input, cfg, run_dir, redactor)
+        _stop_on_error(exc, bad_input, cfg, run_dir, redactor)
     if not result.ok:
         _failed_jobs.append(run_dir)
         if not multirun:
             sys.exit(EXIT_CODES.get(result.status, 1))
     return result.status
+
+
+def _stop_on_ctrl_c(cfg: DictConfig, run_dir: str, redactor: Redactor) -> NoReturn:
+    """Ctrl-C that reached the Hydra task, not the runner (which keeps its own record of
+    later ones): before the run started, or after it wrote its record."""
+    written = os.path.join(run_dir, SUMMARY_FILE)
+    if os.path.exists(written):
+        # Ctrl-C after the run wrote its record (drawing its timeline, closing loggers): the
+        # record stands, and so does its exit code (a scheduler must not requeue a run that
+        # succeeded).
+        with open(written) as f:
+            status = json.load(f).get("status")
+        print(f"ftjob: Ctrl-C after the run ended ({status}); its summary stands", file=sys.stderr)
+        sys.exit(EXIT_CODES.get(status, 0))
+    error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
+    write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")
+    print(f"ftjob: {error}", file=sys.stderr)
+    sys.exit(130)
+
+
+def _stop_on_error(
+    exc: Exception, bad_input: bool, cfg: DictConfig, run_dir: str, redactor: Redactor
+) -> NoReturn:
+    """A single run that could not run: bad input exits 2 with its one line; a bug leaves its
+    record (summary.json with the error) and its traceback in the run dir, one line on the
+    console, and exits 1."""
+    if bad_input:
+        print(f"{ERROR_PREFIX}{redactor.text(str(exc))}", file=sys.stderr)
+        sys.exit(2)
+    trace = os.path.join(run_dir, "traceback.txt")
+    with open(trace, "w") as f:
+        f.write(redactor.text(traceback.format_exc()))
+    error = redactor.text(f"{type(exc).__name__}: {exc}")
+    write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
+    print(f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})", file=sys.stderr)
+    sys.exit(1)
+
+
+def _record_failed_sweep_job(
+    exc: Exception, bad_input: bool, cfg: DictConfig, run_dir: str, redactor: Redactor
+) -> str:
+    """A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
+    recorded as failed and reported with the others."""
+    if not bad_input:
+        logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
+    error = redactor.text(f"{type(exc).__name__}: {exc}")
+    write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
+    _failed_jobs.append(run_dir)
+    return "failed"
 
 
 def _keep_secrets(cfg: DictConfig, run_dir: str, multirun: bool) -> Redactor:
