@@ -29,10 +29,10 @@ from ftjob.storage.checkpoint import (
     object_of,
 )
 from ftjob.storage.retry import RetryPolicy
-from ftjob.storage.wrapper import _DelegatingFileSystem
+from ftjob.storage.wrapper import DelegatingFileSystem
 
 
-class RecordingFileSystem(_DelegatingFileSystem):
+class RecordingFileSystem(DelegatingFileSystem):
     """Records every operation; ``fail`` decides, per (op, path), to raise instead."""
 
     def __init__(

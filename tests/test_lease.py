@@ -25,7 +25,7 @@ from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.fs import RetryingFileSystem, build_filesystem
 from ftjob.storage.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
 from ftjob.storage.retry import RetryPolicy
-from ftjob.storage.wrapper import _DelegatingFileSystem
+from ftjob.storage.wrapper import DelegatingFileSystem
 from tests.helpers import no_sleep_policy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,7 +161,7 @@ def test_a_deleted_or_rewritten_lease_stops_the_holder_saying_what_happened(
     assert "another driver" not in str(err.value)
 
 
-class StaleTimes(_DelegatingFileSystem):
+class StaleTimes(DelegatingFileSystem):
     """A shared filesystem whose clients cache file attributes (NFS ``actimeo``) or stamp
     them with their own clock: a lease file's modification time reads two minutes old."""
 
@@ -454,7 +454,7 @@ def test_a_paused_driver_on_s3_cannot_commit_or_prune_after_another_took_over(
 # -- renewal ----------------------------------------------------------------------------------
 
 
-class Outage(_DelegatingFileSystem):
+class Outage(DelegatingFileSystem):
     """A store that refuses every request once ``down`` (a transient error, retried)."""
 
     def __init__(self, fs: Any) -> None:

@@ -40,7 +40,7 @@ from ftjob.storage.fs import (
     to_pyarrow,
 )
 from ftjob.storage.retry import OpStats, RetryPolicy, StorageStats
-from ftjob.storage.wrapper import _DelegatingFileSystem, exclusive_create_guarantee, innermost
+from ftjob.storage.wrapper import DelegatingFileSystem, exclusive_create_guarantee, innermost
 
 S3_TARGET = "s3://ckpt-bucket/runs/exp1/checkpoints/step_000000010/model.pt"
 
@@ -449,7 +449,7 @@ def test_every_retry_is_logged_once_with_op_path_attempt_error_and_wait(
 # -- the filesystem layer -----------------------------------------------------------------
 
 
-class ScriptedFileSystem(_DelegatingFileSystem):
+class ScriptedFileSystem(DelegatingFileSystem):
     """Raises the scripted errors of an operation before forwarding it; records every call."""
 
     def __init__(self, fs: AbstractFileSystem, script: dict[str, list[BaseException]]) -> None:
@@ -743,7 +743,7 @@ def test_open_for_exclusive_create(backend: str, tmp_path: Any, memfs: MemoryFil
     assert inner.cat_file(f"{root}/late.json") == b"theirs"
 
 
-class LostAnswerFileSystem(_DelegatingFileSystem):
+class LostAnswerFileSystem(DelegatingFileSystem):
     """Its first pipe_file reaches the store, then the connection drops before the answer."""
 
     def __init__(self, fs: AbstractFileSystem) -> None:

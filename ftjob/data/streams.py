@@ -124,8 +124,10 @@ def decode_in_worker(
     return False, f"{spare:g} of {cores:g} cores on this machine to spare beside the training"
 
 
-class RayDataStream:
-    """Streams catalog rows through ``dataset.decode`` in Ray Data, in the given order."""
+class DecodedStream:
+    """Streams catalog rows through ``dataset.decode``, in the given order, in windows of
+    blocks decoded ahead of training; where a window is decoded is the subclass's
+    :meth:`_decode`: :class:`RayDataStream` or :class:`InProcessStream`."""
 
     def __init__(
         self,
@@ -136,21 +138,15 @@ class RayDataStream:
         seed: int,
         device: Any = "cpu",
         prefetch_batches: int = 2,
-        decode_cpus: float = 1.0,
         pin_memory: bool = False,
         channels_last: bool = False,
         window_mb: float = 256,
-        local_first_window: bool = False,
-        decode_here: bool = False,
         on_skip: Callable[[str, np.ndarray], None] | None = None,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
         self.on_skip = on_skip  # hears (split, ids) of every batch with skipped samples
-        # The first window of this stream's first epoch decodes in this process (LocalWindow);
-        # with decode_here, every window does (a worker run without Ray: tests).
-        self._local_first, self.decode_here = local_first_window, decode_here
         self.seed, self.device = seed, device
-        self.prefetch_batches, self.decode_cpus = prefetch_batches, decode_cpus
+        self.prefetch_batches = prefetch_batches
         self.pin_memory, self.channels_last = pin_memory, channels_last
         self.window_bytes = int(window_mb * 2**20)
         self._scale: tuple[Any, Any] | None = None  # uint8 -> normalised float, on the device
@@ -176,8 +172,6 @@ class RayDataStream:
 
         if len(ids) == 0:
             return
-        if not self.decode_here:
-            configure_ray_data()
         rows = self.catalog.take(pa.array(ids))
         # Blocks of whole batches: batch boundaries never straddle blocks, and several
         # blocks decode in parallel ahead of the training step.
@@ -211,17 +205,9 @@ class RayDataStream:
                 yield batch
 
     def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
-        """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
-        import ray.data
-
-        if self._local_first or self.decode_here:
-            self._local_first = False
-            return LocalWindow.decode(blocks, decode)
-
-        ds = ray.data.from_arrow(blocks).map_batches(
-            decode, batch_size=None, batch_format="numpy", num_cpus=self.decode_cpus
-        )
-        return ds.materialize()
+        """One window's blocks decoded, in order: something with ``size_bytes()`` and
+        ``iter_torch_batches(...)``, as a materialized Ray dataset has."""
+        raise NotImplementedError
 
     def _windows(self, blocks: list[pa.Table], decode: _Decode) -> Iterator[Any]:
         """Decoded windows of blocks; the next window decodes while the current one trains.
@@ -251,6 +237,49 @@ class RayDataStream:
                 yield window
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # no decode outlives its stream
+
+
+class RayDataStream(DecodedStream):
+    """Windows decoded by Ray Data tasks; with ``local_first_window``, the first window of the
+    stream's first epoch is decoded in this process (:class:`LocalWindow`) while the next
+    starts in Ray Data."""
+
+    def __init__(
+        self,
+        *args: Any,
+        decode_cpus: float = 1.0,
+        local_first_window: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.decode_cpus, self._local_first = decode_cpus, local_first_window
+
+    def batches(self, ids: np.ndarray, batch_size: int, epoch: int) -> Iterator[Batch]:
+        if len(ids):
+            configure_ray_data()
+        yield from super().batches(ids, batch_size, epoch)
+
+    def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+        """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
+        import ray.data
+
+        if self._local_first:
+            self._local_first = False
+            return LocalWindow.decode(blocks, decode)
+
+        ds = ray.data.from_arrow(blocks).map_batches(
+            decode, batch_size=None, batch_format="numpy", num_cpus=self.decode_cpus
+        )
+        return ds.materialize()
+
+
+class InProcessStream(DecodedStream):
+    """Every window decoded in the training process (:class:`LocalWindow`), no Ray Data task:
+    ``trainer.decode_in=worker``, ``auto`` where Ray Data could gain nothing
+    (:func:`decode_in_worker`), and a worker run without Ray (tests)."""
+
+    def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+        return LocalWindow.decode(blocks, decode)
 
 
 class LocalWindow:
@@ -298,7 +327,7 @@ class LocalWindow:
 
 
 class WindowSizer:
-    """Windows of blocks for :meth:`RayDataStream._windows`: the first is one block (the
+    """Windows of blocks for :meth:`DecodedStream._windows`: the first is one block (the
     first batch comes as soon as one block decodes), then each doubles while two windows of
     decoded data stay within ``budget_bytes``."""
 
@@ -353,7 +382,7 @@ class SkipLog:
 class ResumableIterator:
     """Exact-once, constant-cost resumable training batches for one rank."""
 
-    def __init__(self, stream: RayDataStream, plan: EpochPlan, rank: int, world_size: int) -> None:
+    def __init__(self, stream: DecodedStream, plan: EpochPlan, rank: int, world_size: int) -> None:
         self.stream, self.plan, self.rank, self.world_size = stream, plan, rank, world_size
         self.batch_size = plan.global_batch_size // world_size
 
@@ -566,6 +595,8 @@ __all__ = [
     "BatchSource",
     "EpochPlan",
     "LocalWindow",
+    "DecodedStream",
+    "InProcessStream",
     "RayDataStream",
     "ResumableIterator",
     "SkipLog",

@@ -14,7 +14,7 @@ from typing import Any
 
 from fsspec import AbstractFileSystem
 
-from ftjob.storage.wrapper import OPERATIONS, _DelegatingFileSystem
+from ftjob.storage.wrapper import OPERATIONS, DelegatingFileSystem
 
 INJECTED_ERRORS: dict[str, Callable[[str], Exception]] = {
     "throttle": lambda p: OSError(
@@ -34,7 +34,7 @@ def is_checkpoint_upload(op: str, path: str) -> bool:
     return OPERATIONS.get(op) == "upload" and "/checkpoints/step_" in f"/{path}"
 
 
-class FaultInjectingFileSystem(_DelegatingFileSystem):
+class FaultInjectingFileSystem(DelegatingFileSystem):
     """Fails a seeded fraction of requests before they reach ``fs``, and slows checkpoint
     uploads by ``upload_delay`` seconds each (chaos.storage: a slow or congested store).
 
@@ -84,7 +84,7 @@ class FaultInjectingFileSystem(_DelegatingFileSystem):
 def set_fault_stream(fs: AbstractFileSystem, name: str) -> None:
     """Give the fault injector under ``fs`` (if any) its own stream ``name``."""
     inner: Any = fs
-    while isinstance(inner, _DelegatingFileSystem):
+    while isinstance(inner, DelegatingFileSystem):
         if isinstance(inner, FaultInjectingFileSystem):
             inner.set_stream(name)
             return

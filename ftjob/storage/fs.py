@@ -36,7 +36,7 @@ from ftjob.storage.retry import OpStats, RetryPolicy, StorageStats, _one_line
 from ftjob.storage.urls import bucket_of, is_object_store
 from ftjob.storage.wrapper import (
     OPERATIONS,
-    _DelegatingFileSystem,
+    DelegatingFileSystem,
     _pipe_arguments,
     _protocols,
     _storage_path,
@@ -46,7 +46,7 @@ from ftjob.storage.wrapper import (
 logger = logging.getLogger("ftjob.storage.fs")
 
 
-class RetryingFileSystem(_DelegatingFileSystem):
+class RetryingFileSystem(DelegatingFileSystem):
     """Every operation on ``fs`` runs under ``policy``; counts land in ``stats``.
 
     ``inner_retries`` sets the tries of the retry loop of the filesystem underneath (s3fs's

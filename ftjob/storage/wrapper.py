@@ -143,9 +143,11 @@ def _implements(fs: AbstractFileSystem, name: str) -> bool:
     return impl is not None and getattr(impl, "__func__", impl) is not generic
 
 
-class _DelegatingFileSystem(AbstractFileSystem):
+class DelegatingFileSystem(AbstractFileSystem):
     """An fsspec filesystem that forwards every operation in OPERATIONS to ``self.fs``
-    through :meth:`_call`. Subclasses decide what happens around the call."""
+    through :meth:`_call`. Subclasses decide what happens around the call (retries in
+    :class:`~ftjob.storage.fs.RetryingFileSystem`, injected faults in
+    :class:`~ftjob.storage.faults.FaultInjectingFileSystem`)."""
 
     cachable = False
 
@@ -193,7 +195,7 @@ class _DelegatingFileSystem(AbstractFileSystem):
         base = self.fs
         if isinstance(base, LocalFileSystem) and mode != "create":
             return lambda: _replace_local(base, path, data)
-        if mode == "create" and not isinstance(base, _DelegatingFileSystem):
+        if mode == "create" and not isinstance(base, DelegatingFileSystem):
             if isinstance(base, LocalFileSystem):
                 return lambda: _create_local(base, path, data)
             if isinstance(base, MemoryFileSystem):
@@ -228,21 +230,21 @@ class _DelegatingFileSystem(AbstractFileSystem):
 def _forward(name: str, primitive: bool) -> Callable[..., Any]:
     generic = getattr(AbstractFileSystem, name)
 
-    def method(self: _DelegatingFileSystem, *args: Any, **kwargs: Any) -> Any:
+    def method(self: DelegatingFileSystem, *args: Any, **kwargs: Any) -> Any:
         if not primitive and not _implements(self.fs, name):
             return generic(self, *args, **kwargs)
         inner = getattr(self.fs, name)
         return self._call(name, _storage_path(name, args, kwargs), lambda: inner(*args, **kwargs))
 
     method.__name__ = name
-    method.__qualname__ = f"_DelegatingFileSystem.{name}"
+    method.__qualname__ = f"DelegatingFileSystem.{name}"
     method.__doc__ = generic.__doc__
     return method
 
 
 for _name in OPERATIONS:
-    if _name not in vars(_DelegatingFileSystem):
-        setattr(_DelegatingFileSystem, _name, _forward(_name, _name in PRIMITIVES))
+    if _name not in vars(DelegatingFileSystem):
+        setattr(DelegatingFileSystem, _name, _forward(_name, _name in PRIMITIVES))
 
 
 def _protocols(fs: AbstractFileSystem) -> set[str]:
@@ -421,6 +423,6 @@ class _UploadOnClose(io.BytesIO):
 
 def innermost(fs: AbstractFileSystem) -> AbstractFileSystem:
     """The filesystem under every ftjob wrapper."""
-    while isinstance(fs, _DelegatingFileSystem):
+    while isinstance(fs, DelegatingFileSystem):
         fs = fs.fs
     return fs

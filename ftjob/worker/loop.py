@@ -40,6 +40,7 @@ from ftjob.data.streams import (
     EPOCH_END,
     Batch,
     BatchFeeder,
+    InProcessStream,
     RayDataStream,
     ResumableIterator,
     SkipLog,
@@ -445,19 +446,25 @@ def open_streams(
     are decoded and why; a validation set too big to cache). Files skipped as bad
     (dataset.bad_files=skip) are named to the run ledger by the rank that meets them."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
+    in_process = decodes_here(trainer, ctx, note)
     common = {
-        "decode_here": decodes_here(trainer, ctx, note),
         "seed": trainer.seed,
         "device": device,
         "prefetch_batches": trainer.prefetch_batches,
-        "decode_cpus": trainer.decode_cpus,
         "window_mb": trainer.decode_window_mb,
         "pin_memory": device.type == "cuda",
         "channels_last": trainer.channels_last,
         "on_skip": SkipLog(dataset, catalogs, ctx.recorder.skipped_files),
     }
-    train_stream = RayDataStream(dataset, catalogs[TRAIN], TRAIN, local_first_window=True, **common)
-    val_stream = RayDataStream(dataset, catalogs[VAL], VAL, **common)
+    if in_process:
+        train_stream = InProcessStream(dataset, catalogs[TRAIN], TRAIN, **common)
+        val_stream = InProcessStream(dataset, catalogs[VAL], VAL, **common)
+    else:
+        common["decode_cpus"] = trainer.decode_cpus
+        train_stream = RayDataStream(
+            dataset, catalogs[TRAIN], TRAIN, local_first_window=True, **common
+        )
+        val_stream = RayDataStream(dataset, catalogs[VAL], VAL, **common)
     val_set = ValidationSet(
         val_stream,
         validation_ids(catalogs[VAL].num_rows, rank, world),
