@@ -20,8 +20,11 @@ from omegaconf import OmegaConf
 from ftjob.cli.main import precheck
 from ftjob.config import (
     RENAMED_FAILURE_KEYS,
+    WORKER_KINDS,
     ChaosConfig,
+    ChaosKind,
     CheckpointConfig,
+    Choice,
     ConfigError,
     FailureConfig,
     JobConfig,
@@ -31,6 +34,7 @@ from ftjob.config import (
     RetryConfig,
     TrainerConfig,
     register_schema,
+    to_plain,
 )
 from tests.helpers import compose_job, ctrl_c_reaches_it, make_image_tree
 
@@ -186,6 +190,80 @@ def test_no_number_key_takes_a_non_finite_value(key, value):
     old = key.removeprefix("failure.")
     named = f"failure.{RENAMED_FAILURE_KEYS[old]}" if old in RENAMED_FAILURE_KEYS else key
     assert err.value.key == named and "\n" not in str(err.value)
+
+
+# Every key typed with a Choice, and a word it does not take.
+CHOICE_KEYS = {
+    "chaos.kind": "nod",
+    "checkpoint.upload_mode": "later",
+    "trainer.lr_schedule": "step",
+    "trainer.precision": "fp16",
+    "trainer.decode_in": "gpu",
+    "trainer.placement": "STRICT",
+    "failure.straggler.action": "kill",
+    "failure.straggler_action": "kill",
+    "logger.wandb_mode": "sometimes",
+}
+
+
+def _choice_keys(schema: type, prefix: str = "") -> set[str]:
+    hints = typing.get_type_hints(schema)
+    found: set[str] = set()
+    for f in dataclasses.fields(schema):
+        kinds = [hints[f.name], *typing.get_args(hints[f.name])]
+        if dataclasses.is_dataclass(hints[f.name]):
+            found |= _choice_keys(hints[f.name], f"{prefix}{f.name}.")
+        elif any(isinstance(k, type) and issubclass(k, Choice) for k in kinds):
+            found.add(f"{prefix}{f.name}")
+    return found
+
+
+def test_every_choice_key_is_tested():
+    assert _choice_keys(JobConfig) == set(CHOICE_KEYS)
+
+
+@pytest.mark.parametrize("key", sorted(CHOICE_KEYS))
+def test_a_word_a_choice_key_does_not_take_is_refused_at_composition(key, tmp_path):
+    word = CHOICE_KEYS[key]
+    with pytest.raises(ConfigError) as err:  # on the command line
+        precheck([f"{key}={word}"])
+    assert (err.value.key, err.value.value) == (key, word) and "\n" not in str(err.value)
+    assert f"'{word}'" in err.value.rule and "expected one of [" in err.value.rule
+    (tmp_path / "experiment").mkdir()
+    written = OmegaConf.to_yaml(OmegaConf.from_dotlist([f"{key}={word}"]))
+    (tmp_path / "experiment" / "bad.yaml").write_text(f"# @package _global_\n{written}")
+    with pytest.raises(ConfigError) as err:  # in a config file
+        precheck(["--config-dir", str(tmp_path), "+experiment=bad"])
+    assert (err.value.key, err.value.value) == (key, word)
+
+
+def test_a_choice_is_its_word_wherever_it_goes():
+    job = compose_job("chaos.kind=worker", "trainer.precision=bf16", "checkpoint.upload_mode=async")
+    kind = job.chaos.kind
+    assert isinstance(kind, ChaosKind) and kind == "worker" and kind in WORKER_KINDS
+    assert str(kind) == f"{kind}" == format(kind) == "worker"
+    assert repr(kind) == "'worker'"  # as a message shows a value
+    assert {kind: 1}["worker"] == 1
+    plain = to_plain(job)
+    written = json.loads(json.dumps(plain))
+    assert (written["chaos"]["kind"], written["trainer"]["precision"]) == ("worker", "bf16")
+    assert type(plain["chaos"]["kind"]) is str and type(plain["checkpoint"]["upload_mode"]) is str
+
+
+def test_a_config_built_in_python_takes_plain_words_and_refuses_others():
+    assert ChaosConfig(kind="node").kind is ChaosKind.node
+    assert TrainerConfig(placement=None).placement is None
+    with pytest.raises(ConfigError) as err:
+        TrainerConfig(precision="fp16")
+    assert str(err.value) == "trainer.precision='fp16': must be one of ['fp32', 'bf16']"
+
+
+def test_building_a_job_imports_no_target_loading_it_does():
+    job = JobConfig(model={"_target_": "no_such_module.Net"}, dataset={"_target_": "x.Y"})
+    assert job.model["_target_"] == "no_such_module.Net"  # built: nothing imported
+    with pytest.raises(ConfigError) as err:
+        compose_job("model._target_=no_such_module.Net")
+    assert err.value.key == "model._target_" and "cannot be imported" in err.value.rule
 
 
 def test_the_keys_that_failed_late_on_inf_are_among_those_checked():
