@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, Union
+
+from ftjob.config.choices import Choice
 
 R = TypeVar("R", bound="Record")
 
@@ -42,7 +43,7 @@ class Record:
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None and f.metadata.get("omit_none"):
                 continue
@@ -53,16 +54,20 @@ class Record:
     def from_json(cls: type[R], data: typing.Mapping[str, object]) -> R:
         hints = _hints(cls)
         kwargs = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):
             key = f.metadata.get("key", f.name)
             if key in data:
                 kwargs[f.name] = _decode(hints[f.name], data[key])
         return cls(**kwargs)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _encode(value: object) -> object:
@@ -124,20 +129,20 @@ class RunPlan(Record):
 # -- an attempt: one worker group, from its start to its end ---------------------------------
 
 
-class Tier(enum.StrEnum):
+class Tier(Choice):
     """Where a restore came from."""
 
-    STORAGE = "storage"
-    MEMORY = "memory"
+    storage = "storage"
+    memory = "memory"
 
 
-class NoticeSource(enum.StrEnum):
+class NoticeSource(Choice):
     """Who gave an agreed notice. A real preemption outranks a planned resize."""
 
-    RESIZE = "resize"  # not a preemption: the elastic group is about to be resized
-    DRAIN = "drain"  # Ray Train: a node of the run is being drained
-    DRIVER = "driver"  # the driver got SIGTERM
-    WORKER = "worker"  # a training worker process got SIGTERM
+    resize = "resize"  # not a preemption: the elastic group is about to be resized
+    drain = "drain"  # Ray Train: a node of the run is being drained
+    driver = "driver"  # the driver got SIGTERM
+    worker = "worker"  # a training worker process got SIGTERM
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,7 @@ class Restore(Record):
     load: float = 0.0
     skip: float = 0.0  # moving the data iterator to the position
     skipped: tuple[Fallback, ...] = ()
-    tier: Tier = Tier.STORAGE
+    tier: Tier = Tier.storage
 
 
 @dataclass(frozen=True)
@@ -194,10 +199,10 @@ class JitCheckpoint(Record):
     """A just-in-time checkpoint after a notice: its path, or why there is none."""
 
     step: int
-    path: str | None = optional()
-    reason: str | None = optional()
+    path: str | None = None
+    reason: str | None = None  # why there is none, or why the upload failed
     reused: bool | None = optional()  # the periodic checkpoint of this step was already in
-    seconds: float | None = optional()
+    seconds: float = 0.0
     time: float | None = optional()
 
 
@@ -207,9 +212,10 @@ class Notice(Record):
     (with the request it serves), and the just-in-time checkpoint that followed it."""
 
     source: NoticeSource
+    # Second in the JSON form, as summary.json has always had it; a keyword when constructed.
+    deadline: float | None = field(default=None, kw_only=True)
     received: float
     step: int
-    deadline: float | None = None
     ranks: tuple[int, ...] = ()
     validation_cut: int | None = None  # a validation the notice cut short
     from_: int | None = optional(key="from")  # a resize: the world size it leaves
@@ -356,6 +362,12 @@ class ChaosSkip(Record):
     slowdown: float | None = optional()
     killed_pid: int | None = optional()
     confirmed: bool | None = optional()
+
+    @classmethod
+    def of_kill(cls, kill: Kill, reason: str) -> ChaosSkip:
+        """A kill that did not count (a node Ray never confirmed dead), and why."""
+        fields = {f.name: getattr(kill, f.name) for f in dataclasses.fields(kill)}
+        return cls(**fields, reason=reason)
 
 
 @dataclass(frozen=True)

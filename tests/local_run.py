@@ -27,6 +27,7 @@ from ftjob.config import JobConfig
 from ftjob.driver.ledger import RunLedger
 from ftjob.driver.runner import Prepared, prepare, run_plan, worker_spec
 from ftjob.policy.hang import WatchConfig
+from ftjob.record import Hang, RunSnapshot, Straggler
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
 from ftjob.storage.memory import SnapshotHolder
 from ftjob.worker.context import DirectHandle, TornDown, local_context
@@ -41,10 +42,10 @@ class LocalRun:
     record, the prepared run (storage, names), and each failed attempt's error."""
 
     summary: dict[str, Any]
-    snapshot: dict[str, Any]
+    snapshot: RunSnapshot
     prep: Prepared
     errors: list[str] = field(default_factory=list)
-    watch_actions: list[dict[str, Any]] = field(default_factory=list)  # hangs, stragglers
+    watch_actions: list[Hang | Straggler] = field(default_factory=list)  # hangs, stragglers
     lines: list[str] = field(default_factory=list)  # the progress lines the driver prints
 
 
@@ -205,7 +206,7 @@ def run_locally(
         threading.Thread(target=during, args=(handle,), daemon=True).start()
     # The driver's poll of the ledger for hangs and stragglers (ftjob.driver.monitor); here
     # they are recorded, not acted on.
-    actions: list[dict[str, Any]] = []
+    actions: list[Hang | Straggler] = []
     watching = threading.Event()
     broken: list[BaseException] = []
 

@@ -9,6 +9,7 @@ import pytest
 
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule, choose_target, eligible_targets
 from ftjob.config import ChaosConfig
+from ftjob.record import Beat, KillTarget, RunPlan, WorkerPlace
 from tests.helpers import WORKERS, FakeLedger
 
 
@@ -29,12 +30,12 @@ def test_schedule_without_jitter_kills_at_window_ends():
 def test_targets_never_include_protected_nodes():
     assert len(eligible_targets("worker", WORKERS, {"head"})) == 4  # processes, not nodes
     targets = eligible_targets("node", WORKERS, {"head"})
-    assert {w["node_id"] for w in targets} == {"n1", "n2"}
+    assert {w.node_id for w in targets} == {"n1", "n2"}
     node = choose_target("node", targets, random.Random(0))
-    assert node["node_id"] in {"n1", "n2"}
-    assert node["ranks"] == ([1, 2] if node["node_id"] == "n1" else [3])
+    assert node.node_id in {"n1", "n2"}
+    assert node.ranks == ((1, 2) if node.node_id == "n1" else (3,))
     worker = choose_target("worker", targets, random.Random(0))
-    assert worker["node_id"] != "head" and worker["pid"] in {11, 12, 13}
+    assert worker.node_id != "head" and worker.pid in {11, 12, 13}
 
 
 class FakeTime:
@@ -64,9 +65,8 @@ def test_killer_waits_for_training_then_kills_once_per_attempt():
 
     t = FakeTime(world)
 
-    def execute(kind: str, target: dict[str, Any]) -> int:
-        target = dict(target, time=t.now)
-        kills.append((kind, target))
+    def execute(kind: str, target: KillTarget) -> int:
+        kills.append((kind, {"target": target, "time": t.now}))
         ledger.view["training"] = False  # the attempt dies
         return 99
 
@@ -84,11 +84,11 @@ def test_killer_waits_for_training_then_kills_once_per_attempt():
     )
     records = killer.run()
     assert len(records) == 2 == len(ledger.recorded)
-    assert ledger.confirmed == [(r["time"], True) for r in records]
-    assert records[0]["time"] == pytest.approx(1013, abs=0.6)  # 10 s after the first step
-    assert records[1]["attempt"] == 1  # the second kill waited for the recovered attempt
-    assert records[1]["time"] >= records[0]["time"] + 20
-    assert all(r["target"]["node_id"] != "head" for r in records)
+    assert ledger.confirmed == [(r.time, True) for r in records]
+    assert records[0].time == pytest.approx(1013, abs=0.6)  # 10 s after the first step
+    assert records[1].attempt == 1  # the second kill waited for the recovered attempt
+    assert records[1].time >= records[0].time + 20
+    assert all(r.target.node_id != "head" for r in records)
 
 
 def test_killer_stops_when_told():
@@ -104,7 +104,7 @@ def test_failed_kill_is_not_counted_but_recorded_with_its_reason():
     ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS[1:2])
     calls = []
 
-    def execute(kind: str, target: dict[str, Any]) -> int:
+    def execute(kind: str, target: KillTarget) -> int:
         calls.append(target)
         if len(calls) == 1:
             raise ProcessLookupError("gone")
@@ -123,12 +123,12 @@ def test_failed_kill_is_not_counted_but_recorded_with_its_reason():
     )
     assert len(killer.run()) == 0 and len(calls) == 1
     [skip] = ledger.skipped
-    assert "ProcessLookupError: gone" in skip["reason"] and skip["window"] == 1
+    assert "ProcessLookupError: gone" in skip.reason and skip.window == 1
 
 
 def test_a_window_without_an_eligible_target_is_skipped_and_says_why():
     ledger = FakeLedger()
-    on_head = [{"rank": 0, "node_id": "head", "pid": 10}, {"rank": 1, "node_id": "head", "pid": 11}]
+    on_head = [WorkerPlace("head", 10, rank=0), WorkerPlace("head", 11, rank=1)]
     ledger.view.update(training_started=0.0, attempt=0, training=True, workers=on_head)
     clock = iter(range(0, 10_000)).__next__
     killer = ChaosKiller(
@@ -141,8 +141,8 @@ def test_a_window_without_an_eligible_target_is_skipped_and_says_why():
         wait=lambda s: False,
     )
     assert killer.run() == []
-    assert [s["window"] for s in ledger.skipped] == [1, 2]  # each window: a kill or a reason
-    assert all("no eligible target" in s["reason"] for s in ledger.skipped)
+    assert [s.window for s in ledger.skipped] == [1, 2]  # each window: a kill or a reason
+    assert all("no eligible target" in s.reason for s in ledger.skipped)
 
 
 def test_a_node_kill_that_is_not_confirmed_is_not_counted():
@@ -174,7 +174,7 @@ def test_kills_at_steps_wait_for_the_step_not_the_clock():
 
     t = FakeTime(world)
 
-    def execute(kind: str, target: dict[str, Any]) -> int:
+    def execute(kind: str, target: KillTarget) -> int:
         kills.append(ledger.view["step"])
         return 1
 
@@ -195,14 +195,14 @@ def test_kills_at_steps_wait_for_the_step_not_the_clock():
 def test_a_broken_killer_reports_instead_of_dying_silently():
     ledger = FakeLedger()
     ledger.view.update(
-        training_started=0.0, attempt=0, training=True, workers=[{"rank": 0}]
-    )  # no node_id
+        training_started=0.0, attempt=0, training=True, workers=[object()]
+    )  # not a worker's place
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
         "node",
         ledger,
         set(),
-        execute=lambda kind, target: target["node_id"],  # a bug: the worker has no node
+        execute=lambda kind, target: 0,
         clock=lambda: 5.0,
         wait=lambda s: False,
     )
@@ -228,12 +228,12 @@ def test_slow_chaos_picks_a_rank_and_the_ledger_steers_its_heartbeat_to_sleep():
         wait=lambda s: False,
     )
     [record] = killer.run()
-    assert record["kind"] == "slow" and record["slowdown"] == 1.0 and signals == ["slow"]
-    rank = record["target"]["rank"]
-    run = RunLedger({})
+    assert record.kind == "slow" and record.slowdown == 1.0 and signals == ["slow"]
+    rank = record.target.rank
+    run = RunLedger(RunPlan())
     run.start_attempt(0.0)
     run.kill(record)  # the rank's heartbeat answer tells it to sleep; no other rank's does
-    assert run.heartbeat(0, rank, {"section": "step", "age": 0.0, "step": 1}) == {"slow": 1.0}
-    other = next(w["rank"] for w in WORKERS if w["rank"] != rank)
-    assert run.heartbeat(0, other, {"section": "step", "age": 0.0, "step": 1}) == {"slow": 0.0}
-    assert [k["kind"] for k in run.snapshot_kills()] == ["slow"]
+    assert run.heartbeat(0, rank, Beat("step", 0.0, 1)) == 1.0
+    other = next(w.rank for w in WORKERS if w.rank != rank)
+    assert run.heartbeat(0, other, Beat("step", 0.0, 1)) == 0.0
+    assert [k.kind for k in run.snapshot_kills()] == ["slow"]

@@ -199,7 +199,7 @@ def test_a_just_in_time_checkpoint_commits_this_step_before_it_returns(tmp_path:
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10), model, optimizer)  # in flight
     record = checkpointer.save_now(TrainState(step=13), model, optimizer)
-    assert record["step"] == 13 and record["path"] == checkpointer.store.path_for(13)
+    assert record.step == 13 and record.path == checkpointer.store.path_for(13)
     assert checkpointer.store.steps() == [13, 10]  # the one in flight finished first
 
 
@@ -208,7 +208,7 @@ def test_a_periodic_checkpoint_of_the_same_step_is_the_just_in_time_one(tmp_path
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=20), model, optimizer)  # notice came during it
     record = checkpointer.save_now(TrainState(step=20), model, optimizer)
-    assert record["reused"] and record["path"] == checkpointer.store.path_for(20)
+    assert record.reused and record.path == checkpointer.store.path_for(20)
     assert [name for name, _ in ledger.calls].count("checkpoint") == 1  # uploaded once
 
 
@@ -217,9 +217,7 @@ def test_no_just_in_time_checkpoint_when_the_deadline_is_too_close(tmp_path: Pat
     model, optimizer = model_and_optimizer(0)
     checkpointer.save(TrainState(step=10), model, optimizer)
     record = checkpointer.save_now(TrainState(step=12), model, optimizer, time.time() + 0.2)
-    assert (
-        record.get("path") is None and "falling back to the last committed one" in record["reason"]
-    )
+    assert record.path is None and "falling back to the last committed one" in (record.reason or "")
     assert checkpointer.store.steps() == [10]
 
 
@@ -234,9 +232,9 @@ def test_a_full_scratch_disk_is_a_failed_checkpoint_with_its_cause_not_a_crash(
         (out / "model.pt").symlink_to("/dev/full")
     checkpointer.save(TrainState(step=10), model, optimizer)  # within the budget
     [(_, (_, record))] = [c for c in ledger.calls if c[0] == "checkpoint"]
-    assert record["path"] is None and "No space left on device" in record["error"]
-    assert "scratch" in record["error"] and "MB free there" in record["error"]
-    assert "\n" not in record["error"]
+    assert record.path is None and "No space left on device" in (record.error or "")
+    assert "scratch" in (record.error or "") and "MB free there" in (record.error or "")
+    assert "\n" not in (record.error or "")
     with pytest.raises(JobStopped):
         checkpointer.save(TrainState(step=20), model, optimizer)  # over it
     assert "2 checkpoint upload(s) in a row failed" in (ledger.fatal() or "")
@@ -347,7 +345,7 @@ def test_a_memory_snapshot_newer_than_storage_is_restored_from_memory(
     restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
     assert restored is not None and restored.tier == "memory"
     assert (restored.state.step, restored.state.position) == (13, 13 * 32)
-    assert restored.path == "memory:step_000000013" and restored.record()["tier"] == "memory"
+    assert restored.path == "memory:step_000000013" and restored.record(0.0).tier == "memory"
     assert all(torch.equal(a, b) for a, b in zip(weights(fresh), expected, strict=True))
     assert (
         fresh_optimizer.state_dict()["state"][0]["step"]

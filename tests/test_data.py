@@ -481,11 +481,12 @@ def test_a_data_error_is_the_runs_fatal_error_and_ends_every_rank():
         end_on_data_error(wrapped, recorder(group), world=2)
     assert str(err.value) == group.fatal == line
     from ftjob.driver.ledger import RunLedger
+    from ftjob.record import RunPlan
 
-    ledger = RunLedger({})
-    assert ledger.start_attempt(0.0, 2)["stop"] is None
+    ledger = RunLedger(RunPlan())
+    assert ledger.start_attempt(0.0, 2).stop is None
     ledger.set_fatal(line)
-    assert ledger.start_attempt(1.0, 2)["stop"] == line  # the restart ends at its start
+    assert ledger.start_attempt(1.0, 2).stop == line  # the restart ends at its start
     # Any other error is raised again: a failure, Ray Train's to retry.
     other, reset = _Ledger(), ConnectionResetError("connection reset by peer")
     with pytest.raises(ConnectionResetError) as err:

@@ -4,6 +4,8 @@ a node loss and grew back."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,9 +14,10 @@ from ftjob import metrics as M
 from ftjob.config import ConfigError, TrainerConfig
 from ftjob.policy.elastic import micro_batches
 from ftjob.policy.hang import restart_loop
+from ftjob.record import Attempt, FirstStep, JitCheckpoint, Kill, KillTarget, Notice, NoticeSource
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status, format_summary
 from ftjob.worker.loop import backward_in_micro_batches
-from ftjob.worker.preemption import RESIZE
+from ftjob.worker.preemption import DRIVER, RESIZE
 from tests.helpers import make_ledger, restored, train
 
 GLOBAL, BATCH = 64, 16  # trainer.batch_size 16 x trainer.num_workers 4
@@ -85,14 +88,12 @@ def test_elastic_config_is_checked_before_ray_starts():
 
 def agree_on_resize(ledger, attempt: int, step: int, received: float) -> None:
     """What rank 0 sends once every rank agreed on the policy's resize request."""
-    notice = {"source": RESIZE, "deadline": None, "received": received, "step": step}
-    ledger.preemption_notice(attempt, {**notice, "ranks": []})
+    ledger.preemption_notice(attempt, Notice(RESIZE, received, step))
 
 
 def elastic_ledger(world: int):
     """A ledger of a run of at most 2 workers, its first attempt started on ``world``."""
-    ledger = make_ledger()
-    ledger.plan["num_workers"] = 2
+    ledger = make_ledger(num_workers=2)
     return ledger, ledger.begin_attempt(0.0, world=world)
 
 
@@ -101,26 +102,26 @@ def shrunk_and_grown():
     continues on 1 worker from step 5; capacity returns at step 12: a checkpoint of step 12,
     then attempt 2 on 2 workers from step 12."""
     ledger, a0 = elastic_ledger(2)
-    ledger.first_step(a0, 1, 1.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
     train(ledger, a0, range(1, 8), audit=False)
-    ledger.kill({"time": 10.0, "kind": "node", "target": {"node_id": "n2", "ranks": [1]}})
+    ledger.kill(Kill(10.0, "node", KillTarget("n2", ranks=(1,)), a0))
     ledger.confirm_kill(10.0, True)
     ledger.failure_noticed(11.0, {1: "ActorUnavailableError: node n2 unreachable"})
     a1 = ledger.begin_attempt(14.0, world=1)
     ledger.restored(a1, restored(5))
-    ledger.first_step(a1, 6, 16.0, took=0.5)
+    ledger.first_step(a1, FirstStep(6, 16.0, took=0.5))
     train(ledger, a1, range(6, 13), audit=False)
     ledger.request_resize(1, 2, 30.0)
     assert ledger.notice_request() == RESIZE
     agree_on_resize(ledger, a1, step=12, received=30.5)
     assert not ledger.resize_checkpointed()
-    ledger.jit_checkpoint(a1, {"step": 12, "path": "/ck/step_12", "seconds": 0.2, "time": 31.0})
+    ledger.jit_checkpoint(a1, JitCheckpoint(12, "/ck/step_12", seconds=0.2, time=31.0))
     assert ledger.resize_checkpointed()
     ledger.resize_executed(31.5)  # the policy hands Ray Train the resize
     a2 = ledger.begin_attempt(36.0, world=2)
     assert ledger.notice_request() is None  # served: the grown group is not asked again
     ledger.restored(a2, restored(12))
-    ledger.first_step(a2, 13, 40.0, took=0.5)
+    ledger.first_step(a2, FirstStep(13, 40.0, took=0.5))
     train(ledger, a2, range(13, 20), audit=False)
     ledger.finish(50.0)
     return ledger
@@ -163,19 +164,19 @@ def test_a_shrink_after_a_node_loss_and_a_planned_grow_are_recorded_as_such():
 
 def test_a_resize_the_workers_did_not_agree_on_in_time_is_still_planned_not_a_failure():
     ledger, a0 = elastic_ledger(1)
-    ledger.first_step(a0, 1, 1.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
     train(ledger, a0, range(1, 9), audit=False)
     ledger.request_resize(1, 2, 10.0)
     ledger.resize_executed(130.0)  # timed out: resized without a checkpoint
     a1 = ledger.begin_attempt(134.0, world=2)
     assert ledger.notice_request() is None
     ledger.restored(a1, restored(5))
-    ledger.first_step(a1, 6, 140.0)
+    ledger.first_step(a1, FirstStep(6, 140.0))
     train(ledger, a1, range(6, 10), audit=False)
     ledger.failure_noticed(150.0, {0: "ActorDiedError"})  # a real failure, later
     a2 = ledger.begin_attempt(156.0, world=2)
     ledger.restored(a2, restored(5))
-    ledger.first_step(a2, 6, 160.0)
+    ledger.first_step(a2, FirstStep(6, 160.0))
     summary = build_summary(
         ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=170, config={}
     )
@@ -210,8 +211,9 @@ def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the
     ledger.request_resize(1, 2, 5.0)
     agree_on_resize(ledger, a0, step=3, received=5.2)
     ledger.request_stop("SIGTERM", 5.3)
-    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
-    assert ledger.latest_preemption()["jit"]["step"] == 3
+    ledger.jit_checkpoint(a0, JitCheckpoint(3, "/ck/step_3", seconds=0.2, time=5.6))
+    notice = ledger.latest_preemption()
+    assert notice is not None and notice.jit is not None and notice.jit.step == 3
     assert not ledger.resize_checkpointed()  # the policy does not resize a stopping run
     status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
     assert status == "preempted" and "just-in-time checkpoint of step 3" in error
@@ -221,19 +223,21 @@ def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the
     late.request_resize(1, 2, 5.0)
     late.request_stop("SIGTERM", 5.1)
     agree_on_resize(late, a0, step=3, received=5.2)
-    assert late.latest_preemption()["source"] == "driver" and late.attempts[0]["resize"] is None
+    notice = late.latest_preemption()
+    assert notice is not None and notice.source == DRIVER and late.attempts[0].resize is None
 
 
 def test_attempts_ended_by_planned_resizes_are_no_restart_loop():
+    resize = Notice(NoticeSource.resize, 0.0, 6)
     attempts = [
-        {"max_step": 7, "resize": None, "preemption": None},
-        {"max_step": 6, "resize": {"step": 6}, "preemption": None},  # shrunk: restored to 5
-        {"max_step": 6, "resize": {"step": 6}, "preemption": None},
-        {"max_step": 6, "resize": {"step": 6}, "preemption": None},
-        {"max_step": 0, "resize": None, "preemption": None},  # just started
+        Attempt(0, 0.0, max_step=7),
+        Attempt(1, 1.0, max_step=6, resize=resize),  # shrunk: restored to 5
+        Attempt(2, 2.0, max_step=6, resize=resize),
+        Attempt(3, 3.0, max_step=6, resize=resize),
+        Attempt(4, 4.0),  # just started
     ]
     assert restart_loop(attempts, 3, 1) is None
-    failed = [dict(a, resize=None) for a in attempts]
+    failed = [dataclasses.replace(a, resize=None) for a in attempts]
     assert restart_loop(failed, 3, 1) is not None
 
 
@@ -243,13 +247,15 @@ def test_a_new_resize_is_not_taken_as_checkpointed_by_the_last_one_s_record():
     ledger, a0 = elastic_ledger(2)
     ledger.request_resize(2, 2, 5.0)
     agree_on_resize(ledger, a0, step=3, received=5.2)
-    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.6})
+    ledger.jit_checkpoint(a0, JitCheckpoint(3, "/ck/step_3", seconds=0.2, time=5.6))
     assert ledger.resize_checkpointed()
     ledger.resize_executed(6.0)
     ledger.request_resize(1, 2, 7.0)  # before the resized group's begin_attempt
     assert not ledger.resize_checkpointed()
     ledger.request_stop("SIGTERM", 7.5)  # that resize was carried out: not the notice's
-    assert ledger.attempts[0]["resize"]["jit"]["step"] == 3 and not ledger.attempts[0]["preemption"]
+    first = ledger.attempts[0]
+    assert first.resize and first.resize.jit and first.resize.jit.step == 3
+    assert first.preemption is None
     said = [line for line in ledger.lines if line.startswith("capacity for")]
     assert said == [
         "capacity for 2 workers (running on 2): resizing",

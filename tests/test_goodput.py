@@ -10,6 +10,7 @@ import pytest
 from ftjob import metrics as M
 from ftjob.config import ConfigError, FailureConfig, JobConfig, TrainerConfig
 from ftjob.policy.cadence import CheckpointSchedule
+from ftjob.record import CheckpointRecord, FirstStep, Kill, KillTarget, Progress
 from ftjob.reporting.goodput import BUCKETS, goodput, predict_ettr
 from ftjob.reporting.summary import build_summary, declared_failures
 from tests.helpers import make_ledger, restored, train
@@ -18,13 +19,17 @@ from tests.helpers import make_ledger, restored, train
 def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(10.0)
-    ledger.first_step(a0, 1, 13.0, 1.0)  # its first batch and step: data_wait and training
+    ledger.first_step(
+        a0, FirstStep(1, 13.0, 1.0)
+    )  # its first batch and step: data_wait and training
     train(ledger, a0, range(1, 5), audit=False)  # steps 3-4 are lost with the failure
-    ledger.kill({"time": 20.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
+    ledger.kill(Kill(20.0, "worker", KillTarget("n1", pid=1, rank=0), a0))
     ledger.failure_noticed(21.0, {0: "ActorDiedError"})
     a1 = ledger.begin_attempt(25.0)
     ledger.restored(a1, restored(2))  # download 0.5, load 0.25, skip 0.01
-    ledger.first_step(a1, 3, 28.0, 0.5)  # its batch wait and step: data_wait and training
+    ledger.first_step(
+        a1, FirstStep(3, 28.0, 0.5)
+    )  # its batch wait and step: data_wait and training
     train(ledger, a1, range(3, 6), audit=False)
     timers = {
         M.TRAIN_STEP: 5.0,
@@ -34,8 +39,8 @@ def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
         M.CHECKPOINT_SAVE: 0.5,
         M.CHECKPOINT_UPLOAD: 0.5,
     }
-    progress = {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "loss": 1.0}
-    ledger.progress_update(a1, {**progress, "throughput": 1.0}, timers)
+    progress = Progress(5, 0, 1, 5, loss=1.0, throughput=1.0, lr=0.01)
+    ledger.progress_update(a1, progress, timers)
     ledger.finish(38.0)
     summary = build_summary(
         ledger.snapshot(),
@@ -259,18 +264,17 @@ def test_steps_a_killed_node_still_trained_are_in_detection_not_also_redone():
     # commits the last checkpoint (35-36 s) and finishes; the driver ends at 40 s.
     ledger = make_ledger()
     a0 = ledger.begin_attempt(10.0)
-    ledger.first_step(a0, 1, 13.0, 1.0)
+    ledger.first_step(a0, FirstStep(1, 13.0, 1.0))
     train(ledger, a0, range(1, 3), audit=False)
-    ledger.checkpoint(a0, {"step": 2, "path": "/ck/step_2", "seconds": 1.0, "time": 15.0})
+    ledger.checkpoint(a0, CheckpointRecord(2, "/ck/step_2", None, 1.0, 15.0))
     train(ledger, a0, range(3, 8), audit=False)
-    target = {"node_id": "n1", "ranks": [1]}
-    ledger.kill({"time": 20.0, "kind": "node", "target": target})
+    ledger.kill(Kill(20.0, "node", KillTarget("n1", ranks=(1,)), a0))
     train(ledger, a0, range(8, 10), audit=False)  # the dying node's workers, past the kill
     ledger.confirm_kill(20.0, True)
     ledger.failure_noticed(22.5, {1: "ActorDiedError"})
     a1 = ledger.begin_attempt(25.0)
     ledger.restored(a1, restored(2))  # 0.76 s
-    ledger.first_step(a1, 3, 28.0, 1.0)
+    ledger.first_step(a1, FirstStep(3, 28.0, 1.0))
     train(ledger, a1, range(3, 11), audit=False)
     timers = {
         M.TRAIN_STEP: 8.0,
@@ -278,9 +282,9 @@ def test_steps_a_killed_node_still_trained_are_in_detection_not_also_redone():
         M.TRAIN_STEPS_COMPLETED: 10,
         M.CHECKPOINT_UPLOAD: 1.0,
     }
-    progress = {"step": 10, "epoch": 0, "epochs": 1, "total_steps": 10, "loss": 1.0}
-    ledger.progress_update(a1, {**progress, "throughput": 1.0}, timers)
-    ledger.checkpoint(a1, {"step": 10, "path": "/ck/step_10", "seconds": 1.0, "time": 36.0})
+    progress = Progress(10, 0, 1, 10, loss=1.0, throughput=1.0, lr=0.01)
+    ledger.progress_update(a1, progress, timers)
+    ledger.checkpoint(a1, CheckpointRecord(10, "/ck/step_10", None, 1.0, 36.0))
     ledger.finish(36.0)
     summary = accounted(ledger, wall_s=40.0)
     g, (failure,) = summary["goodput"], summary["failures"]
@@ -297,14 +301,14 @@ def test_an_attempt_that_died_starting_up_leaves_start_up_before_its_failure():
     # next one starts at 19 s, trains its first step 23-24 s and four more, ends at 30 s.
     ledger = make_ledger()
     ledger.begin_attempt(10.0)
-    ledger.kill({"time": 15.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
+    ledger.kill(Kill(15.0, "worker", KillTarget("n1", pid=1, rank=0), 0))
     ledger.failure_noticed(16.0, {0: "ActorDiedError"})
     a1 = ledger.begin_attempt(19.0)
-    ledger.first_step(a1, 1, 24.0, 1.0)
+    ledger.first_step(a1, FirstStep(1, 24.0, 1.0))
     train(ledger, a1, range(1, 6), audit=False)
     timers = {M.TRAIN_STEP: 4.0, M.TRAIN_ITER_BATCH: 1.0, M.TRAIN_STEPS_COMPLETED: 5}
-    progress = {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "loss": 1.0}
-    ledger.progress_update(a1, {**progress, "throughput": 1.0}, timers)
+    progress = Progress(5, 0, 1, 5, loss=1.0, throughput=1.0, lr=0.01)
+    ledger.progress_update(a1, progress, timers)
     ledger.finish(30.0)
     summary = accounted(ledger, wall_s=32.0)
     g = summary["goodput"]

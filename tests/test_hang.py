@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -28,13 +29,24 @@ from ftjob.policy.hang import (
     WatchConfig,
     restart_loop,
 )
+from ftjob.record import (
+    Attempt,
+    Beat,
+    Kill,
+    KillTarget,
+    Notice,
+    NoticeSource,
+    RunPlan,
+    Straggler,
+    WorkerPlace,
+)
 from ftjob.worker.heartbeat import Heartbeat
 
 POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
 
 
-def beat(section: str, age: float, step: int = 0, **extra: object) -> dict:
-    return {"section": section, "age": age, "step": step, **extra}
+def beat(section: str, age: float, step: int = 0, **extra: Any) -> Beat:
+    return Beat(section, age, step, **extra)
 
 
 def test_a_section_timeout_is_learned_from_its_own_times_within_floor_and_ceiling():
@@ -62,7 +74,7 @@ def test_io_sections_get_at_least_what_one_storage_request_may_take():
     assert times.timeout("step", io=True) == 10.0
     explicit = SectionTimes(HangPolicy.from_config(HangConfig(timeout=7.0), retry))
     assert explicit.timeout("step") == 7.0
-    assert explicit.table()["step"]["learned"] is False
+    assert explicit.table()["step"].learned is False
 
 
 def detector(policy: HangPolicy = POLICY) -> HangDetector:
@@ -83,10 +95,10 @@ def test_a_stopped_rank_is_found_after_its_timeout_and_named_over_the_waiting_on
         assert d.check(float(t)) is None
     hang = d.check(15.0)  # 10.1 s after the last progress: past the 10 s timeout
     assert hang is not None
-    assert hang["rank"] == 1 and hang["node_id"] == "nodeB" and hang["pid"] == 101
-    assert hang["heartbeats_stopped"] and hang["section"] == "step" and hang["learned"]
-    assert hang["stalled_for_s"] == pytest.approx(10.1)
-    assert hang["detection_latency_s"] == pytest.approx(0.1)  # how late past the timeout
+    assert hang.rank == 1 and hang.node_id == "nodeB" and hang.pid == 101
+    assert hang.heartbeats_stopped and hang.section == "step" and hang.learned
+    assert hang.stalled_for_s == pytest.approx(10.1)
+    assert hang.detection_latency_s == pytest.approx(0.1)  # how late past the timeout
     assert d.check(30.0) is None  # once per attempt
     d.register(1, 0, "nodeA", 200, now=40.0)  # the next attempt starts clean
     assert d.check(41.0) is None
@@ -105,7 +117,7 @@ def test_no_hang_while_any_rank_moves_or_a_slow_upload_progresses():
         d2.beat(0, 0, beat("step", float(t)), now=float(t))
         d2.beat(0, 1, beat("step", float(t) - 0.5), now=float(t))
     hang = d2.check(60.0)
-    assert hang is not None and hang["rank"] == 0 and not hang["heartbeats_stopped"]
+    assert hang is not None and hang.rank == 0 and not hang.heartbeats_stopped
 
 
 def test_late_heartbeats_of_an_earlier_attempt_are_ignored():
@@ -125,9 +137,9 @@ def test_a_persistently_slow_rank_is_a_straggler_with_its_slowdown():
         if check < 5:
             assert new == []
         if check == 5:
-            assert [f["rank"] for f in new] == [1]
-            assert new[0]["slowdown"] == pytest.approx(1.5)
-            assert new[0]["vs_own_best"] == pytest.approx(1.5)
+            assert [f.rank for f in new] == [1]
+            assert new[0].slowdown == pytest.approx(1.5)
+            assert new[0].vs_own_best == pytest.approx(1.5)
     assert scores.max_slowdown() == pytest.approx(1.5)
     steady = StragglerScores(threshold=1.3, patience=3, window=10)
     for check in range(6):
@@ -138,8 +150,12 @@ def test_a_persistently_slow_rank_is_a_straggler_with_its_slowdown():
     assert StragglerScores(1.3, 3).max_slowdown() == 0.0  # one rank: never scored
 
 
-def attempts(*steps: tuple[int, bool]) -> list[dict]:
-    return [{"max_step": s, "preemption": {"x": 1} if p else None} for s, p in steps]
+def attempts(*steps: tuple[int, bool]) -> list[Attempt]:
+    notice = Notice(NoticeSource.driver, 0.0, 0)
+    return [
+        Attempt(i, float(i), max_step=s, preemption=notice if p else None)
+        for i, (s, p) in enumerate(steps)
+    ]
 
 
 def test_restart_loop_needs_n_attempts_in_a_row_without_progress():
@@ -159,17 +175,17 @@ def test_restart_loop_needs_n_attempts_in_a_row_without_progress():
 
 
 def test_the_ledger_stops_a_restart_loop_and_steers_the_slow_rank():
-    ledger = RunLedger({}, watch=WatchConfig(POLICY, restart_loop_attempts=2))
+    ledger = RunLedger(RunPlan(), watch=WatchConfig(POLICY, restart_loop_attempts=2))
     for i in range(2):
-        assert ledger.start_attempt(float(i))["stop"] is None
-    stop = ledger.start_attempt(2.0)["stop"]
+        assert ledger.start_attempt(float(i)).stop is None
+    stop = ledger.start_attempt(2.0).stop
     assert stop is not None and ledger.fatal == stop
-    ledger.register_worker(2, 1, {"node_id": "n", "pid": 5, "time": 2.0})
-    slow = {"kind": "slow", "attempt": 2, "target": {"rank": 1, "pid": 5}, "slowdown": 0.5}
-    ledger.kill({**slow, "time": 3.0})
-    assert ledger.heartbeat(2, 1, beat("step", 0.0))["slow"] == 0.5
-    assert ledger.heartbeat(2, 0, beat("step", 0.0))["slow"] == 0.0
-    assert ledger.snapshot()["stragglers"]["max_slowdown"] == 0.0
+    ledger.register_worker(2, 1, WorkerPlace("n", 5, time=2.0))
+    target = KillTarget("n", rank=1, pid=5)
+    ledger.kill(Kill(time=3.0, kind="slow", target=target, attempt=2, slowdown=0.5))
+    assert ledger.heartbeat(2, 1, beat("step", 0.0)) == 0.5
+    assert ledger.heartbeat(2, 0, beat("step", 0.0)) == 0.0
+    assert ledger.snapshot().watch.stragglers.max_slowdown == 0.0
 
 
 def test_heartbeat_sections_and_steps_without_a_thread():
@@ -184,12 +200,12 @@ def test_heartbeat_sections_and_steps_without_a_thread():
     with hb.section("validation"):
         pass
     sent = hb._beat()
-    assert sent["section"] == "data" and sent["step"] == 2  # waiting for its next batch
-    assert set(sent["durations"]) == {"setup", "restore", "warmup", "data", "step", "validation"}
-    assert len(sent["durations"]["step"]) == 1 and len(sent["local"]) == 1  # not the warm-up
+    assert sent.section == "data" and sent.step == 2  # waiting for its next batch
+    assert set(sent.durations) == {"setup", "restore", "warmup", "data", "step", "validation"}
+    assert len(sent.durations["step"]) == 1 and len(sent.local) == 1  # not the warm-up
     hb.step_started(0.0)
-    assert hb._beat()["section"] == "step"  # the batch came: computing
-    assert sent["durations"]["restore"][0] >= 0.01
+    assert hb._beat().section == "step"  # the batch came: computing
+    assert sent.durations["restore"][0] >= 0.01
 
 
 def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
@@ -216,7 +232,7 @@ def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
         hb.step_done(step)
     assert slept[:3] == [0.0, 0.0, 0.0]
     assert slept[-1] == pytest.approx(0.1)  # its pace now, not the 0.3 of its first steps
-    assert hb._beat()["local"][-1] == pytest.approx(0.2)
+    assert hb._beat().local[-1] == pytest.approx(0.2)
 
 
 def test_a_slow_start_does_not_stretch_the_step_timeout(monkeypatch):
@@ -236,7 +252,7 @@ def test_a_slow_start_does_not_stretch_the_step_timeout(monkeypatch):
             clock["now"] += compute
             hb.step_done(step)
         times = SectionTimes(HangPolicy.from_config(HangConfig(), RetryConfig()))
-        times.observe("step", hb._beat()["durations"]["step"])
+        times.observe("step", hb._beat().durations["step"])
         return times.timeout("step")
 
     assert learned_step_timeout(settle_steps=0) == pytest.approx(32.5)
@@ -262,9 +278,9 @@ def test_a_stopped_process_gives_its_stack_then_dies():
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert result["killed"]
-    assert result["stack_source"] == "py-spy", result["stack"]
-    assert "stuck_here" in result["stack"]
+    assert result.killed
+    assert result.stack_source == "py-spy", result.stack
+    assert "stuck_here" in result.stack
 
 
 def test_hang_chaos_needs_hang_detection():
@@ -297,15 +313,15 @@ def test_failure_keys_spelled_the_old_way_still_work_and_say_their_new_name(caps
 
 
 def test_no_hang_is_declared_while_ray_train_restarts_a_failed_group():
-    ledger = RunLedger({}, watch=WatchConfig(POLICY))
+    ledger = RunLedger(RunPlan(), watch=WatchConfig(POLICY))
     ledger.start_attempt(0.0)
-    ledger.register_worker(0, 0, {"node_id": "n", "pid": 5, "time": 0.0})
+    ledger.register_worker(0, 0, WorkerPlace("n", 5, time=0.0))
     ledger.failure_noticed(5.0, {0: "ActorDiedError: the node died"})
     assert ledger.check_watch(1000.0) == []  # silent for long, but the attempt is over
     ledger.start_attempt(30.0)
-    ledger.register_worker(1, 0, {"node_id": "n", "pid": 6, "time": 30.0})
+    ledger.register_worker(1, 0, WorkerPlace("n", 6, time=30.0))
     [hang] = ledger.check_watch(1000.0)  # the new attempt is watched
-    assert hang["pid"] == 6 and hang["section"] == "setup"
+    assert hang.pid == 6 and hang.section == "setup"
 
 
 def test_a_rank_waiting_long_for_its_data_is_no_hang_and_neither_is_the_rank_waiting_for_it():
@@ -325,7 +341,7 @@ def test_a_rank_waiting_long_for_its_data_is_no_hang_and_neither_is_the_rank_wai
         d.beat(0, 0, beat("step", t - 1.0), now=float(t))
         d.beat(0, 1, beat("data", t - 1.0), now=float(t))
     hang = d.check(50.0)
-    assert hang is not None and hang["rank"] == 1 and hang["section"] == "data"
+    assert hang is not None and hang.rank == 1 and hang.section == "data"
 
 
 def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_timeout():
@@ -337,7 +353,7 @@ def test_a_rank_stopped_while_rank_0_writes_a_checkpoint_is_found_at_its_own_tim
     for t in range(2, 12):  # rank 0 committed and waits for rank 1 in the agreement
         d.beat(0, 0, beat("checkpoint", t - 1.0, io=4), now=float(t))
     hang = d.check(12.5)  # 10 s after rank 0's last request: the group is quiet
-    assert hang is not None and hang["rank"] == 1 and hang["timeout_s"] == 10.0
+    assert hang is not None and hang.rank == 1 and hang.timeout_s == 10.0
 
 
 def test_rank_0_stopped_while_it_writes_a_checkpoint_is_named_not_the_rank_waiting_for_it():
@@ -348,26 +364,26 @@ def test_rank_0_stopped_while_it_writes_a_checkpoint_is_named_not_the_rank_waiti
     for t in range(1, 13):  # rank 1 waits for rank 0's commit in the agreement
         d.beat(0, 1, beat("checkpoint", t - 1.0), now=float(t))
     hang = d.check(12.5)
-    assert hang is not None and hang["rank"] == 0 and hang["heartbeats_stopped"]
-    assert hang["timeout_s"] == 10.0  # the floor: a silent process is not a slow upload
+    assert hang is not None and hang.rank == 0 and hang.heartbeats_stopped
+    assert hang.timeout_s == 10.0  # the floor: a silent process is not a slow upload
 
 
 def test_a_persistent_straggler_is_restarted_when_so_configured():
     config = WatchConfig(
         POLICY, straggler_threshold=1.3, straggler_patience=2, straggler_action="restart"
     )
-    ledger = RunLedger({}, watch=config)
+    ledger = RunLedger(RunPlan(), watch=config)
     ledger.start_attempt(0.0)
     for rank, pid in ((0, 10), (1, 11)):
-        ledger.register_worker(0, rank, {"node_id": f"n{rank}", "pid": pid, "time": 0.0})
+        ledger.register_worker(0, rank, WorkerPlace(f"n{rank}", pid, time=0.0))
     actions = []
     for t in range(1, 5):
         ledger.heartbeat(0, 0, beat("step", 0.0, step=t, local=[0.1] * 20))
         ledger.heartbeat(0, 1, beat("step", 0.0, step=t, local=[0.2] * 20))
         actions += ledger.check_watch(float(t))
     [restart] = actions
-    assert restart["action"] == "straggler" and restart["rank"] == 1 and restart["pid"] == 11
-    assert restart["slowdown"] == pytest.approx(2.0) and restart["restarted"]
+    assert isinstance(restart, Straggler) and restart.rank == 1 and restart.pid == 11
+    assert restart.slowdown == pytest.approx(2.0) and restart.restarted
     assert ledger.check_watch(10.0) == []  # once, and no hang declared on top of it
     assert any("restarting the worker group" in line for line in ledger.lines)
 
@@ -383,8 +399,8 @@ def test_a_rank_stopped_while_it_waited_for_data_is_found_at_the_floor_not_the_l
     for t in range(4, 16):  # rank 1 waits for it in the all-reduce
         d.beat(0, 1, beat("step", t - 2.9), now=float(t))
     hang = d.check(15.0)
-    assert hang is not None and hang["rank"] == 0 and hang["heartbeats_stopped"]
-    assert hang["timeout_s"] == 10.0
+    assert hang is not None and hang.rank == 0 and hang.heartbeats_stopped
+    assert hang.timeout_s == 10.0
 
 
 def test_a_stopped_rank_is_found_at_the_floor_while_the_other_waits_for_its_data():
@@ -404,5 +420,5 @@ def test_a_stopped_rank_is_found_at_the_floor_while_the_other_waits_for_its_data
             found[t] = hang
     [(t, hang)] = found.items()
     assert t == 14  # the 10 s floor past the last progress (2.9), not the data wait's 120 s
-    assert hang["rank"] == 1 and hang["heartbeats_stopped"] and hang["timeout_s"] == 10.0
-    assert hang["others"] == {0: "data"}
+    assert hang.rank == 1 and hang.heartbeats_stopped and hang.timeout_s == 10.0
+    assert hang.others == {0: "data"}

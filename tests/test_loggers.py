@@ -12,25 +12,25 @@ import pytest
 
 from ftjob.config import ConfigError, LoggerConfig
 from ftjob.driver.ledger import RunLedger
+from ftjob.record import CheckpointRecord, Progress, RunPlan, StepRecord, ValidationResult
 from ftjob.reporting.loggers import LogFeed, build_loggers, flatten
 from tests.helpers import wandb_config, wandb_records
 
 
 def train(ledger: RunLedger, attempt: int, step: int, loss: float) -> None:
-    progress = {"step": step, "epoch": 0, "epochs": 1, "total_steps": 40}
-    progress.update(loss=loss, throughput=100.0, lr=0.01)
+    progress = Progress(step, 0, 1, 40, loss=loss, throughput=100.0, lr=0.01)
     ledger.progress_update(attempt, progress, {})
 
 
 def run_with_a_restore(feed: LogFeed) -> RunLedger:
     """Steps 10-30 trained; the checkpoint of step 20 commits; the attempt dies after 30; the
     next one restores step 20 and trains 30 and 40 again with other losses."""
-    ledger = RunLedger({"steps_per_epoch": 40, "epochs": 1})
+    ledger = RunLedger(RunPlan(steps_per_epoch=40, epochs=1))
     a0 = ledger.begin_attempt(0.0)
     for step in (10, 20):
         train(ledger, a0, step, loss=1.0 / step)
-    ledger.validation(a0, 20, {"loss": 0.5, "accuracy": 0.8, "samples": 10, "time": 1.0})
-    ledger.checkpoint(a0, {"step": 20, "path": "ckpt/20", "seconds": 0.1})
+    ledger.validation(a0, 20, ValidationResult(0, loss=0.5, accuracy=0.8, samples=10, time=1.0))
+    ledger.checkpoint(a0, CheckpointRecord(20, "ckpt/20", None, 0.1))
     train(ledger, a0, 30, loss=9.0)  # lost with the attempt
     feed.records(ledger.log_feed(feed.cursor))
     feed.events(["failure noticed (1 worker(s)): boom"], 5.0)
@@ -131,7 +131,7 @@ def test_a_failing_logger_is_dropped_and_said_not_the_run(tmp_path, caplog):
 
     feed = LogFeed([Broken()])
     feed._flush(math.inf)
-    feed.pending[(1, "train")] = {"step": 1, "kind": "train", "attempt": 0, "values": {"x": 1}}
+    feed.pending[(1, "train")] = StepRecord("train", attempt=0, step=1, values={"x": 1.0})
     feed._flush(math.inf)
     assert feed.loggers == [] and "disk full" in caplog.text
 

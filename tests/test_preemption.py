@@ -11,6 +11,7 @@ import pytest
 from ftjob import metrics as M
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.driver.drains import DrainRelay
+from ftjob.record import FirstStep, JitCheckpoint, Kill, KillTarget, Notice, Restore
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
 from ftjob.worker.preemption import DRAIN, DRIVER, WORKER, PreemptionNotices
 from tests.helpers import WORKERS, make_ledger, train
@@ -59,37 +60,17 @@ def preempted_run() -> Any:
     """Attempt 0 is preempted at step 12 with a JIT checkpoint of step 12; attempt 1 resumes."""
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
-    ledger.first_step(a0, 1, 1.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
     train(ledger, a0, range(1, 13), audit=False)
-    ledger.kill(
-        {
-            "time": 20.0,
-            "kind": "preempt",
-            "target": {"node_id": "n1", "ranks": [1]},
-            "notice": 20.0,
-            "deadline": 30.0,
-        }
-    )
-    ledger.preemption_notice(
-        a0, {"source": DRAIN, "deadline": 30.0, "received": 21.0, "step": 12, "ranks": [1]}
-    )
-    ledger.jit_checkpoint(a0, {"step": 12, "path": "/ck/step_12", "seconds": 0.4, "time": 21.5})
+    node = KillTarget("n1", ranks=(1,))
+    ledger.kill(Kill(20.0, "preempt", node, a0, notice=20.0, deadline=30.0))
+    ledger.preemption_notice(a0, Notice(DRAIN, 21.0, 12, deadline=30.0, ranks=(1,)))
+    ledger.jit_checkpoint(a0, JitCheckpoint(12, "/ck/step_12", seconds=0.4, time=21.5))
     ledger.failure_noticed(31.0, {1: "ActorDiedError: node preempted"})
     ledger.confirm_kill(20.0, True)
     a1 = ledger.begin_attempt(40.0)
-    ledger.restored(
-        a1,
-        {
-            "step": 12,
-            "epoch": 0,
-            "position": 96,
-            "path": "/ck/step_12",
-            "download": 0.1,
-            "load": 0.1,
-            "skip": 0.0,
-        },
-    )
-    ledger.first_step(a1, 13, 45.0)
+    ledger.restored(a1, Restore(12, 0, 96, "/ck/step_12", download=0.1, load=0.1, skip=0.0))
+    ledger.first_step(a1, FirstStep(13, 45.0))
     train(ledger, a1, range(13, 16), audit=False)
     ledger.finish(50.0)
     return ledger
@@ -127,10 +108,8 @@ def test_a_driver_stopped_by_sigterm_is_preempted_and_names_its_checkpoint():
     train(ledger, a0, range(1, 4), audit=False)
     ledger.request_stop("SIGTERM", 5.0)
     assert ledger.stop_requested()
-    ledger.preemption_notice(
-        a0, {"source": DRIVER, "deadline": None, "received": 5.2, "step": 3, "ranks": []}
-    )
-    ledger.jit_checkpoint(a0, {"step": 3, "path": "/ck/step_3", "seconds": 0.2, "time": 5.5})
+    ledger.preemption_notice(a0, Notice(DRIVER, 5.2, 3))
+    ledger.jit_checkpoint(a0, JitCheckpoint(3, "/ck/step_3", seconds=0.2, time=5.5))
     status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
     assert status == "preempted"
     assert (
@@ -155,8 +134,8 @@ def test_preempt_chaos_drains_then_counts_the_node_once_it_is_gone():
         wait=lambda s: False,
     )
     [record] = killer.run()
-    assert done[0][0] == "preempt" and done[0][1]["node_id"] != "head"
-    assert (record["notice"], record["deadline"]) == (100.0, 110.0)
+    assert done[0][0] == "preempt" and done[0][1].node_id != "head"
+    assert (record.notice, record.deadline) == (100.0, 110.0)
     assert ledger.confirmed == [(100.0, True)]
 
 

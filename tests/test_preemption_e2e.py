@@ -13,11 +13,11 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ftjob import metrics as M
+from ftjob.record import RunSnapshot
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import manifest_of
 from tests.helpers import compose_job, read_until, start_ftjob
@@ -50,11 +50,11 @@ def train_worker_pids(root: int) -> list[int]:
     return sorted(found)
 
 
-def past_a_committed_step_20(snap: dict[str, Any]) -> bool:
+def past_a_committed_step_20(snap: RunSnapshot) -> bool:
     """A checkpoint of step 20 or later committed, and a step trained after it."""
-    committed = [c["step"] for c in snap["checkpoints"] if c.get("path")]
+    committed = [c.step for c in snap.committed()]
     return max(committed, default=0) >= 20 and any(
-        a["max_step"] > max(committed) for a in snap["attempts"]
+        a.max_step > max(committed) for a in snap.attempts
     )
 
 

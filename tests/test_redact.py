@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -28,6 +29,7 @@ from ftjob.config.secrets import (
     redactor_for,
 )
 from ftjob.driver.ledger import empty_snapshot
+from ftjob.record import Failure
 
 
 def test_credential_keys_are_recognised_and_ordinary_keys_are_not() -> None:
@@ -286,16 +288,13 @@ def test_summary_json_and_the_loggers_final_record_have_no_secret(prepared: Any)
     from ftjob.driver.runner import FitOutcome, Trained, _finish
 
     job, prep, run_dir = prepared
-    snapshot = empty_snapshot()
-    snapshot["failures"].append(
-        {
-            "noticed": snapshot["started"] + 1,
-            "errors": {
-                0: "ClientResponseError: 403, url='https://ci:Sup3rS3cretPw@store.example/x' "
-                f"headers={{'Authorization': 'Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIG'}} {SESSION}"
-            },
-        }
+    empty = empty_snapshot()
+    error = (
+        "ClientResponseError: 403, url='https://ci:Sup3rS3cretPw@store.example/x' "
+        f"headers={{'Authorization': 'Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIG'}} {SESSION}"
     )
+    failure = Failure(noticed=empty.started + 1, errors={0: error})
+    snapshot = dataclasses.replace(empty, failures=(failure,))
     lines: list[str] = []
     trained = Trained(snapshot, FitOutcome())
     result = _finish(job, str(run_dir), prep, trained, time.time(), [], lines.append, prep.redactor)

@@ -30,7 +30,7 @@ LAYERS = {
     "policy": 1,
     "config": 0,
     "metrics": 0,
-    "record": 0,
+    "record": 0.5,  # the run record: typed with config's choices, under everything that records
     "ray_internals": 0,
     "placement": 0,
 }

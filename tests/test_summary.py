@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from ftjob import metrics as M
+from ftjob.policy.hang import SECTIONS
+from ftjob.record import (
+    Attempt,
+    AuditStep,
+    ChaosSkip,
+    CheckpointRecord,
+    Failure,
+    Fallback,
+    FirstStep,
+    Hang,
+    HistoryPoint,
+    Injected,
+    JitCheckpoint,
+    Kill,
+    KillTarget,
+    Notice,
+    NoticeSource,
+    Progress,
+    Restore,
+    RunPlan,
+    RunSnapshot,
+    SectionTimeout,
+    SkippedFile,
+    StackCapture,
+    Straggler,
+    StragglerReport,
+    StragglerScore,
+    Tier,
+    ValidationResult,
+    WatchRecord,
+    WorkerPlace,
+)
 from ftjob.reporting.failures import failure_records
 from ftjob.reporting.summary import (
     FitOutcome,
@@ -23,15 +56,15 @@ from tests.helpers import PLAN, make_ledger, restored, train
 def test_failure_records_measure_each_part_of_recovery():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(100.0)
-    ledger.first_step(a0, 1, 110.0)
+    ledger.first_step(a0, FirstStep(1, 110.0))
     train(ledger, a0, range(1, 5))
-    ledger.kill({"time": 120.0, "kind": "node", "target": {"node_id": "n1", "ranks": [0]}})
+    ledger.kill(Kill(120.0, "node", KillTarget("n1", ranks=(0,)), a0))
     ledger.failure_noticed(125.0, {0: "ActorDiedError: node died"})
     ledger.confirm_kill(120.0, True)  # Ray marks the node dead after the failure is noticed
     a1 = ledger.begin_attempt(130.0)
     ledger.restored(a1, restored(2))
     parts = {"process_group": 0.4, "model": 1.2, "first_batch": 0.1, "first_step": 0.3}
-    ledger.first_step(a1, 3, 134.0, 0.4, parts)
+    ledger.first_step(a1, FirstStep(3, 134.0, 0.4, parts))
     train(ledger, a1, range(3, 6))
     ledger.finish(140.0)
     [f] = failure_records(ledger.snapshot())
@@ -57,23 +90,23 @@ def test_budget_exhausted_failure_is_not_recovered():
 def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp_path):
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
-    ledger.first_step(a0, 1, 1.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
     train(ledger, a0, range(1, 5))  # steps 3-4 are lost: the next attempt restores step 2
     ledger.failure_noticed(5.0, {0: "boom"})
     a1 = ledger.begin_attempt(6.0)
     ledger.restored(a1, restored(2))
-    ledger.first_step(a1, 3, 7.0)
+    ledger.first_step(a1, FirstStep(3, 7.0))
     train(ledger, a1, range(3, 6))
-    ledger.validation(a0, 4, {"epoch": 0, "loss": 1.0, "accuracy": 0.5})
-    ledger.validation(
-        a1, 4, {"epoch": 0, "loss": 0.5, "accuracy": 0.75}
-    )  # replaces, not duplicates
+    ledger.validation(a0, 4, ValidationResult(0, loss=1.0, accuracy=0.5, samples=8, time=5.0))
+    ledger.validation(  # replaces, not duplicates
+        a1, 4, ValidationResult(0, loss=0.5, accuracy=0.75, samples=8, time=8.0)
+    )
     ledger.progress_update(
         a1,
-        {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "loss": 0.1, "throughput": 9.0},
+        Progress(5, 0, 1, 5, loss=0.1, throughput=9.0, lr=0.01),
         {M.TRAIN_ROWS_PROCESSED: 40, M.TRAIN_STEP: 2.0, M.TRAIN_ITER_BATCH: float("inf")},
     )
-    ledger.checkpoint(a1, {"step": 5, "path": "/ck/step_5", "error": None, "seconds": 0.1})
+    ledger.checkpoint(a1, CheckpointRecord(5, "/ck/step_5", None, 0.1))
     ledger.finish(9.0)
     summary = build_summary(
         ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=9.0, config={}
@@ -105,7 +138,7 @@ def test_audit_catches_a_replayed_batch():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 6))
-    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist())  # step 5 saw batch 0 again
+    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist(), [])  # batch 0 again
     [a] = build_summary(
         ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
     )["audit"]
@@ -115,7 +148,7 @@ def test_audit_catches_a_replayed_batch():
 # -- the verdict: a pure function of the ledger snapshot and how fit() ended ----------------
 
 
-def finished_snapshot(fatal: str | None = None, finished: bool = True) -> dict:
+def finished_snapshot(fatal: str | None = None, finished: bool = True) -> RunSnapshot:
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 6), audit=False)
@@ -173,7 +206,7 @@ def test_a_finished_run_whose_audit_shows_a_replayed_batch_failed():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 6))
-    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist())  # step 5 saw batch 0 again
+    ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist(), [])  # batch 0 again
     ledger.finish(9.0)
     status, error = decide_status(ledger.snapshot(), FitOutcome(), 3)
     assert status == "failed"
@@ -187,7 +220,7 @@ def test_steps_that_trained_each_other_s_batch_fail_the_run_though_every_sample_
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 4))
     for step, batch in ((4, 5), (5, 4)):
-        ledger.audit_step(a0, step, 0, PLAN.shard(0, (batch - 1) * 8, 0, 1)[:8].tolist())
+        ledger.audit_step(a0, step, 0, PLAN.shard(0, (batch - 1) * 8, 0, 1)[:8].tolist(), [])
         ledger.step_done(a0, step)
     ledger.finish(9.0)
     snap = ledger.snapshot()
@@ -203,7 +236,7 @@ def test_a_resumed_run_expects_only_the_samples_after_its_resume_position():
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
     ledger.restored(a0, restored(2))  # an earlier run trained steps 1-2 (samples 0-15)
-    ledger.first_step(a0, 3, 1.0)
+    ledger.first_step(a0, FirstStep(3, 1.0))
     train(ledger, a0, range(3, 6))
     ledger.finish(9.0)
     snap = ledger.snapshot()
@@ -216,9 +249,9 @@ def test_non_finite_values_are_null_in_the_summary_and_its_printout(tmp_path):
     ledger = make_ledger()
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 6), audit=False)
-    progress = {"step": 5, "epoch": 0, "epochs": 1, "total_steps": 5, "throughput": 9.0}
-    ledger.progress_update(a0, {**progress, "loss": float("nan")}, {M.TRAIN_LOSS: float("nan")})
-    ledger.validation(a0, 5, {"epoch": 0, "loss": float("inf"), "accuracy": 0.1})
+    progress = Progress(5, 0, 1, 5, loss=float("nan"), throughput=9.0, lr=0.01)
+    ledger.progress_update(a0, progress, {M.TRAIN_LOSS: float("nan")})
+    ledger.validation(a0, 5, ValidationResult(0, float("inf"), accuracy=0.1, samples=8, time=1.0))
     summary = build_summary(
         ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
     )
@@ -234,10 +267,10 @@ def test_non_finite_values_are_null_in_the_summary_and_its_printout(tmp_path):
 def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
     ledger = make_ledger()
     ledger.begin_attempt(0.0)
-    ledger.kill({"time": 5.0, "kind": "node", "target": {"node_id": "n1", "ranks": [0]}})
-    ledger.kill({"time": 9.0, "kind": "node", "target": {"node_id": "n2", "ranks": [1]}})
+    ledger.kill(Kill(5.0, "node", KillTarget("n1", ranks=(0,)), 0))
+    ledger.kill(Kill(9.0, "node", KillTarget("n2", ranks=(1,)), 0))
     ledger.confirm_kill(5.0, False)
-    ledger.chaos_skipped({"time": 7.0, "kind": "node", "window": 2, "reason": "no eligible target"})
+    ledger.chaos_skipped(ChaosSkip(7.0, "node", "no eligible target", 0, window=2))
     summary = build_summary(
         ledger.snapshot(), name="r", status="x", error=None, wall_time_s=1, config={}
     )
@@ -250,3 +283,231 @@ def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
     ]
     assert any("chaos: no node kill: no eligible target" in line for line in ledger.lines)
     assert "  chaos: no node kill: no eligible target" in format_summary(summary).splitlines()
+
+
+# -- summary.json's shape: every key it has always had, no more ------------------------------
+
+SUMMARY_KEYS = Path(__file__).with_name("summary_keys.txt")
+CHAOS_CONFIG = {"chaos": {"kind": "worker", "interval": 10.0, "max_kills": 3, "at_steps": []}}
+
+
+def _batch(step: int) -> tuple[int, ...]:
+    return tuple(PLAN.shard((step - 1) // 5, ((step - 1) % 5) * 8, 0, 1)[:8].tolist())
+
+
+PLACES = {0: WorkerPlace("head", 100, 1, 10.5), 1: WorkerPlace("n1", 101, 2, 10.6)}
+PHASES = {"process_group": 0.4, "model": 1.2, "first_batch": 0.1, "first_step": 0.3}
+
+
+def _attempt(index: int, started: float, world: int, restore: Restore | None, **rest) -> Attempt:
+    places = PLACES if world == 2 else {0: PLACES[0]}
+    return Attempt(index, started, world, places, restore, **rest)
+
+
+def rich_attempts() -> tuple[Attempt, ...]:
+    """An injected failure; a restore that fell back past two checkpoints, then a worker kill;
+    a restore from the memory tier, then a hang; a preemption with its just-in-time checkpoint
+    on one worker (a shrink); a planned grow to two; a straggler restarted; the last attempt."""
+    fallbacks = (
+        Fallback(4, "/ck/step_4", "checksum mismatch", True, quarantined_to="/ck/.bad/step_4"),
+        Fallback(3, "/ck/step_3", "no manifest", False, left="an upload may still write it"),
+    )
+    jit = JitCheckpoint(8, path="/ck/step_8", seconds=0.4, time=55.5)
+    preemption = Notice(NoticeSource.drain, 55.0, 8, deadline=65.0, ranks=(0,), jit=jit)
+    reused = JitCheckpoint(10, path="/ck/step_10", reused=True, time=75.2)
+    resize = Notice(NoticeSource.resize, 75.0, 10, from_=1, to=2, requested=74.5, jit=reused)
+    return (
+        _attempt(0, 10.0, 2, None, first_step=FirstStep(1, 13.0, 1.0, PHASES), max_step=4),
+        _attempt(
+            1,
+            25.0,
+            2,
+            Restore(2, 0, 16, "/ck/step_2", 0.5, 0.25, 0.01, fallbacks),
+            first_step=FirstStep(3, 28.0, 0.5, PHASES),
+            max_step=6,
+        ),
+        _attempt(
+            2,
+            34.0,
+            2,
+            Restore(5, 0, 40, None, 0.0, 0.1, 0.01, tier=Tier.memory),
+            first_step=FirstStep(6, 37.0, 0.5),
+            max_step=7,
+        ),
+        _attempt(
+            3,
+            48.0,
+            1,
+            Restore(6, 1, 8, "/ck/step_6", 0.5, 0.25, 0.01),
+            preemption=preemption,
+            first_step=FirstStep(7, 52.0, 0.5),
+            max_step=8,
+        ),
+        _attempt(
+            4,
+            68.0,
+            1,
+            Restore(8, 1, 24, "/ck/step_8", 0.5, 0.25, 0.01),
+            resize=resize,
+            first_step=FirstStep(9, 71.0, 0.5),
+            max_step=10,
+        ),
+        _attempt(
+            5,
+            78.0,
+            2,
+            Restore(10, 1, 40, "/ck/step_10", 0.5, 0.25, 0.01),
+            first_step=FirstStep(11, 82.0, 0.5),
+            max_step=12,
+        ),
+        _attempt(
+            6,
+            93.0,
+            2,
+            Restore(10, 1, 40, "/ck/step_10", 0.5, 0.25, 0.01),
+            first_step=FirstStep(11, 96.0, 0.5),
+            max_step=15,
+        ),
+    )
+
+
+def rich_chaos() -> tuple[tuple[Kill, ...], tuple[ChaosSkip, ...]]:
+    """Kills of four kinds; a window without a target, and a node Ray never confirmed dead."""
+    worker = KillTarget("n1", pid=101, rank=1)
+    kills = (
+        Kill(30.0, "worker", worker, 1, killed_pid=101, confirmed=True),
+        Kill(38.0, "hang", KillTarget("head", pid=100, rank=0), 2, killed_pid=100, confirmed=True),
+        Kill(
+            55.0,
+            "preempt",
+            KillTarget("head", ranks=(0,)),
+            3,
+            notice=55.0,
+            deadline=65.0,
+            killed_pid=1,
+            confirmed=True,
+        ),
+        Kill(85.0, "slow", worker, 5, slowdown=0.5, killed_pid=-1, confirmed=True),
+    )
+    unconfirmed = Kill(86.0, "node", KillTarget("n1", ranks=(1,)), 5, killed_pid=2, confirmed=False)
+    skipped = (
+        ChaosSkip(29.0, "worker", "no eligible target", 1, window=2),
+        ChaosSkip.of_kill(unconfirmed, "the node was not confirmed dead"),
+    )
+    return kills, skipped
+
+
+def rich_watch() -> WatchRecord:
+    """A hang ended by ftjob (its stack captured), a straggler restarted, the sections'
+    timeouts, an attempt's start-up phases."""
+    hang = Hang(
+        44.0, 2, 0, "head", 100, "step", 7, 39.0, 5.0, 4.0, 1.0, True, True, {1: "data"}
+    ).handled(StackCapture(100, "Thread 100 (idle)", "py-spy", killed=True))
+    scores = {"0": StragglerScore(1.0, 1.0), "1": StragglerScore(2.1, 2.0)}
+    straggler = Straggler(90.0, 5, 1, "n1", 2.1, 2.0, restarted=True)
+    return WatchRecord(
+        hangs=(hang,),
+        stragglers=StragglerReport((straggler,), scores, max_slowdown=2.1, threshold=1.5),
+        sections={s: SectionTimeout(3, 0.2, 4.0, True) for s in SECTIONS},
+        phases={"1": {"setup": 1.0, "restore": 0.8, "warmup": 0.5}},
+    )
+
+
+def rich_snapshot() -> RunSnapshot:
+    """A run that met everything summary.json records: the attempts, chaos and watch above,
+    validations (one replaced), checkpoints (one failed), storage counters of two processes,
+    the sample audit (a step with a skipped sample) and a skipped bad file."""
+    kills, skipped = rich_chaos()
+    counters = {"calls": 4.0, "attempts": 5.0, "retries": 1.0, "failures": 0.0}
+    return RunSnapshot(
+        plan=RunPlan(40, 8, 40, 5, 0, 3, 2),
+        started=8.0,
+        finished=106.0,
+        attempts=rich_attempts(),
+        failures=(
+            Failure(21.0, {0: "InjectedFailure: step 4"}),
+            Failure(31.0, {1: "ActorDiedError: worker died"}),
+            Failure(45.0, {0: "ActorDiedError: hung worker killed"}),
+            Failure(65.5, {0: "ActorDiedError: node preempted"}),
+            Failure(91.0, {1: "ActorDiedError: straggler restarted"}),
+        ),
+        kills=kills,
+        chaos_skipped=skipped,
+        injected=(Injected(20.0, 4),),
+        validations=(
+            ValidationResult(0, 1.0, 0.5, 10, 15.0, step=2, attempt=0),
+            ValidationResult(1, 0.5, 0.75, 10, 74.0, step=10, attempt=4),
+        ),
+        replaced_validations=1,
+        checkpoints=(
+            CheckpointRecord(2, "/ck/step_2", None, 1.0, 15.0, attempt=0),
+            CheckpointRecord(4, None, "OSError: upload failed", 2.0, 19.0, attempt=0),
+            CheckpointRecord(8, "/ck/step_8", None, 0.4, 55.5, attempt=3),
+            CheckpointRecord(10, "/ck/step_10", None, 0.5, 74.0, attempt=4),
+            CheckpointRecord(15, "/ck/step_15", None, 0.5, 105.5, attempt=6),
+        ),
+        storage={
+            "attempt 0 rank 0": {"upload": counters, "list": counters, "download": counters},
+            "controller": {"other": counters, "delete": counters},
+        },
+        audit=(
+            AuditStep(0, 1, 0, _batch(1)),
+            AuditStep(0, 2, 0, _batch(2), skipped=(_batch(2)[0],)),
+            AuditStep(6, 15, 2, _batch(15)),
+        ),
+        skipped_files=(SkippedFile("train", 7, "/data/train/7.png", "truncated", 0, 0),),
+        metrics={
+            M.TRAIN_STEP: 20.0,
+            M.TRAIN_ITER_BATCH: 4.0,
+            M.TRAIN_STEPS_COMPLETED: 15,
+            M.TRAIN_ROWS_PROCESSED: 120,
+            M.CHECKPOINT_UPLOAD: 3.0,
+        },
+        progress=Progress(15, 2, 3, 15, 0.2, 90.0, 0.01, 105.0, attempt=6),
+        history=(
+            HistoryPoint(5, 40.0, 2, 0.8, 80.0, 0.01, 2),
+            HistoryPoint(15, 105.0, 6, 0.2, 90.0, 0.01, 2),
+        ),
+        executed_resizes=(76.0,),
+        watch=rich_watch(),
+    )
+
+
+def key_paths(value: object, path: str = "") -> set[str]:
+    """Every key of a JSON document as a path (``.failures[].notice.deadline``)."""
+    if isinstance(value, dict):
+        return {p for k, v in value.items() for p in {f"{path}.{k}"} | key_paths(v, f"{path}.{k}")}
+    if isinstance(value, list):
+        return {p for v in value for p in key_paths(v, f"{path}[]")}
+    return set()
+
+
+def test_summary_json_keeps_its_keys(tmp_path):
+    """summary.json of a run that met everything it records has exactly the keys it has
+    always had (tests/summary_keys.txt): a renamed, dropped or added key -- in a record the
+    summary embeds, too -- fails here, not in a reader of summary.json."""
+    summary = build_summary(
+        rich_snapshot(),
+        name="rich",
+        status="succeeded",
+        error=None,
+        wall_time_s=110.0,
+        config=CHAOS_CONFIG,
+        run_started=5.0,
+    )
+    kinds = [(f["kind"], f["recovered"]) for f in summary["failures"]]
+    assert kinds == [
+        ("injected", True),
+        ("worker_kill", True),
+        ("hang", True),
+        ("preemption", True),
+        ("straggler", True),
+    ]
+    assert [(r["kind"], r["cause"]) for r in summary["resizes"]] == [
+        ("shrink", "failure"),
+        ("grow", "planned"),
+    ]
+    written = json.loads(open(write_summary(summary, str(tmp_path))).read())
+    found, expected = key_paths(written), set(SUMMARY_KEYS.read_text().split())
+    assert not expected - found, f"keys gone from summary.json: {sorted(expected - found)}"
+    assert not found - expected, f"keys new in summary.json: {sorted(found - expected)}"

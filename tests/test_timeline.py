@@ -11,6 +11,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.cli.report import main as report
+from ftjob.record import FirstStep, Kill, KillTarget
 from ftjob.reporting.summary import build_summary
 from ftjob.reporting.timeline import marks, phase_spans, training_label, write_timeline
 from tests.helpers import make_ledger, restored, train
@@ -132,13 +133,13 @@ def test_the_start_up_band_and_its_legend_count_from_the_same_origin() -> None:
     ledger = make_ledger()
     ledger.started = 13.0
     a0 = ledger.begin_attempt(15.0)
-    ledger.first_step(a0, 1, 20.0, 1.0)
+    ledger.first_step(a0, FirstStep(1, 20.0, 1.0))
     train(ledger, a0, range(1, 5), audit=False)
-    ledger.kill({"time": 30.0, "kind": "worker", "target": {"rank": 0, "pid": 1}})
+    ledger.kill(Kill(30.0, "worker", KillTarget("n1", pid=1, rank=0), a0))
     ledger.failure_noticed(31.0, {0: "ActorDiedError"})
     a1 = ledger.begin_attempt(34.0)
     ledger.restored(a1, restored(2))
-    ledger.first_step(a1, 3, 38.0, 1.0)
+    ledger.first_step(a1, FirstStep(3, 38.0, 1.0))
     ledger.finish(45.0)
     summary = build_summary(
         ledger.snapshot(),

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ftjob import metrics as M
+from ftjob.record import Hang, Kill, KillTarget, RunSnapshot
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import checkpoint_file
 from tests.helpers import compose_job
@@ -184,16 +185,15 @@ def test_a_stop_during_an_upload_makes_that_upload_the_just_in_time_checkpoint(t
     # checkpoint of step 20 uploads.
     overrides = ("trainer.epochs=2", "trainer.num_workers=1", "chaos.storage.upload_delay=0.5")
 
-    def uploading_step_20(snap: dict[str, Any]) -> bool:
-        return any(a["max_step"] >= 20 for a in snap["attempts"])
+    def uploading_step_20(snap: RunSnapshot) -> bool:
+        return any(a.max_step >= 20 for a in snap.attempts)
 
     run = run_digits(tmp_path, *overrides, during=stop_when(uploading_step_20))
     s = run.summary
     assert s["status"] == "preempted", (s["error"], run.errors)
-    [attempt] = [a for a in run.snapshot["attempts"] if a.get("preemption")]
-    notice = attempt["preemption"]
-    assert notice["source"] == "driver" and notice["step"] == 20
-    assert notice["jit"]["reused"] and notice["jit"]["step"] == 20  # the upload in flight
+    [notice] = [a.preemption for a in run.snapshot.attempts if a.preemption]
+    assert notice.source == "driver" and notice.step == 20
+    assert notice.jit and notice.jit.reused and notice.jit.step == 20  # the upload in flight
     assert s["checkpoints"]["latest"].endswith("step_000000020")
     assert s["error"].endswith("after a just-in-time checkpoint of step 20")
 
@@ -219,15 +219,14 @@ def test_a_validation_cut_short_by_a_stop_runs_again_after_the_resume(tmp_path: 
         f"checkpoint.storage_path={storage}",
     )
 
-    def validating_step_22(snap: dict[str, Any]) -> bool:
-        return any(a["max_step"] >= 22 for a in snap["attempts"])
+    def validating_step_22(snap: RunSnapshot) -> bool:
+        return any(a.max_step >= 22 for a in snap.attempts)
 
     first = run_digits(tmp_path / "a", *common, during=stop_when(validating_step_22))
     assert first.summary["status"] == "preempted", (first.summary["error"], first.errors)
-    [attempt] = [a for a in first.snapshot["attempts"] if a.get("preemption")]
-    notice = attempt["preemption"]
-    assert notice["step"] == 22 and notice["validation_cut"] == 22, notice
-    assert notice["jit"]["step"] == 22 and notice["jit"]["path"]
+    [notice] = [a.preemption for a in first.snapshot.attempts if a.preemption]
+    assert notice.step == 22 and notice.validation_cut == 22, notice
+    assert notice.jit and notice.jit.step == 22 and notice.jit.path
     assert first.summary["validation"] == []  # nothing half-done is reported
 
     run = run_digits(tmp_path / "b", *common, "resume=true")
@@ -245,10 +244,9 @@ def test_a_slow_rank_is_named_a_straggler_and_a_slow_upload_is_no_hang(tmp_path:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             snap = ledger.snapshot.remote()
-            if any(a["max_step"] >= 5 for a in snap["attempts"]):
-                target = {"rank": 1, "node_id": "local", "pid": 0}
-                record = {"kind": "slow", "target": target, "slowdown": 1.0, "attempt": 0}
-                ledger.kill.remote({**record, "time": time.time()})
+            if any(a.max_step >= 5 for a in snap.attempts):
+                target = KillTarget("local", rank=1, pid=0)
+                ledger.kill.remote(Kill(time.time(), "slow", target, attempt=0, slowdown=1.0))
                 return
             time.sleep(0.1)
 
@@ -268,7 +266,7 @@ def test_a_slow_rank_is_named_a_straggler_and_a_slow_upload_is_no_hang(tmp_path:
     [straggler] = s["stragglers"]["flagged"]
     assert straggler["rank"] == 1 and 1.5 < straggler["slowdown"] < 2.7, straggler  # 2.0
     assert 1.5 < s["metrics"][M.STRAGGLER_MAX_SLOWDOWN] < 2.7
-    assert not any(a["action"] == "hang" for a in run.watch_actions)
+    assert not any(isinstance(a, Hang) for a in run.watch_actions)
     # The checkpoints took longer than the timeout; each upload request moved them on.
     checkpoint = s["section_timeouts"]["checkpoint"]
     assert checkpoint["p99_s"] > 5.0 and checkpoint["timeout_s"] == 5.0

@@ -23,10 +23,11 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from ftjob.config import ENDS_ATTEMPT, NODE_KINDS, WORKER_KINDS, ChaosConfig
+from ftjob.record import ChaosSkip, ChaosView, Kill, KillTarget, WorkerPlace
 
 logger = logging.getLogger("ftjob.chaos.schedule")
 
@@ -54,41 +55,52 @@ class KillSchedule:
 
 
 def eligible_targets(
-    kind: str, workers: list[dict[str, Any]], protected_nodes: set[str]
-) -> list[dict[str, Any]]:
+    kind: str, workers: tuple[WorkerPlace, ...] | list[WorkerPlace], protected_nodes: set[str]
+) -> list[WorkerPlace]:
     """Training workers that may be hit. A node kill never takes down a protected (head or
     driver) node; a worker kill only ever hits a training worker process, wherever it runs."""
     if kind in WORKER_KINDS:
         return list(workers)
-    return [w for w in workers if w.get("node_id") not in protected_nodes]  # node, preempt
+    return [w for w in workers if w.node_id not in protected_nodes]  # node, preempt
 
 
-def choose_target(kind: str, workers: list[dict[str, Any]], rng: random.Random) -> dict[str, Any]:
+def choose_target(kind: str, workers: list[WorkerPlace], rng: random.Random) -> KillTarget:
     """A node (all its training workers die) or one training worker process."""
     if kind in NODE_KINDS:
-        nodes = sorted({w["node_id"] for w in workers})
+        nodes = sorted({w.node_id for w in workers})
         node = rng.choice(nodes)
-        ranks = [w["rank"] for w in workers if w["node_id"] == node]
-        return {"node_id": node, "ranks": ranks}
-    worker = rng.choice(sorted(workers, key=lambda w: w["rank"]))
-    return {"node_id": worker["node_id"], "pid": worker["pid"], "rank": worker["rank"]}
+        ranks = tuple(w.rank for w in workers if w.node_id == node and w.rank is not None)
+        return KillTarget(node_id=node, ranks=ranks)
+    worker = rng.choice(sorted(workers, key=lambda w: w.rank or 0))
+    return KillTarget(node_id=worker.node_id, pid=worker.pid, rank=worker.rank)
 
 
-def describe_chaos(record: dict[str, Any], count: int) -> str:
+def describe_chaos(record: Kill, count: int) -> str:
     """The progress line of a chaos event (``count``: kills so far, this one included)."""
-    target, kind = record.get("target", {}), record["kind"]
-    node = f"node {target.get('node_id', '?')[:12]} (ranks {target.get('ranks')})"
-    worker = f"worker rank {target.get('rank')} (pid {target.get('pid')})"
+    target, kind = record.target, record.kind
+    ranks = list(target.ranks) if target.ranks is not None else None
+    node = f"node {target.node_id[:12]} (ranks {ranks})"
+    worker = f"worker rank {target.rank} (pid {target.pid})"
     if kind == "preempt":
-        notice = record["deadline"] - record["notice"]
+        notice = (record.deadline or 0.0) - (record.notice or 0.0)
         return f"chaos: preempting {node}: drained with {notice:.0f} s of notice"
     if kind == "node":
         return f"chaos: killing {node}"
     if kind == "hang":
         return f"chaos: hang {count}: {worker} stopped with SIGSTOP; nothing here resumes it"
     if kind == "slow":
-        return f"chaos: slow {count}: {worker} now sleeps {record['slowdown']:.0%} of each step"
+        return f"chaos: slow {count}: {worker} now sleeps {record.slowdown or 0.0:.0%} of each step"
     return f"chaos: kill {count}: {worker}"
+
+
+class ChaosLedger(Protocol):
+    """What the killer asks of the run ledger, and tells it."""
+
+    def chaos_view(self) -> ChaosView: ...
+    def record_kill(self, record: Kill) -> None: ...
+    def record_skip(self, record: ChaosSkip) -> None: ...
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None: ...
+    def report_error(self, message: str) -> None: ...
 
 
 class ChaosKiller:
@@ -104,14 +116,14 @@ class ChaosKiller:
         self,
         schedule: KillSchedule,
         kind: str,
-        ledger: Any,
+        ledger: ChaosLedger,
         protected_nodes: set[str],
         *,
         at_steps: list[int] | None = None,
         notice: float = 30.0,
         slowdown: float = 0.5,
-        execute: Callable[[str, dict[str, Any]], int],
-        confirm: Callable[[dict[str, Any]], bool] = lambda target: True,
+        execute: Callable[[str, KillTarget], int],
+        confirm: Callable[[KillTarget], bool] = lambda target: True,
         clock: Callable[[], float] = time.time,
         wait: Callable[[float], bool] | None = None,
         poll_s: float = 0.5,
@@ -126,18 +138,18 @@ class ChaosKiller:
         self.wait = wait or self._stop.wait
         self.poll_s = poll_s
         self.rng = random.Random(schedule.seed + 1)
-        self.kills: list[dict[str, Any]] = []
-        self.skipped: list[dict[str, Any]] = []
+        self.kills: list[Kill] = []
+        self.skipped: list[ChaosSkip] = []
         self.confirming: list[threading.Thread] = []
         self.last_attempt = -1
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _view(self) -> dict[str, Any]:
+    def _view(self) -> ChaosView:
         return self.ledger.chaos_view()
 
-    def run(self) -> list[dict[str, Any]]:
+    def run(self) -> list[Kill]:
         try:
             self._run()
         except Exception as exc:  # a broken killer must be seen, not silently stop the chaos
@@ -146,29 +158,31 @@ class ChaosKiller:
         for confirming in self.confirming:  # node kills still waiting for Ray's word
             while confirming.is_alive() and not self._stop.is_set():
                 confirming.join(timeout=0.5)
-        return sorted(self.kills, key=lambda k: k["time"])
+        return sorted(self.kills, key=lambda k: k.time)
 
-    def _wait_until(self, ready: Callable[[dict[str, Any]], Any]) -> Any:
+    def _wait_until(self, ready: Callable[[ChaosView], Any]) -> Any:
         """Poll the ledger until ``ready(view)`` is not None; None if told to stop."""
         while (result := ready(self._view())) is None:
             if self.wait(self.poll_s):
                 return None
         return result
 
-    def _due(self, view: dict[str, Any], index: int, start: float) -> bool:
+    def _due(self, view: ChaosView, index: int, start: float) -> bool:
         if self.at_steps:
-            return view["step"] >= self.at_steps[index]
+            return view.step >= self.at_steps[index]
         return self.clock() >= start + self.schedule.times()[index]
 
     def _run(self) -> None:
-        start = self._wait_until(lambda v: v["training_started"])
+        start = self._wait_until(lambda v: v.training_started)
         count = len(self.at_steps) if self.at_steps else self.schedule.max_kills
         for index in range(count if start is not None else 0):
             # Due, and an attempt the previous kill did not already hit is training.
             view = self._wait_until(
                 lambda v, i=index: (
                     v
-                    if v["training"] and v["attempt"] > self.last_attempt and self._due(v, i, start)
+                    if v.training
+                    and (v.attempt or 0) > self.last_attempt
+                    and self._due(v, i, start)
                     else None
                 )
             )
@@ -176,15 +190,14 @@ class ChaosKiller:
                 return
             self._strike(index, view)
 
-    def _skip(self, index: int, view: dict[str, Any], reason: str) -> None:
-        record = {"time": self.clock(), "kind": self.kind, "window": index + 1, "reason": reason}
-        record["attempt"] = view["attempt"]
+    def _skip(self, index: int, view: ChaosView, reason: str) -> None:
+        record = ChaosSkip(self.clock(), self.kind, reason, view.attempt, window=index + 1)
         self.skipped.append(record)
         self.ledger.record_skip(record)
 
-    def _strike(self, index: int, view: dict[str, Any]) -> None:
-        attempt = view["attempt"]
-        targets = eligible_targets(self.kind, view["workers"], self.protected)
+    def _strike(self, index: int, view: ChaosView) -> None:
+        attempt = view.attempt
+        targets = eligible_targets(self.kind, view.workers, self.protected)
         if not targets:
             self._skip(
                 index,
@@ -195,18 +208,19 @@ class ChaosKiller:
             )
             return
         target = choose_target(self.kind, targets, self.rng)
-        record = {"time": self.clock(), "kind": self.kind, "target": target, "attempt": attempt}
+        now = self.clock()
+        record = Kill(time=now, kind=self.kind, target=target, attempt=attempt)
         if self.kind == "preempt":  # the drain is the notice; the node goes at the deadline
-            record.update(notice=record["time"], deadline=record["time"] + self.notice)
+            record = replace(record, notice=now, deadline=now + self.notice)
         if self.kind == "slow":
-            record["slowdown"] = self.slowdown
+            record = replace(record, slowdown=self.slowdown)
         try:
-            record["killed_pid"] = self.execute(self.kind, target)
+            record = replace(record, killed_pid=self.execute(self.kind, target))
         except Exception as exc:  # a target that vanished on its own is not a kill
             logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
             self._skip(index, view, f"the kill of {target} failed: {type(exc).__name__}: {exc}")
             return
-        if self.kind in ENDS_ATTEMPT:
+        if self.kind in ENDS_ATTEMPT and attempt is not None:
             self.last_attempt = attempt
         self.ledger.record_kill(record)  # now: a simulated cluster replaces the node from it
         if self.kind not in NODE_KINDS:
@@ -220,10 +234,10 @@ class ChaosKiller:
         confirming.start()
         self.confirming.append(confirming)
 
-    def _confirm(self, record: dict[str, Any]) -> None:
-        confirmed = self.confirm(record["target"])
-        self.ledger.confirm_kill(record["time"], confirmed)
+    def _confirm(self, record: Kill) -> None:
+        confirmed = self.confirm(record.target)
+        self.ledger.confirm_kill(record.time, confirmed)
         if confirmed:
             self.kills.append(record)
         else:
-            self.skipped.append({**record, "reason": "the node was not confirmed dead"})
+            self.skipped.append(ChaosSkip.of_kill(record, "the node was not confirmed dead"))

@@ -28,6 +28,7 @@ import pyarrow as pa
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset
 from ftjob.data.order import EpochPlan, epoch_order, validation_ids
 from ftjob.ray_internals import STREAMING_EXECUTOR_LOGGER
+from ftjob.record import SkippedFile
 
 logger = logging.getLogger(__name__)
 
@@ -351,13 +352,13 @@ class WindowSizer:
 class SkipLog:
     """Names the files behind skipped samples (``dataset.bad_files=skip``), each once per
     process: the dataset reads it again for the reason (a skip is rare; decode tasks do not
-    carry reasons back), and ``tell`` hears ``{split, id, path, reason}`` records."""
+    carry reasons back), and ``tell`` hears their records."""
 
     def __init__(
         self,
         dataset: ImageDataset,
         catalogs: dict[str, pa.Table],
-        tell: Callable[[list[dict[str, Any]]], None],
+        tell: Callable[[list[SkippedFile]], None],
     ) -> None:
         self.dataset, self.catalogs, self.tell = dataset, catalogs, tell
         self._seen: set[tuple[str, int]] = set()
@@ -373,9 +374,7 @@ class SkipLog:
         records = []
         for sample_id, row in zip(new, rows, strict=True):
             bad = self.dataset.bad_file(row)
-            records.append(
-                {"split": split, "id": sample_id, "path": bad.path, "reason": bad.reason}
-            )
+            records.append(SkippedFile(split, sample_id, bad.path, bad.reason))
         self.tell(records)
 
 

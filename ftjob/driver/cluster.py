@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.config import JobConfig, JobError, RayConfig
+from ftjob.config import NODE_KINDS, JobConfig, JobError, RayConfig
+from ftjob.record import Kill
 
 logger = logging.getLogger("ftjob.driver.cluster")
 
@@ -465,24 +466,22 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def service(self, kills: list[dict[str, Any]], now: float) -> None:
+    def service(self, kills: list[Kill], now: float) -> None:
         """Add a node for every node kill older than replace_delay that was not replaced yet
         (none with ray.replace_nodes=false: a cluster without spare capacity)."""
         if not self.replace_nodes:
             return
         for i, kill in enumerate(kills):
-            gone = kill.get("deadline", kill["time"])  # a preempted node goes at its deadline
+            gone = kill.deadline or kill.time  # a preempted node goes at its deadline
             if (
-                kill["kind"] in ("node", "preempt")
+                kill.kind in NODE_KINDS
                 and i not in self.replaced
                 and now - gone >= self.replace_delay
             ):
                 self.replaced.add(i)
                 self.cluster.add_node(num_cpus=self.node_cpus)
                 self.replacements += 1
-                logger.info(
-                    "local cluster: replaced killed node %s", kill["target"]["node_id"][:12]
-                )
+                logger.info("local cluster: replaced killed node %s", kill.target.node_id[:12])
 
     def shutdown(self) -> None:
         try:

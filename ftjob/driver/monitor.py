@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftjob.driver.ledger import empty_snapshot
+from ftjob.record import Hang, RunSnapshot, StackCapture, Straggler
 from ftjob.reporting.loggers import LogFeed
 from ftjob.storage.lease import LeaseKeeper
 
@@ -70,8 +71,9 @@ class StopSignal:
         if not ray.get(ledger.stop_requested.remote(), timeout=10):
             echo("SIGTERM: a preemption notice; committing a checkpoint of the current step")
             ledger.request_stop.remote("SIGTERM", self.received)
-        latest = ray.get(ledger.latest_preemption.remote(), timeout=10) or {}
-        return "jit" in latest or time.time() - self.received > self.wait_s
+        latest = ray.get(ledger.latest_preemption.remote(), timeout=10)
+        checkpointed = latest is not None and latest.jit is not None
+        return checkpointed or time.time() - self.received > self.wait_s
 
 
 class Monitor:
@@ -153,21 +155,20 @@ class Monitor:
                 self.local.service(kills, time.time())
         return True
 
-    def final_snapshot(self) -> dict[str, Any]:
+    def final_snapshot(self) -> RunSnapshot:
         """The ledger's record of the run; if the ledger is gone, an empty one that says so
         (the run is then failed, and its checkpoints are still in storage)."""
         import ray
 
         snap = self.ask("final record", lambda: ray.get(self.ledger.snapshot.remote(), timeout=30))
         if snap is None:
-            snap = empty_snapshot()
-            snap["fatal"] = (
+            snap = empty_snapshot(
                 "the run ledger was lost before the run ended: its records (failures, steps, "
                 "checkpoints) are gone; the committed checkpoints are still in storage"
             )
         return snap
 
-    def _end_stalled(self, action: dict[str, Any]) -> None:
+    def _end_stalled(self, action: Hang | Straggler) -> None:
         """Capture a hung worker's stack and kill it (Ray Train restarts the group)."""
         import ray
 
@@ -176,6 +177,6 @@ class Monitor:
         try:
             result = end_stalled_worker(action)
         except (ray.exceptions.RayError, TimeoutError) as exc:  # its node went meanwhile
-            result = {"pid": action["pid"], "error": f"{type(exc).__name__}: {exc}"}
-        if action["action"] == "hang":
-            self.ledger.hang_handled.remote(action["time"], result)
+            result = StackCapture(pid=action.pid or 0, error=f"{type(exc).__name__}: {exc}")
+        if isinstance(action, Hang):
+            self.ledger.hang_handled.remote(action.time, result)

@@ -47,6 +47,7 @@ from ftjob.driver.resume import (
     check_run_place,
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
+from ftjob.record import RunPlan, RunSnapshot
 from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
 from ftjob.reporting.summary import (
     FitOutcome,
@@ -239,7 +240,7 @@ def run(
 class Trained:
     """How the run went, as the driver saw it."""
 
-    snapshot: dict[str, Any]  # the run ledger's
+    snapshot: RunSnapshot  # the run ledger's
     fit: FitOutcome
     feed: LogFeed | None = None
     lease_lost: str | None = None  # another driver holds the run now: why this one stopped
@@ -327,14 +328,14 @@ def _finish(
 
 def _how_to_resume(
     summary: dict[str, Any],
-    snapshot: dict[str, Any],
+    snapshot: RunSnapshot,
     prep: Prepared,
     overrides: list[str],
     echo: Callable[[str], None],
     redactor: Redactor,
 ) -> None:
     """A run that did not succeed: the checkpoint it continues from, and the command."""
-    restored = [(a["restored"] or {}).get("step", -1) for a in snapshot["attempts"]]
+    restored = [r.step for r in snapshot.restores()]
     store = CheckpointStore(prep.fs, prep.run_path)
     settle_latest(summary, store, echo, max(restored, default=-1))
     if summary["checkpoints"]["latest"]:
@@ -440,17 +441,17 @@ def _train_on_cluster(
     return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
 
 
-def run_plan(job: JobConfig, prep: Prepared) -> dict[str, Any]:
+def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:
     """What the run ledger knows of the run's shape from the start."""
-    return {
-        "num_samples": prep.plan.num_samples,
-        "global_batch_size": prep.plan.global_batch_size,
-        "samples_per_epoch": prep.plan.samples_per_epoch,
-        "steps_per_epoch": prep.plan.steps_per_epoch,
-        "seed": prep.plan.seed,
-        "epochs": job.trainer.epochs,
-        "num_workers": job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
-    }
+    return RunPlan(
+        num_samples=prep.plan.num_samples,
+        global_batch_size=prep.plan.global_batch_size,
+        samples_per_epoch=prep.plan.samples_per_epoch,
+        steps_per_epoch=prep.plan.steps_per_epoch,
+        seed=prep.plan.seed,
+        epochs=job.trainer.epochs,
+        num_workers=job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
+    )
 
 
 def worker_spec(

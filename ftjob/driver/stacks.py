@@ -14,7 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
-from typing import Any
+
+from ftjob.record import Hang, StackCapture, Straggler
 
 MAX_STACK_CHARS = 4000
 
@@ -66,22 +67,21 @@ def stack_of(pid: int) -> tuple[str, str]:
     return f"{why}\n{_proc_view(pid)}", "proc"
 
 
-def capture_and_kill(pid: int, capture: bool = True) -> dict[str, Any]:
+def capture_and_kill(pid: int, capture: bool = True) -> StackCapture:
     """Runs on the stalled worker's node: its stack (if ``capture``), then SIGKILL."""
-    result: dict[str, Any] = {"pid": pid, "stack": None, "stack_source": None}
-    if capture:
-        result["stack"], result["stack_source"] = stack_of(pid)
+    stack, source = stack_of(pid) if capture else (None, None)
     try:
         os.kill(pid, signal.SIGKILL)
-        result["killed"] = True
+        killed = True
     except ProcessLookupError:
-        result["killed"] = False  # it ended on its own meanwhile
-    return result
+        killed = False  # it ended on its own meanwhile
+    return StackCapture(pid=pid, stack=stack, stack_source=source, killed=killed)
 
 
-def end_stalled_worker(action: dict[str, Any]) -> dict[str, Any]:
+def end_stalled_worker(action: Hang | Straggler) -> StackCapture:
     """The driver, on a hang (stack and kill) or a straggler to restart (kill)."""
     from ftjob.placement import run_on_node
 
-    capture = action["action"] == "hang"
-    return run_on_node(action["node_id"], capture_and_kill, action["pid"], capture, timeout=60)
+    capture = isinstance(action, Hang)
+    node = action.node_id or ""
+    return run_on_node(node, capture_and_kill, action.pid, capture, timeout=60)

@@ -23,10 +23,23 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ftjob.config import HangConfig, RestartLoopConfig, StragglerConfig
+from ftjob.record import (
+    Attempt,
+    Beat,
+    Hang,
+    SectionTimeout,
+    StackCapture,
+    Straggler,
+    StragglerReport,
+    StragglerScore,
+    WatchRecord,
+    WorkerPlace,
+)
 
 # "data": a rank waiting for its next batch (its own learned timeout: decode start-up is slow);
 # "step": its compute, until its gradients are ready.
@@ -107,16 +120,16 @@ class SectionTimes:
             value = p.max_timeout
         return max(value, p.io_timeout) if io and section in IO_SECTIONS else value
 
-    def table(self) -> dict[str, dict[str, Any]]:
+    def table(self) -> dict[str, SectionTimeout]:
         return {
-            s: {
-                "observed": len(self.observed.get(s, ())),
-                "p99_s": _percentile(list(self.observed[s]), self.policy.percentile)
+            s: SectionTimeout(
+                observed=len(self.observed.get(s, ())),
+                p99_s=_percentile(list(self.observed[s]), self.policy.percentile)
                 if self.observed.get(s)
                 else None,
-                "timeout_s": self.timeout(s, io=True),
-                "learned": self.policy.timeout is None and self.learned(s),
-            }
+                timeout_s=self.timeout(s, io=True),
+                learned=self.policy.timeout is None and self.learned(s),
+            )
             for s in SECTIONS
         }
 
@@ -146,20 +159,21 @@ class HangDetector:
             self.attempt, self.ranks, self.declared = attempt, {}, False
         self.ranks[rank] = RankState(node_id, pid, progress=now, beat=now)
 
-    def beat(self, attempt: int, rank: int, beat: dict[str, Any], now: float) -> None:
+    def beat(self, attempt: int, rank: int, beat: Beat, now: float) -> None:
         state = self.ranks.get(rank)
         if attempt != self.attempt or state is None:
             return  # a late heartbeat of an earlier attempt
-        for section, seconds in beat.get("durations", {}).items():
+        for section, seconds in beat.durations.items():
             self.times.observe(section, seconds)
-        state.section, state.step, state.beat = beat["section"], beat["step"], now
-        state.progress = max(state.progress, now - beat["age"])
-        io = beat.get("io", -1)
-        if state.section in IO_SECTIONS and state.io >= 0 and io > state.io:
+        state.section = beat.section
+        state.step = beat.step
+        state.beat = now
+        state.progress = max(state.progress, now - beat.age)
+        if state.section in IO_SECTIONS and state.io >= 0 and beat.io > state.io:
             state.progress = now  # a storage request completed: the section moves
-        state.io = io
+        state.io = beat.io
 
-    def check(self, now: float) -> dict[str, Any] | None:
+    def check(self, now: float) -> Hang | None:
         """A hang record the first time the attempt is stalled, else None."""
         if not self.policy.enabled or self.declared or not self.ranks:
             return None
@@ -193,7 +207,7 @@ class HangDetector:
             # the ranks share can be what the waiting rank waits on (it feeds every rank).
             return None
 
-        def suspicion(rank: int) -> tuple[bool, float]:
+        def suspicion(rank: int) -> tuple[bool, bool, float]:
             s = self.ranks[rank]
             # Stopped heartbeats first, then a rank stuck waiting for its data (the others
             # wait for it in the all-reduce), then the one that stopped progressing first.
@@ -202,22 +216,22 @@ class HangDetector:
         rank = min(overdue, key=suspicion)
         s = self.ranks[rank]
         self.declared = True
-        return {
-            "time": now,
-            "attempt": self.attempt,
-            "rank": rank,
-            "node_id": s.node_id,
-            "pid": s.pid,
-            "section": s.section,
-            "step": s.step,
-            "stalled_since": s.progress,
-            "stalled_for_s": now - s.progress,
-            "timeout_s": overdue[rank],
-            "detection_latency_s": now - s.progress - overdue[rank],  # past the timeout
-            "learned": self.policy.timeout is None and self.times.learned(s.section),
-            "heartbeats_stopped": now - s.beat > silent,
-            "others": {r: o.section for r, o in sorted(self.ranks.items()) if r != rank},
-        }
+        return Hang(
+            time=now,
+            attempt=self.attempt,
+            rank=rank,
+            node_id=s.node_id,
+            pid=s.pid,
+            section=s.section,
+            step=s.step,
+            stalled_since=s.progress,
+            stalled_for_s=now - s.progress,
+            timeout_s=overdue[rank],
+            detection_latency_s=now - s.progress - overdue[rank],  # past the timeout
+            learned=self.policy.timeout is None and self.times.learned(s.section),
+            heartbeats_stopped=now - s.beat > silent,
+            others={r: o.section for r, o in sorted(self.ranks.items()) if r != rank},
+        )
 
 
 class StragglerScores:
@@ -230,8 +244,8 @@ class StragglerScores:
         self.times: dict[int, deque[float]] = {}
         self.best: dict[int, float] = {}
         self.streak: dict[int, list[float]] = {}
-        self.flagged: list[dict[str, Any]] = []
-        self.scores: dict[int, dict[str, float]] = {}
+        self.flagged: list[Straggler] = []
+        self.scores: dict[int, StragglerScore] = {}
         self.peak: dict[int, float] = {}  # per rank: its highest sustained slowdown
         self.history: dict[int, deque[float]] = {}  # per rank: its recent slowdowns
         self.fresh: set[int] = set()  # ranks with step times since the last check
@@ -242,8 +256,8 @@ class StragglerScores:
         self.times.setdefault(rank, deque(maxlen=self.window)).extend(local_s)
         self.fresh.add(rank)
 
-    def check(self, now: float, where: dict[int, str]) -> list[dict[str, Any]]:
-        """New stragglers (once per rank and attempt)."""
+    def check(self, now: float, where: dict[int, str], restart: bool = False) -> list[Straggler]:
+        """New stragglers (once per rank and attempt); ``restart``: each is to be restarted."""
         full = {r: t for r, t in self.times.items() if len(t) >= self.window}
         if len(full) < 2 or not self.fresh >= full.keys():
             return []  # too few ranks, or one sent no steps since (stopped, or all waiting)
@@ -254,28 +268,29 @@ class StragglerScores:
         for rank, median in medians.items():
             self.best[rank] = min(self.best.get(rank, median), median)
             slowdown = median / fastest if fastest > 0 else 1.0
-            self.scores[rank] = {"slowdown": slowdown, "vs_own_best": median / self.best[rank]}
+            self.scores[rank] = StragglerScore(slowdown, median / self.best[rank])
             self.history.setdefault(rank, deque(maxlen=1000)).append(slowdown)
             streak = self.streak.setdefault(rank, [])
             streak[:] = [*streak, slowdown] if slowdown >= self.threshold else []
             if len(streak) >= self.patience:
                 sustained = statistics.median(streak)
                 self.peak[rank] = max(self.peak.get(rank, 0.0), sustained)
-                if not any(
-                    f["rank"] == rank and f["attempt"] == self.attempt for f in self.flagged
-                ):
-                    new.append(self._flag(rank, sustained, now, where.get(rank)))
+                if not any(f.rank == rank and f.attempt == self.attempt for f in self.flagged):
+                    new.append(self._flag(rank, sustained, now, where.get(rank), restart))
         return new
 
-    def _flag(self, rank: int, slowdown: float, now: float, node_id: str | None) -> dict[str, Any]:
-        record = {
-            "time": now,
-            "attempt": self.attempt,
-            "rank": rank,
-            "node_id": node_id,
-            "slowdown": slowdown,
-            "vs_own_best": self.scores[rank]["vs_own_best"],
-        }
+    def _flag(
+        self, rank: int, slowdown: float, now: float, node_id: str | None, restart: bool
+    ) -> Straggler:
+        record = Straggler(
+            time=now,
+            attempt=self.attempt,
+            rank=rank,
+            node_id=node_id,
+            slowdown=slowdown,
+            vs_own_best=self.scores[rank].vs_own_best,
+            restarted=restart,
+        )
         self.flagged.append(record)
         return record
 
@@ -287,7 +302,7 @@ class StragglerScores:
         return max((statistics.median(h) for h in self.history.values()), default=0.0)
 
 
-def restart_loop(attempts: list[dict[str, Any]], loop_attempts: int, min_steps: int) -> str | None:
+def restart_loop(attempts: Sequence[Attempt], loop_attempts: int, min_steps: int) -> str | None:
     """Why the run must stop, when the last ``loop_attempts`` finished attempts each failed
     before raising the run's high-water mark by ``min_steps`` steps; else None. ``attempts``
     are the ledger's, the newest (just started) one last; attempts ended by a preemption
@@ -298,9 +313,8 @@ def restart_loop(attempts: list[dict[str, Any]], loop_attempts: int, min_steps: 
     high = 0
     gains = []
     for attempt in ended:
-        planned = attempt.get("preemption") or attempt.get("resize")  # not failures
-        gains.append((attempt["max_step"] - high, bool(planned)))
-        high = max(high, attempt["max_step"])
+        gains.append((attempt.max_step - high, attempt.planned_end))  # planned: no failure
+        high = max(high, attempt.max_step)
     recent = gains[-loop_attempts:]
     if any(preempted or gain >= min_steps for gain, preempted in recent):
         return None
@@ -333,6 +347,15 @@ class WatchConfig:
         )
 
 
+@dataclass(frozen=True)
+class SlowRank:
+    """chaos=slow: the rank that sleeps ``fraction`` of each step, in ``attempt``."""
+
+    attempt: int
+    rank: int
+    fraction: float
+
+
 class RunWatch:
     """The run ledger's part that watches for hangs and stragglers, and steers chaos=slow."""
 
@@ -341,74 +364,75 @@ class RunWatch:
         self.times = SectionTimes(config.hang)
         self.detector = HangDetector(config.hang, self.times)
         self.stragglers = StragglerScores(config.straggler_threshold, config.straggler_patience)
-        self.hangs: list[dict[str, Any]] = []
-        self.slow: dict[str, Any] | None = None  # chaos=slow: {"attempt", "rank", "fraction"}
+        self.hangs: list[Hang] = []
+        self.slow: SlowRank | None = None
         self.phases: dict[int, dict[str, float]] = {}  # per attempt: rank 0's set-up phases
 
-    def register(self, attempt: int, rank: int, info: dict[str, Any], now: float) -> None:
-        self.detector.register(attempt, rank, info.get("node_id", "?"), info.get("pid", 0), now)
+    def register(self, attempt: int, rank: int, place: WorkerPlace, now: float) -> None:
+        self.detector.register(attempt, rank, place.node_id, place.pid, now)
 
-    def beat(self, attempt: int, rank: int, beat: dict[str, Any], now: float) -> dict[str, Any]:
+    def beat(self, attempt: int, rank: int, beat: Beat, now: float) -> float:
+        """Take a heartbeat; the answer: the share of each step this rank sleeps (chaos=slow)."""
         self.detector.beat(attempt, rank, beat, now)
         if rank == 0:  # how the attempt's start went: set-up, restore, warm-up to a first step
             phases = self.phases.setdefault(attempt, {})
             for section in ("setup", "restore", "warmup"):  # summed, should one come twice
-                done = beat.get("durations", {}).get(section)
+                done = beat.durations.get(section)
                 if done:
                     phases[section] = phases.get(section, 0.0) + sum(done)
-        if beat.get("local"):
-            self.stragglers.add(attempt, rank, beat["local"])
+        if beat.local:
+            self.stragglers.add(attempt, rank, beat.local)
         slow = self.slow
-        mine = slow is not None and slow["attempt"] == attempt and slow["rank"] == rank
-        return {"slow": slow["fraction"] if mine else 0.0}
+        mine = slow is not None and slow.attempt == attempt and slow.rank == rank
+        return slow.fraction if slow is not None and mine else 0.0
 
-    def check(self, now: float) -> tuple[list[dict[str, Any]], list[str]]:
+    def check(self, now: float) -> tuple[list[Hang | Straggler], list[str]]:
         """What the driver must act on now -- a hang, or a straggler to restart (with
         failure.straggler.action=restart) -- and the progress lines to print. New stragglers
         are recorded either way."""
-        actions, lines = [], []
+        actions: list[Hang | Straggler] = []
+        lines = []
         hang = self.detector.check(now)
         if hang is not None:
             self.hangs.append(hang)
-            actions.append({"action": "hang", **hang})
-            how = "learned" if hang["learned"] else "configured"
+            actions.append(hang)
+            how = "learned" if hang.learned else "configured"
             lines.append(
-                f"hang: rank {hang['rank']} made no progress for {hang['stalled_for_s']:.0f} s in "
-                f"{hang['section']} at step {hang['step']} (timeout {hang['timeout_s']:.0f} s, "
+                f"hang: rank {hang.rank} made no progress for {hang.stalled_for_s:.0f} s in "
+                f"{hang.section} at step {hang.step} (timeout {hang.timeout_s:.0f} s, "
                 f"{how}); capturing its stack and restarting the worker group"
             )
         where = {r: s.node_id for r, s in self.detector.ranks.items()}
-        for record in self.stragglers.check(now, where):
-            record["restarted"] = self.config.straggler_action == "restart" and hang is None
+        restart = self.config.straggler_action == "restart" and hang is None
+        for record in self.stragglers.check(now, where, restart):
             line = (
-                f"straggler: rank {record['rank']} is {record['slowdown']:.2f}x slower than the "
-                f"fastest rank ({record['vs_own_best']:.2f}x its own best)"
+                f"straggler: rank {record.rank} is {record.slowdown:.2f}x slower than the "
+                f"fastest rank ({record.vs_own_best:.2f}x its own best)"
             )
-            if record["restarted"]:
-                pid = self.detector.ranks[record["rank"]].pid
+            if record.restarted:
+                pid = self.detector.ranks[record.rank].pid
                 self.detector.declared = True  # the attempt ends: no hang on top of it
-                actions.append({"action": "straggler", **record, "pid": pid})
+                actions.append(replace(record, pid=pid))
                 line += "; restarting the worker group (failure.straggler.action=restart)"
             lines.append(line)
         return actions, lines
 
-    def handled(self, time_of_hang: float, result: dict[str, Any]) -> str:
+    def handled(self, time_of_hang: float, result: StackCapture) -> str:
         """The driver captured the stalled worker's stack and killed it: a progress line."""
-        for hang in self.hangs:
-            if hang["time"] == time_of_hang:
-                hang.update(result)
-        how = result.get("stack_source") or "no stack"
-        return f"hang: stack captured ({how}); worker pid {result.get('pid')} killed"
+        self.hangs = [h.handled(result) if h.time == time_of_hang else h for h in self.hangs]
+        how = result.stack_source or "no stack"
+        return f"hang: stack captured ({how}); worker pid {result.pid} killed"
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "hangs": self.hangs,
-            "stragglers": {
-                "flagged": self.stragglers.flagged,
-                "scores": {str(r): s for r, s in sorted(self.stragglers.scores.items())},
-                "max_slowdown": self.stragglers.max_slowdown(),
-                "threshold": self.config.straggler_threshold,
-            },
-            "sections": self.times.table(),
-            "phases": {str(a): p for a, p in sorted(self.phases.items())},
-        }
+    def snapshot(self) -> WatchRecord:
+        scores = self.stragglers.scores
+        return WatchRecord(
+            hangs=tuple(self.hangs),
+            stragglers=StragglerReport(
+                flagged=tuple(self.stragglers.flagged),
+                scores={str(r): scores[r] for r in sorted(scores)},
+                max_slowdown=self.stragglers.max_slowdown(),
+                threshold=self.config.straggler_threshold,
+            ),
+            sections=self.times.table(),
+            phases={str(a): p for a, p in sorted(self.phases.items())},
+        )

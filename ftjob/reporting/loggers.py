@@ -20,6 +20,7 @@ import re
 import time
 from typing import Any
 
+from ftjob import record
 from ftjob.config import LoggerConfig
 
 log = logging.getLogger("ftjob.reporting.loggers")
@@ -159,11 +160,12 @@ class WandbLogger:
             x_save_requirements=False,
             silent=True,
         )
+        mode: Any = config.wandb_mode  # a word wandb knows (logger.wandb_mode's choices)
         self.run = wandb.init(
             project=config.wandb_project,
             name=name,
             dir=os.path.abspath(run_dir),
-            mode=config.wandb_mode,
+            mode=mode,
             settings=settings,
         )
         self.run.define_metric(self.STEP)
@@ -225,7 +227,7 @@ class LogFeed:
     def __init__(self, loggers: list[Any]) -> None:
         self.loggers = loggers
         self.cursor = 0
-        self.pending: dict[tuple[int, str], dict[str, Any]] = {}  # (step, kind) -> newest record
+        self.pending: dict[tuple[int, str], record.StepRecord] = {}  # (step, kind) -> newest
         self.step = 0  # the run's furthest step seen: events are placed there
 
     def _each(self, method: str, *args: Any) -> None:
@@ -245,21 +247,21 @@ class LogFeed:
     def params(self, config: dict[str, Any]) -> None:
         self._each("params", flatten(config))
 
-    def records(self, feed: dict[str, Any]) -> None:
+    def records(self, feed: record.LogFeed) -> None:
         """``feed``: the ledger's :meth:`~ftjob.driver.ledger.RunLedger.log_feed` since the cursor."""
-        self.cursor = feed["cursor"]
-        for record in feed["records"]:
-            key = (record["step"], record["kind"])
-            if key not in self.pending or record["attempt"] >= self.pending[key]["attempt"]:
-                self.pending[key] = record  # a step trained again replaces its earlier version
-            self.step = max(self.step, record["step"])
-        self._flush(feed["settled"])
+        self.cursor = feed.cursor
+        for point in feed.records:
+            key = (point.step, point.kind)
+            if key not in self.pending or point.attempt >= self.pending[key].attempt:
+                self.pending[key] = point  # a step trained again replaces its earlier version
+            self.step = max(self.step, point.step)
+        self._flush(feed.settled)
 
     def _flush(self, settled: float) -> None:
         for key in sorted(k for k in self.pending if k[0] <= settled):
-            record = self.pending.pop(key)
-            values = {f"{record['kind']}/{k}": v for k, v in record["values"].items()}
-            self._each("scalars", record["step"], values)
+            point = self.pending.pop(key)
+            values = {f"{point.kind}/{k}": v for k, v in point.values.items()}
+            self._each("scalars", point.step, values)
 
     def events(self, lines: list[str], when: float) -> None:
         for line in lines:

@@ -12,7 +12,10 @@ in ``ftjob.driver.scaling``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from ftjob.record import Attempt, RunSnapshot
 
 
 def describe_restart(before: int | None, world: int | None, most: int | None) -> str:
@@ -28,66 +31,67 @@ def describe_restart(before: int | None, world: int | None, most: int | None) ->
     return line
 
 
-def ended_by_resize(snap: dict[str, Any]) -> set[int]:
+def ended_by_resize(snap: RunSnapshot) -> set[int]:
     """Indexes of the attempts a planned resize ended: the scaling policy carried one out
     while the attempt ran (``executed_resizes``), and no failure was noticed in it."""
-    attempts, done = snap["attempts"], snap.get("executed_resizes", [])
-    noticed = [f["noticed"] for f in snap["failures"]]
+    attempts, done = snap.attempts, snap.executed_resizes
+    noticed = [f.noticed for f in snap.failures]
     ended = set()
     for a, nxt in zip(attempts, attempts[1:], strict=False):
-        lo, hi = a["started"], nxt["started"]
+        lo, hi = a.started, nxt.started
         if any(lo <= t < hi for t in done) and not any(lo <= t < hi for t in noticed):
-            ended.add(a["index"])
+            ended.add(a.index)
     return ended
 
 
-def resize_records(snap: dict[str, Any], failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def resize_records(snap: RunSnapshot, failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per change of world size between attempts: a shrink or grow after a
     failure (Ray Train restarted the group on what it could place), or a planned resize (the
     group was running when capacity changed; it committed a checkpoint of its step first,
     unless the workers did not agree in time). ``failures`` are the run's failure records
     (their clock: the failure's origin)."""
-    attempts, planned = snap["attempts"], ended_by_resize(snap)
-    done = snap.get("executed_resizes", [])
+    attempts, planned = snap.attempts, ended_by_resize(snap)
+    done = snap.executed_resizes
     by_attempt = {f["attempt"]: f for f in failures}
     records = []
     for prev, nxt in zip(attempts, attempts[1:], strict=False):
-        before, after = prev.get("world_size"), nxt.get("world_size")
+        before, after = prev.world_size, nxt.world_size
         if before is None or after is None or before == after:
             continue
-        restored = (nxt.get("restored") or {}).get("step", 0)
+        restored = nxt.restored.step if nxt.restored else 0
         record: dict[str, Any] = {
-            "attempt": nxt["index"] + 1,
+            "attempt": nxt.index + 1,
             "kind": "grow" if after > before else "shrink",
             "from": before,
             "to": after,
-            "cause": "planned" if prev["index"] in planned else "failure",
-            "lost_steps": max(0, prev["max_step"] - restored),
+            "cause": "planned" if prev.index in planned else "failure",
+            "lost_steps": max(0, prev.max_step - restored),
         }
-        if prev["index"] in planned:
-            notice = prev.get("resize") or {}  # none: the workers did not agree in time
-            executed = [t for t in done if prev["started"] <= t < nxt["started"]]
-            t0 = notice.get("received", executed[0] if executed else None)
-            record["checkpoint"] = (notice.get("jit") or {}).get("path")
+        t0: float | None
+        if prev.index in planned:
+            notice = prev.resize  # none: the workers did not agree in time
+            executed = [t for t in done if prev.started <= t < nxt.started]
+            t0 = notice.received if notice else (executed[0] if executed else None)
+            record["checkpoint"] = notice.jit.path if notice and notice.jit else None
         else:
-            t0 = (by_attempt.get(prev["index"] + 1) or {}).get("time")
-        first = nxt.get("first_step")
+            t0 = (by_attempt.get(prev.index + 1) or {}).get("time")
+        first = nxt.first_step
         record["time"] = t0  # when it began: the notice to resize, or the failure
-        record["time_to_recover_s"] = first["time"] - t0 if first and t0 is not None else None
-        record["first_step_s"] = (first or {}).get("took", 0.0)
+        record["time_to_recover_s"] = first.time - t0 if first and t0 is not None else None
+        record["first_step_s"] = first.took if first else 0.0
         records.append(record)
     return records
 
 
-def time_below_full(attempts: list[dict[str, Any]], most: int | None, ended: float) -> float:
+def time_below_full(attempts: Sequence[Attempt], most: int | None, ended: float) -> float:
     """Seconds the run trained on fewer workers than ``trainer.num_workers``: attempts below
     full size, from their start to the next attempt's (or the run's end)."""
     if most is None:
         return 0.0
     total = 0.0
     for i, attempt in enumerate(attempts):
-        world = attempt.get("world_size")
+        world = attempt.world_size
         if world is not None and world < most:
-            end = attempts[i + 1]["started"] if i + 1 < len(attempts) else ended
-            total += max(0.0, end - attempt["started"])
+            end = attempts[i + 1].started if i + 1 < len(attempts) else ended
+            total += max(0.0, end - attempt.started)
     return total

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from ftjob import metrics as M
 from ftjob.config import ENDS_ATTEMPT
 from ftjob.data.order import epoch_order
 from ftjob.metrics import finite, fmt
+from ftjob.record import AuditStep, RunSnapshot, Tier
 from ftjob.reporting.failures import PREEMPTION, failure_records, hang_metrics, preemption_metrics
 from ftjob.reporting.goodput import goodput, predict_ettr
 from ftjob.reporting.resizes import resize_records, time_below_full
@@ -42,7 +44,7 @@ class FitOutcome:
 
 
 def decide_status(
-    snap: dict[str, Any], fit: FitOutcome, max_failures: int, max_preemptions: int = -1
+    snap: RunSnapshot, fit: FitOutcome, max_failures: int, max_preemptions: int = -1
 ) -> tuple[str, str | None]:
     """("succeeded" | "failed" | "interrupted", the one-line error). A run succeeds only when
     fit() returned, no rank declared the job fatally failed, the last step was trained and,
@@ -52,34 +54,33 @@ def decide_status(
     if fit.preempted and fit.stopped_at:
         return "preempted", f"stopped by a preemption notice (SIGTERM) {fit.stopped_at}"
     if fit.preempted:
-        jit = ((snap["attempts"][-1].get("preemption") or {}) if snap["attempts"] else {}).get(
-            "jit"
-        )
+        notice = snap.attempts[-1].preemption if snap.attempts else None
+        jit = notice.jit if notice is not None else None
         saved = (
-            f"after a just-in-time checkpoint of step {jit['step']}"
-            if jit and jit.get("path")
+            f"after a just-in-time checkpoint of step {jit.step}"
+            if jit and jit.path
             else "without a just-in-time checkpoint"
-            + (f" ({jit['reason']})" if jit and jit.get("reason") else "")
+            + (f" ({jit.reason})" if jit and jit.reason else "")
         )
         return "preempted", f"stopped by a preemption notice (SIGTERM) {saved}"
     if fit.preemption_budget_exhausted:
-        count = sum(1 for a in snap["attempts"] if a.get("preemption"))
+        count = sum(1 for a in snap.attempts if a.preemption is not None)
         return "failed", (
             f"training stopped after {count} preemption(s), over the budget "
             f"failure.max_preemptions={max_preemptions}: {fit.error}"
         )
-    if snap["fatal"]:  # ftjob stopped the job (a failure after it is its consequence)
-        return "failed", snap["fatal"]
+    if snap.fatal:  # ftjob stopped the job (a failure after it is its consequence)
+        return "failed", snap.fatal
     if fit.error is not None:
         if fit.budget_exhausted:
             return "failed", (
-                f"training failed after {len(snap['failures'])} failure(s), over the budget "
+                f"training failed after {len(snap.failures)} failure(s), over the budget "
                 f"failure.max_failures={max_failures}: {fit.error}"
             )
         return "failed", fit.error
-    if snap["finished"] is None:
+    if snap.finished is None:
         return "failed", "training ended before the last epoch"
-    broken = [a for a in (audit_report(snap) if snap["audit"] else []) if not exactly_once(a)]
+    broken = [a for a in (audit_report(snap) if snap.audit else []) if not exactly_once(a)]
     if broken:
         a = broken[0]
         return "failed", (
@@ -100,35 +101,35 @@ def exactly_once(epoch_audit: dict[str, Any]) -> bool:
     )
 
 
-def storage_totals(snap: dict[str, Any], extra: StorageStats | None = None) -> StorageStats:
+def storage_totals(snap: RunSnapshot, extra: StorageStats | None = None) -> StorageStats:
     total = StorageStats()
-    for stats in snap["storage"].values():
+    for stats in snap.storage.values():
         total.merge(StorageStats.from_dict(stats))
     if extra is not None:
         total.merge(extra)
     return total
 
 
-def _surviving_steps(snap: dict[str, Any]) -> list[dict[str, Any]]:
+def _surviving_steps(snap: RunSnapshot) -> list[AuditStep]:
     """The audited steps the final model was trained on: steps an attempt trained past the
     checkpoint the next attempt restored were thrown away with that attempt (lost work)."""
-    restored = {a["index"]: (a["restored"] or {}).get("step", 0) for a in snap["attempts"]}
+    restored = {a.index: a.restored.step if a.restored else 0 for a in snap.attempts}
     last = max(restored) if restored else 0
     kept = []
-    for entry in snap["audit"]:
-        a, step = entry["attempt"], entry["step"]
+    for entry in snap.audit:
+        a, step = entry.attempt, entry.step
         upper = restored.get(a + 1, float("inf")) if a < last else float("inf")
         if restored.get(a, 0) < step <= upper:
             kept.append(entry)
-    return sorted(kept, key=lambda e: e["step"])
+    return sorted(kept, key=lambda e: e.step)
 
 
-def batch_digest(ids: list[int]) -> str:
+def batch_digest(ids: Sequence[int]) -> str:
     """A global batch's identity, whatever the order its ranks sent their slices in."""
     return hashlib.sha256(np.sort(np.asarray(ids, dtype=np.int64)).tobytes()).hexdigest()[:16]
 
 
-def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
+def audit_report(snap: RunSnapshot) -> list[dict[str, Any]]:
     """Per epoch: which samples the final model was trained on, across attempts, and whether
     each step trained the global batch the data order gives it (``misplaced`` counts steps
     that did not: at any world size, step k trains the same samples).
@@ -138,29 +139,29 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
     trained by the run it continues (``resumed_at`` counts them) and are not expected again.
     A sample skipped as a bad file (dataset.bad_files=skip) is seen at its place and not
     trained: ``skipped`` counts them, ``trained`` the rest."""
-    plan = snap["plan"]
-    first = (snap["attempts"][0]["restored"] or {}) if snap["attempts"] else {}
-    resumed_epoch, resumed_at = first.get("epoch"), first.get("position", 0)
-    B, per_epoch_steps = plan["global_batch_size"], plan["steps_per_epoch"]
+    plan = snap.plan
+    first = snap.attempts[0].restored if snap.attempts else None
+    resumed_epoch, resumed_at = (first.epoch, first.position) if first else (None, 0)
+    B, per_epoch_steps = plan.global_batch_size, plan.steps_per_epoch
     per_epoch: dict[int, list[int]] = {}
     skipped: dict[int, int] = {}
     misplaced: dict[int, int] = {}
     orders: dict[int, np.ndarray] = {}
     for entry in _surviving_steps(snap):
-        epoch = entry["epoch"]
-        per_epoch.setdefault(epoch, []).extend(entry["ids"])
-        skipped[epoch] = skipped.get(epoch, 0) + len(entry.get("skipped", ()))
+        epoch = entry.epoch
+        per_epoch.setdefault(epoch, []).extend(entry.ids)
+        skipped[epoch] = skipped.get(epoch, 0) + len(entry.skipped or ())
         if epoch not in orders:
-            orders[epoch] = epoch_order(plan["num_samples"], plan["seed"], epoch)
-        k = (entry["step"] - 1) % per_epoch_steps
+            orders[epoch] = epoch_order(plan.num_samples, plan.seed, epoch)
+        k = (entry.step - 1) % per_epoch_steps
         planned = orders[epoch][k * B : (k + 1) * B]
-        if batch_digest(entry["ids"]) != batch_digest(planned.tolist()):
+        if batch_digest(entry.ids) != batch_digest(planned.tolist()):
             misplaced[epoch] = misplaced.get(epoch, 0) + 1
     out = []
     for epoch in sorted(per_epoch):
         ids = np.asarray(per_epoch[epoch], dtype=np.int64)
         start = resumed_at if epoch == resumed_epoch else 0
-        expected = orders[epoch][start : plan["samples_per_epoch"]]
+        expected = orders[epoch][start : plan.samples_per_epoch]
         unique = np.unique(ids)
         out.append(
             {
@@ -178,68 +179,63 @@ def audit_report(snap: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def audit_batches(snap: dict[str, Any]) -> list[list[Any]]:
+def audit_batches(snap: RunSnapshot) -> list[list[Any]]:
     """``[step, digest of its global batch]`` for every step the final model was trained on:
     two runs of one job (one killed and resized, one not) list the same."""
-    return [[e["step"], batch_digest(e["ids"])] for e in _surviving_steps(snap)]
+    return [[e.step, batch_digest(e.ids)] for e in _surviving_steps(snap)]
 
 
-def _first_step(snap: dict[str, Any]) -> dict[str, Any] | None:
-    """The run's first trained step (an attempt that died starting up has none)."""
-    return next((a["first_step"] for a in snap["attempts"] if a["first_step"]), None)
-
-
-def _timing(snap: dict[str, Any], run_started: float | None) -> dict[str, float | None]:
+def _timing(snap: RunSnapshot, run_started: float | None) -> dict[str, float | None]:
     """Wall-clock times: the driver started (``run_started``: the origin of goodput's clock
     and the timeline's), the run ledger started (after the cluster), the first attempt's
     train function started on rank 0, the run's first step ended (and what that step took:
     its batch wait and the step), the run finished."""
-    first = _first_step(snap)
+    first = snap.first_step
     return {
-        "run_started": snap["started"] if run_started is None else run_started,
-        "started": snap["started"],
-        "workers_started": snap["attempts"][0]["started"] if snap["attempts"] else None,
-        "first_step": first["time"] if first else None,
-        "first_step_took": first.get("took", 0.0) if first else None,
-        "finished": snap["finished"],
+        "run_started": snap.started if run_started is None else run_started,
+        "started": snap.started,
+        "workers_started": snap.attempts[0].started if snap.attempts else None,
+        "first_step": first.time if first else None,
+        "first_step_took": first.took if first else None,
+        "finished": snap.finished,
     }
 
 
 def summary_metrics(
-    snap: dict[str, Any], failures: list[dict[str, Any]], storage: StorageStats
+    snap: RunSnapshot, failures: list[dict[str, Any]], storage: StorageStats
 ) -> dict[str, float]:
     """Every key of :data:`ftjob.metrics.METRIC_KEYS`: the workers' last reported values, and
     the figures only the whole run knows (restores, storage, failures, recovery)."""
     upload = storage.kind("upload")
     metrics = {key: 0.0 for key in M.METRIC_KEYS}
-    metrics.update({k: v for k, v in snap["metrics"].items() if k in metrics})
+    metrics.update({k: v for k, v in snap.metrics.items() if k in metrics})
     recovered = [f for f in failures if f.get("time_to_recover_s") is not None]
-    restores = [a["restored"] for a in snap["attempts"] if a["restored"]]
-    download = sum(r.get("download", 0.0) for r in restores)
-    load = sum(r.get("load", 0.0) for r in restores)
-    skip = sum(r.get("skip", 0.0) for r in restores)
+    restores = snap.restores()
+    download = sum(r.download for r in restores)
+    load = sum(r.load for r in restores)
+    skip = sum(r.skip for r in restores)
     # Timers are finite unless a clock misbehaved; a null one does not poison the rate.
     busy = sum(
         finite(metrics[k]) for k in (M.TRAIN_STEP, M.TRAIN_ITER_BATCH, M.TRAIN_ITER_FIRST_BATCH)
     )
-    last_val = snap["validations"][-1] if snap["validations"] else None
+    last_val = snap.validations[-1] if snap.validations else None
     metrics.update(
         {
             M.CHECKPOINT_DOWNLOAD: download,
             M.CHECKPOINT_LOAD: load,
             M.TRAIN_ITER_SKIP_BATCH: skip,
             M.CHECKPOINT_RESTORATION_TIME: download + load + skip,
-            M.CHECKPOINT_MEMORY_RESTORES: sum(1 for r in restores if r.get("tier") == "memory"),
+            M.CHECKPOINT_MEMORY_RESTORES: sum(1 for r in restores if r.tier == Tier.memory),
             M.TRAIN_GLOBAL_THROUGHPUT: finite(metrics[M.TRAIN_ROWS_PROCESSED]) / busy
             if busy
             else 0.0,
-            M.VALIDATION_LOSS: last_val["loss"] if last_val else 0.0,
-            M.VALIDATION_ACCURACY: last_val["accuracy"] if last_val else 0.0,
+            M.VALIDATION_LOSS: last_val.loss if last_val else 0.0,
+            M.VALIDATION_ACCURACY: last_val.accuracy if last_val else 0.0,
             M.CHECKPOINT_UPLOAD_ATTEMPTS: upload.attempts,
             M.CHECKPOINT_UPLOAD_RETRIES: upload.retries,
             M.CHECKPOINT_UPLOAD_FAILURES: upload.failures,
             M.CHECKPOINT_RETRY_WAIT: storage.as_dict().get("upload", {}).get("retry_wait_s", 0.0),
-            M.CHAOS_KILLS: len(snap["kills"]),
+            M.CHAOS_KILLS: len(snap.kills),
             M.FAILURES_COUNT: sum(1 for f in failures if f["kind"] != PREEMPTION),
             M.RECOVERY_TIME_TO_RECOVER: statistics.fmean(f["time_to_recover_s"] for f in recovered)
             if recovered
@@ -266,7 +262,7 @@ def declared_failures(config: dict[str, Any]) -> tuple[float | None, int | None]
 
 
 def build_summary(
-    snap: dict[str, Any],
+    snap: RunSnapshot,
     *,
     name: str,
     status: str,
@@ -282,23 +278,23 @@ def build_summary(
     resizes = resize_records(snap, failures)
     storage = storage_totals(snap, driver_storage)
     metrics = summary_metrics(snap, failures, storage)
-    most = snap["plan"].get("num_workers")
-    ended = snap["started"] + wall_time_s if run_started is None else run_started + wall_time_s
+    most = snap.plan.num_workers
+    ended = snap.started + wall_time_s if run_started is None else run_started + wall_time_s
     metrics[M.ELASTIC_RESIZES] = len(resizes)
-    metrics[M.ELASTIC_TIME_BELOW_FULL] = time_below_full(snap["attempts"], most, ended)
-    first = _first_step(snap)
+    metrics[M.ELASTIC_TIME_BELOW_FULL] = time_below_full(snap.attempts, most, ended)
+    first = snap.first_step
     accounted = goodput(
         wall_s=wall_time_s,
-        run_started=snap["started"] if run_started is None else run_started,
-        first_step=first["time"] if first else None,
-        first_step_took=first.get("took", 0.0) if first else 0.0,
-        finished=snap["finished"],
+        run_started=snap.started if run_started is None else run_started,
+        first_step=first.time if first else None,
+        first_step_took=first.took if first else 0.0,
+        finished=snap.finished,
         metrics=metrics,
         failures=failures,
         resizes=resizes,
     )
     metrics[M.GOODPUT_ETTR] = accounted["ettr"]
-    steps = {c["step"] for c in snap["checkpoints"]}  # each checkpointed step once
+    steps = {c.step for c in snap.checkpoints}  # each checkpointed step once
     recovered = sum(1 for f in failures if f.get("recovered"))
     snapshots = int(metrics[M.CHECKPOINT_MEMORY_SNAPSHOTS])  # the memory tier's, if on
     failures_declared = declared_failures(config)
@@ -315,7 +311,7 @@ def build_summary(
             "wall_time_s": wall_time_s,
             "metrics": metrics,
             **_records(snap, failures, storage, config),
-            "world_sizes": [a.get("world_size") for a in snap["attempts"]],
+            "world_sizes": [a.world_size for a in snap.attempts],
             "resizes": resizes,
             "timing": _timing(snap, run_started),
             "goodput": accounted,
@@ -324,54 +320,54 @@ def build_summary(
 
 
 def _records(
-    snap: dict[str, Any], failures: list[dict[str, Any]], storage: StorageStats, config: Any
+    snap: RunSnapshot, failures: list[dict[str, Any]], storage: StorageStats, config: Any
 ) -> dict[str, Any]:
     """The parts of summary.json that list what happened."""
-    restores = [a["restored"] for a in snap["attempts"] if a["restored"]]
-    committed = [c for c in snap["checkpoints"] if c.get("path")]
-    fallbacks = [fb for r in restores for fb in r.get("skipped", [])]
+    committed = snap.committed()
+    fallbacks = [fb.to_json() for r in snap.restores() for fb in r.skipped]
     totals = storage.as_dict()
     all_ops = StorageStats()
     all_ops.kind("all")
     for stats in storage.by_kind.values():
         all_ops.kind("all").merge(stats)
     summary: dict[str, Any] = {
-        "progress": snap["progress"],
-        "history": snap.get("history", []),  # progress points, each step's surviving version
+        "progress": snap.progress.to_json() if snap.progress is not None else {},
+        # progress points, each step's surviving version
+        "history": [h.to_json() for h in snap.history],
         "failures": failures,
         "chaos": {
-            "kills": snap["kills"],
-            "skipped": snap.get("chaos_skipped", []),
-            "injected": snap["injected"],
+            "kills": [k.to_json() for k in snap.kills],
+            "skipped": [s.to_json() for s in snap.chaos_skipped],
+            "injected": [e.to_json() for e in snap.injected],
         },
         "checkpoints": {
             "committed": len(committed),
-            "failed": len(snap["checkpoints"]) - len(committed),
-            "latest": committed[-1]["path"] if committed else None,
+            "failed": len(snap.checkpoints) - len(committed),
+            "latest": committed[-1].path if committed else None,
             "fallbacks": fallbacks,  # checkpoints that did not verify, and where they went
         },
         "storage": {**totals, "total": all_ops.as_dict()["all"]},
-        "validation": snap["validations"],
-        "validation_replaced": snap["replaced_validations"],
-        "attempts": len(snap["attempts"]),
-        "hangs": snap.get("hangs", []),
-        "stragglers": snap.get("stragglers", {}),
-        "section_timeouts": snap.get("sections", {}),
+        "validation": [v.to_json() for v in snap.validations],
+        "validation_replaced": snap.replaced_validations,
+        "attempts": len(snap.attempts),
+        "hangs": [h.to_json() for h in snap.watch.hangs],
+        "stragglers": snap.watch.stragglers.to_json(),
+        "section_timeouts": {s: t.to_json() for s, t in snap.watch.sections.items()},
         "config": config,
     }
     summary["data"] = data_record(snap)
-    if snap["audit"]:
+    if snap.audit:
         summary["audit"] = audit_report(snap)
         summary["audit_batches"] = audit_batches(snap)
     return summary
 
 
-def data_record(snap: dict[str, Any]) -> dict[str, Any]:
+def data_record(snap: RunSnapshot) -> dict[str, Any]:
     """What the run's data held that is not a sample: the files skipped as bad
-    (dataset.bad_files=skip), once each, with the split, catalog id, path and reason."""
-    files = snap.get("skipped_files", [])
-    keep = ("split", "id", "path", "reason", "attempt", "rank")
-    return {"skipped": len(files), "skipped_files": [{k: f.get(k) for k in keep} for f in files]}
+    (dataset.bad_files=skip), once each, with the split, catalog id, path and reason, and the
+    attempt and rank that skipped it."""
+    files = snap.skipped_files
+    return {"skipped": len(files), "skipped_files": [f.to_json() for f in files]}
 
 
 def write_summary(summary: dict[str, Any], run_dir: str) -> str:
@@ -469,7 +465,7 @@ def write_failed_summary(
     run_dir: str,
     error: str,
     config: Any,
-    snapshot: dict[str, Any],
+    snapshot: RunSnapshot,
     redactor: Any = None,
     status: str = "failed",
 ) -> str:
@@ -478,7 +474,7 @@ def write_failed_summary(
     (:class:`ftjob.config.secrets.Redactor`) knows redacted."""
     from omegaconf import OmegaConf
 
-    plain = (
+    plain: Any = (
         OmegaConf.to_container(config, resolve=False) if not isinstance(config, dict) else config
     )
     if redactor is not None:

@@ -362,7 +362,8 @@ def plot_series(rows: Sequence[JobRow], keys: Sequence[str]) -> dict[str, list[J
 
 
 def _values(members: Sequence[JobRow], metric: str) -> list[float]:
-    return [math.nan if r.outcomes.get(metric) is None else r.outcomes[metric] for r in members]
+    values = [r.outcomes.get(metric) for r in members]
+    return [math.nan if v is None else float(v) for v in values]
 
 
 def write_plot(path: str, rows: Sequence[JobRow], keys: Sequence[str]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
 from ftjob.policy.cadence import CheckpointSchedule
+from ftjob.record import CheckpointRecord, Fallback, JitCheckpoint, Restore, Tier
 from ftjob.storage.checkpoint import CheckpointStore, RestoreChoice
 from ftjob.storage.lease import LeaseLost
 from ftjob.storage.memory.format import unpack
@@ -86,18 +87,19 @@ class Restored:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     tier: str = "storage"  # or "memory": a snapshot of the memory tier
 
-    def record(self) -> dict[str, Any]:
-        """The ledger's restore record (the loop adds the iterator's skip time)."""
-        return {
-            "step": self.state.step,
-            "epoch": self.state.epoch,
-            "position": self.state.position,
-            "path": self.path,
-            "download": self.download_s,
-            "load": self.load_s,
-            "skipped": self.skipped,
-            "tier": self.tier,
-        }
+    def record(self, skip_s: float) -> Restore:
+        """The ledger's restore record (``skip_s``: moving the data iterator there)."""
+        return Restore(
+            step=self.state.step,
+            epoch=self.state.epoch,
+            position=self.state.position,
+            path=self.path,
+            download=self.download_s,
+            load=self.load_s,
+            skip=skip_s,
+            skipped=tuple(Fallback.from_json(bad) for bad in self.skipped),
+            tier=Tier(self.tier),
+        )
 
 
 class NoUsableCheckpoint(RuntimeError):
@@ -184,15 +186,23 @@ class Checkpointer:
         fence: Callable[[], None] | None = None,
         memory: MemoryTier | None = None,
     ) -> None:
-        self.fs, self.config, self.job_config = fs, config, job_config
+        self.fs = fs
+        self.config = config
+        self.job_config = job_config
         self.store = CheckpointStore(
             fs, run_path, fence, attempt=recorder.attempt, settle_s=config.lease_timeout
         )
-        self.recorder, self.rank, self.world = recorder, recorder.rank, world
-        self.broadcast, self.report = broadcast, report
-        self.metrics, self.local_root, self.global_batch = metrics, local_root, global_batch
+        self.recorder = recorder
+        self.rank = recorder.rank
+        self.world = world
+        self.broadcast = broadcast
+        self.report = report
+        self.metrics = metrics
+        self.local_root = local_root
+        self.global_batch = global_batch
         self.data = data or {}
-        self.schedule, self.memory = schedule or CheckpointSchedule(0, None), memory
+        self.schedule = schedule or CheckpointSchedule(0, None)
+        self.memory = memory
         self.source = f"attempt {recorder.attempt} rank {self.rank}"
         self.failed_uploads = 0
         self.last_error: str | None = None
@@ -334,12 +344,7 @@ class Checkpointer:
 
     def _record(self, outcome: UploadOutcome) -> UploadOutcome:
         self.recorder.checkpoint(
-            {
-                "step": outcome.step,
-                "path": outcome.path,
-                "error": outcome.error,
-                "seconds": outcome.seconds,
-            }
+            CheckpointRecord(outcome.step, outcome.path, outcome.error, outcome.seconds)
         )
         self.send_storage_stats()
         return outcome
@@ -378,41 +383,44 @@ class Checkpointer:
 
     def save_now(
         self, state: TrainState, module: Any, optimizer: Any, deadline: float | None = None
-    ) -> dict[str, Any]:
+    ) -> JitCheckpoint:
         """A just-in-time checkpoint: this step, committed before it returns (every rank).
         A checkpoint of this step already committed (a periodic one, in flight when the
         notice came) is the JIT checkpoint. When the deadline leaves too little time for a
         checkpoint (judged by the last one's cost), none is started: the run falls back to the
         last committed one. Returns the record, the same on every rank."""
-        record: dict[str, Any] = {"step": state.step}
+        record = JitCheckpoint(step=state.step)
         if self.rank == 0:
             start = time.perf_counter()
-            if self.uploader is not None:  # let an upload in flight finish first
-                self.uploader.wait()
-                self._account(self.uploader.drain())
-            needed = 1.5 * (self.write_seconds + self.upload_seconds) + 1.0
-            left = math.inf if deadline is None else deadline - time.time()
-            if self.last_committed_step == state.step:
-                record.update(path=self.last_committed, reused=True)
-            elif left < needed:
-                record["reason"] = (
-                    f"{left:.1f} s to the deadline, a checkpoint takes about {needed:.1f} s: "
-                    f"falling back to the last committed one ({self.last_committed or 'none'})"
-                )
-            else:
-                written = self._write_or_fail(state, module, optimizer)
-                outcome = (
-                    written
-                    if isinstance(written, UploadOutcome)
-                    else self._upload(written, state.step)
-                )
-                self._account([outcome])
-                record.update(path=outcome.path, reason=outcome.error)
-            record["seconds"] = time.perf_counter() - start
+            record = self._save_now(state, module, optimizer, deadline)
+            record = replace(record, seconds=time.perf_counter() - start)
         record = self.broadcast(record)
-        if record.get("path"):
+        if record.path:
             self._report(state)
         return record
+
+    def _save_now(
+        self, state: TrainState, module: Any, optimizer: Any, deadline: float | None
+    ) -> JitCheckpoint:
+        if self.uploader is not None:  # let an upload in flight finish first
+            self.uploader.wait()
+            self._account(self.uploader.drain())
+        needed = 1.5 * (self.write_seconds + self.upload_seconds) + 1.0
+        left = math.inf if deadline is None else deadline - time.time()
+        if self.last_committed_step == state.step:
+            return JitCheckpoint(step=state.step, path=self.last_committed, reused=True)
+        if left < needed:
+            reason = (
+                f"{left:.1f} s to the deadline, a checkpoint takes about {needed:.1f} s: "
+                f"falling back to the last committed one ({self.last_committed or 'none'})"
+            )
+            return JitCheckpoint(step=state.step, reason=reason)
+        written = self._write_or_fail(state, module, optimizer)
+        outcome = (
+            written if isinstance(written, UploadOutcome) else self._upload(written, state.step)
+        )
+        self._account([outcome])
+        return JitCheckpoint(step=state.step, path=outcome.path, reason=outcome.error)
 
     def finish(self, state: TrainState) -> None:
         """At the end of training, every rank: wait for a pending async upload and report it.

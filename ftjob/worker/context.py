@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.record import WorkerPlace
 from ftjob.worker.collective import broadcast
 from ftjob.worker.recorder import RunRecorder
 
@@ -39,7 +40,7 @@ class WorkerContext:
     world: int
     device: Any  # torch.device
     recorder: RunRecorder
-    where: dict[str, Any]  # node_id, pid, raylet_pid: where chaos and hang handling find it
+    where: WorkerPlace  # where chaos and hang handling find this rank
     report: Callable[[dict[str, Any]], None]  # every rank, together: Ray Train's view of progress
     fetch: Callable[[Any], Any]  # the value of an object the driver put in the object store
     prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
@@ -72,11 +73,11 @@ def ray_context(ledger: Any) -> WorkerContext:
         machine=_ray_machine,
         device=ray.train.torch.get_device(),
         recorder=RunRecorder(ledger, rank, ray.get),
-        where={
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "pid": os.getpid(),
-            "raylet_pid": os.getppid(),  # a Ray worker's parent is its node's raylet
-        },
+        where=WorkerPlace(
+            node_id=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            raylet_pid=os.getppid(),  # a Ray worker's parent is its node's raylet
+        ),
         report=ray.train.report,
         fetch=ray.get,
         prepare_model=ray.train.torch.prepare_model,
@@ -151,7 +152,7 @@ def local_context(ledger: Any, rank: int = 0, world: int = 1) -> WorkerContext:
         world=world,
         device=torch.device("cpu"),
         recorder=RunRecorder(ledger, rank, _answer),
-        where={"node_id": "local", "pid": os.getpid(), "raylet_pid": os.getppid()},
+        where=WorkerPlace(node_id="local", pid=os.getpid(), raylet_pid=os.getppid()),
         report=report,
         fetch=lambda value: value,
         prepare_model=prepare,

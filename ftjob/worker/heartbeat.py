@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ftjob.record import Beat
+
 logger = logging.getLogger("ftjob.worker.heartbeat")
 
 
@@ -142,19 +144,14 @@ class Heartbeat:
 
     # -- the heartbeat thread -----------------------------------------------------------
 
-    def _beat(self) -> dict[str, Any]:
+    def _beat(self) -> Beat:
         with self._lock:
             waiting = self.current == "step" and not self._computing
-            beat = {
-                "section": "data" if waiting else self.current,
-                "age": time.perf_counter() - self.progress,
-                "step": self.step,
-                "durations": dict(self.durations),
-                "local": self.local,
-            }
+            section = "data" if waiting else self.current
+            age = time.perf_counter() - self.progress
+            step, durations, local = self.step, dict(self.durations), self.local
             self.durations, self.local = defaultdict(list), []
-        beat["io"] = self.io_count()
-        return beat
+        return Beat(section, age, step, durations, local, io=self.io_count())
 
     def _send(self) -> None:
         import ray.exceptions
@@ -164,7 +161,7 @@ class Heartbeat:
         except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             logger.debug("heartbeat not delivered: %s", exc)
             return
-        self.slow = float(answer.get("slow", 0.0))
+        self.slow = float(answer)
 
     def _run(self) -> None:
         while True:

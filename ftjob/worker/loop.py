@@ -49,6 +49,7 @@ from ftjob.data.streams import (
 )
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.policy.elastic import micro_batches
+from ftjob.record import Progress
 from ftjob.storage.faults import set_fault_stream
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.lease import LeaseFence
@@ -138,19 +139,25 @@ class Worker:
     def __init__(self, spec: WorkerSpec, ctx: WorkerContext) -> None:
         self.started = {"entered": time.perf_counter()}
         self.entered = time.time()  # the attempt's start, as the run ledger records it
-        self.spec, self.ctx, self.job = spec, ctx, spec.job
+        self.spec = spec
+        self.ctx = ctx
+        self.job = spec.job
         self.trainer = spec.job.trainer
-        self.record, self.rank, self.world = ctx.recorder, ctx.rank, ctx.world
+        self.record = ctx.recorder
+        self.rank = ctx.rank
+        self.world = ctx.world
         self.catalogs = {split: ctx.fetch(ref) for split, ref in spec.catalogs.items()}
         self.plan = EpochPlan(
             self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
         )
         self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
-        self.state, self.metrics = TrainState(), M.MetricSet()
+        self.state = TrainState()
+        self.metrics = M.MetricSet()
         self.lr = LRSchedule.for_trainer(self.trainer, self.plan.steps_per_epoch)
         self.losses = LossWindow(ctx.device, self.world)
         self.notices = self.restored = self.val_set = self.feeder = None
-        self.first_step_done, self._wait_start = False, time.perf_counter()
+        self.first_step_done = False
+        self._wait_start = time.perf_counter()
         self.beat = None  # type: ignore[assignment]
         self.checkpointer = None  # type: ignore[assignment]
         self.validator = None  # type: ignore[assignment]
@@ -182,17 +189,35 @@ class Worker:
         """The attempt's index (rank 0 asks, every rank hears), where this rank runs, its
         heartbeat and checkpointer. A fatal error or a restart loop stops it here."""
         answer = self.ctx.broadcast(self.record.start_attempt(self.world, self.entered))
-        self.record.attempt = answer["attempt"]
-        if answer["stop"] is not None:
-            raise JobStopped(answer["stop"])
+        self.record.attempt = answer.attempt
+        if answer.stop is not None:
+            raise JobStopped(answer.stop)
         torch.set_num_threads(max(1, int(self.trainer.worker_cpus)))
         set_fault_stream(self.spec.fs, f"attempt {self.record.attempt} rank {self.rank}")
         self.record.register(self.ctx.where)
-        job, spec, t, h = self.job, self.spec, self.trainer, self.job.failure.hang
-        io, tier_io = spec.fs.completed_requests, (self.ctx.fetch, self.record.log)
-        self.beat = Heartbeat(self.record, io, h.heartbeat_interval, settle_steps=h.settle_steps)
-        tier = MemoryTier(spec.memory, job.checkpoint.memory, self.rank, self.metrics, *tier_io)
-        self.checkpointer = Checkpointer(
+        hang = self.job.failure.hang
+        self.beat = Heartbeat(
+            self.record,
+            self.spec.fs.completed_requests,
+            hang.heartbeat_interval,
+            settle_steps=hang.settle_steps,
+        )
+        self.checkpointer = self._checkpointer()
+        self.started["registered"] = time.perf_counter()
+
+    def _checkpointer(self) -> Checkpointer:
+        """This rank's checkpointer: its cadence, its storage and scratch, the memory tier."""
+        job, spec = self.job, self.spec
+        tier = MemoryTier(
+            spec.memory,
+            job.checkpoint.memory,
+            self.rank,
+            self.metrics,
+            self.ctx.fetch,
+            self.record.log,
+        )
+        every = self.trainer.checkpoint_every_n_steps
+        return Checkpointer(
             fs=spec.fs,
             run_path=spec.run_path,
             config=job.checkpoint,
@@ -205,11 +230,10 @@ class Worker:
             local_root=attempt_scratch_dir(spec.scratch, self.record.attempt, self.rank),
             global_batch=self.plan.global_batch_size,
             data=spec.data,
-            schedule=CheckpointSchedule(t.checkpoint_every_n_steps, job.failure.expected_mtbf_s),
+            schedule=CheckpointSchedule(every, job.failure.expected_mtbf_s),
             fence=spec.fence,
             memory=tier,  # checkpoint.memory
         )
-        self.started["registered"] = time.perf_counter()
 
     def _build(self) -> None:
         """Notices, model (the same initial weights on every rank), DDP, optimizer."""
@@ -256,7 +280,7 @@ class Worker:
         self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
         s = self.state
         if self.restored is not None:
-            self.record.restored({**self.restored.record(), "skip": skip_s})
+            self.record.restored(self.restored.record(skip_s))
             self.validator.restored(s.step, s.validated)
             every = self.trainer.validate_every_n_steps
             if Validator.owed(s.step, s.position, s.validated, every):  # a notice cut it short
@@ -378,8 +402,8 @@ class Worker:
         notice = self.notices.agree()
         if notice is None:
             return
-        record = notice.record(self.state.step, self.notices.drain_ranks)
-        self.record.preemption_notice({**record, "validation_cut": self.validator.cut})
+        record = notice.record(self.state.step, self.notices.drain_ranks, self.validator.cut)
+        self.record.preemption_notice(record)
         self.state.validated = self.validator.done(self.state.step)
         with self.beat.section("checkpoint"):
             jit = self.checkpointer.save_now(
@@ -398,9 +422,15 @@ class Worker:
         self._stop_if_diverged(loss)
 
     def _send_progress(self, epoch: int, loss: float, throughput: float) -> None:
-        progress = {"step": self.state.step, "epoch": epoch, "epochs": self.trainer.epochs}
-        progress.update(total_steps=self.total_steps, loss=loss, throughput=throughput)
-        progress["lr"] = self.lr(max(self.state.step - 1, 0))  # the last step's
+        progress = Progress(
+            step=self.state.step,
+            epoch=epoch,
+            epochs=self.trainer.epochs,
+            total_steps=self.total_steps,
+            loss=loss,
+            throughput=throughput,
+            lr=self.lr(max(self.state.step - 1, 0)),  # the last step's
+        )
         self.record.progress(progress, self.metrics.as_dict())
 
 
@@ -505,13 +535,16 @@ class LossWindow:
     one host sync) and all-reduced across ranks only at a progress line or a checkpoint."""
 
     def __init__(self, device: torch.device, world: int) -> None:
-        self.device, self.world = device, world
+        self.device = device
+        self.world = world
         self.last_finite_step = 0
         self._reset()
 
     def _reset(self) -> None:
         self.total = torch.zeros((), device=self.device)
-        self.steps, self.rows, self.started = 0, 0, time.perf_counter()
+        self.steps = 0
+        self.rows = 0
+        self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, rows: int) -> None:
         self.total += loss

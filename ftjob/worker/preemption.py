@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.ray_internals import preemption_info, ray_exit_handler, set_ray_exit_handler
+from ftjob.record import JitCheckpoint, NoticeSource
+from ftjob.record import Notice as NoticeRecord
 
-DRAIN, DRIVER, WORKER = "drain", "driver", "worker"
-RESIZE = "resize"  # not a preemption: an elastic group about to be resized (ftjob.driver.scaling)
+DRAIN, DRIVER, WORKER = NoticeSource.drain, NoticeSource.driver, NoticeSource.worker
+RESIZE = NoticeSource.resize  # not a preemption: the elastic group is about to be resized
 # The agreed kind is the highest any rank saw: a real preemption outranks a planned resize.
 SOURCES = {1: RESIZE, 2: DRAIN, 3: DRIVER, 4: WORKER}
 _KIND = {source: kind for kind, source in SOURCES.items()}
@@ -34,22 +36,24 @@ _KIND = {source: kind for kind, source in SOURCES.items()}
 class Notice:
     """An agreed preemption notice."""
 
-    source: str  # DRAIN (a node drain) | DRIVER (the driver got SIGTERM) | WORKER (a worker did)
+    source: NoticeSource
     deadline: float | None  # UNIX seconds the node goes away; None if not announced
     received: float  # when this rank saw it agreed
 
     def remaining(self, now: float) -> float:
         return math.inf if self.deadline is None else self.deadline - now
 
-    def record(self, step: int, ranks: list[int]) -> dict[str, Any]:
-        """What the run ledger keeps of it."""
-        return {
-            "source": self.source,
-            "deadline": self.deadline,
-            "received": self.received,
-            "step": step,
-            "ranks": ranks,
-        }
+    def record(self, step: int, ranks: list[int], validation_cut: int | None) -> NoticeRecord:
+        """What the run ledger keeps of it: also the step it came at, the ranks a drain
+        named, and a validation it cut short."""
+        return NoticeRecord(
+            source=self.source,
+            received=self.received,
+            step=step,
+            deadline=self.deadline,
+            ranks=tuple(ranks),
+            validation_cut=validation_cut,
+        )
 
 
 def ray_drain_notice() -> tuple[float | None, list[int]] | None:
@@ -167,31 +171,30 @@ class PreemptionNotices:
             self._ray_exit = None
 
 
-def describe_notice(record: dict[str, Any]) -> list[str]:
-    """Progress lines for a notice every rank agreed on, or (``{"jit": ...}``) for the
-    just-in-time checkpoint that followed it."""
-    jit = record.get("jit")
-    if jit is not None:
-        if not jit.get("path"):
-            return [f"no just-in-time checkpoint: {jit.get('reason')}"]
-        how = "already committed" if jit.get("reused") else f"in {jit['seconds']:.2f}s"
-        return [f"just-in-time checkpoint of step {jit['step']} {how}: 0 steps will be lost"]
-    if record["source"] == RESIZE:
+def describe_jit(jit: JitCheckpoint) -> str:
+    """The progress line of the just-in-time checkpoint after a notice."""
+    if not jit.path:
+        return f"no just-in-time checkpoint: {jit.reason}"
+    how = "already committed" if jit.reused else f"in {jit.seconds:.2f}s"
+    return f"just-in-time checkpoint of step {jit.step} {how}: 0 steps will be lost"
+
+
+def describe_notice(notice: NoticeRecord) -> list[str]:
+    """Progress lines for a notice every rank agreed on."""
+    if notice.source == RESIZE:
         return [
-            f"resizing from {record.get('from')} to {record.get('to')} workers at step "
-            f"{record['step']}: saving a just-in-time checkpoint first"
+            f"resizing from {notice.from_} to {notice.to} workers at step "
+            f"{notice.step}: saving a just-in-time checkpoint first"
         ]
-    deadline = record.get("deadline")
-    left = (
-        f"{deadline - record['received']:.0f} s before the deadline" if deadline else "no deadline"
-    )
+    deadline = notice.deadline
+    left = f"{deadline - notice.received:.0f} s before the deadline" if deadline else "no deadline"
     lines = [
-        f"preemption notice ({record['source']}) at step {record['step']}, {left}: "
+        f"preemption notice ({notice.source}) at step {notice.step}, {left}: "
         "saving a just-in-time checkpoint"
     ]
-    if record.get("validation_cut") is not None:
+    if notice.validation_cut is not None:
         lines.append(
-            f"validation at step {record['validation_cut']} was cut short by the notice; "
+            f"validation at step {notice.validation_cut} was cut short by the notice; "
             "it runs again after the restart"
         )
     return lines

@@ -6,13 +6,38 @@ to it through a :class:`RunRecorder`: each method says what it records, and whet
 sends it or only rank 0 (on other ranks those methods do nothing, so the loop does not branch
 on rank). Calls that record are fire and forget; calls that ask (``start_attempt``,
 ``claim_injected_failure``, ``notice_request``, ``heartbeat``) wait for the answer.
+
+Each call names the ledger's method as a method of :class:`~ftjob.record.WorkerLedger` (not
+as a string), so the type checker holds every call to the ledger's signature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from ftjob.record import (
+    AttemptStart,
+    Beat,
+    CheckpointRecord,
+    FirstStep,
+    JitCheckpoint,
+    Notice,
+    NoticeSource,
+    Progress,
+    Restore,
+    SkippedFile,
+    StorageCounters,
+    ValidationResult,
+    WorkerLedger,
+    WorkerPlace,
+)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+LedgerCall = Callable[Concatenate[WorkerLedger, P], T]
 
 
 class JobStopped(Exception):  # noqa: N818 -- what happened, not an error of the code
@@ -29,97 +54,112 @@ class RunRecorder:
     def __init__(
         self, ledger: Any, rank: int, resolve: Callable[..., Any], attempt: int = -1
     ) -> None:
-        self.ledger, self.rank, self._resolve = ledger, rank, resolve
+        self.ledger = ledger
+        self.rank = rank
+        self._resolve = resolve
         self.attempt = attempt
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
-    def _tell(self, name: str, *args: Any) -> None:
-        getattr(self.ledger, name).remote(*args)
+    def _tell(self, method: LedgerCall[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+        getattr(self.ledger, method.__name__).remote(*args, **kwargs)
 
-    def _ask(self, name: str, *args: Any, timeout: float | None = None) -> Any:
-        return self._resolve(getattr(self.ledger, name).remote(*args), timeout=timeout)
+    def _ask(
+        self, method: LedgerCall[P, T], timeout: float | None, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        answer = getattr(self.ledger, method.__name__).remote(*args, **kwargs)
+        return self._resolve(answer, timeout=timeout)
 
     # -- asked: the answer steers the worker ---------------------------------------------------
 
-    def start_attempt(self, world: int, started: float) -> dict[str, Any] | None:
+    def start_attempt(self, world: int, started: float) -> AttemptStart | None:
         """Rank 0: this attempt's index (it started at ``started``, wall clock), and why it
         must not train (None on other ranks: the caller broadcasts rank 0's answer)."""
-        return self._ask("start_attempt", started, world) if self.leader else None
+        if not self.leader:
+            return None
+        return self._ask(WorkerLedger.start_attempt, None, started, world)
 
     def claim_injected_failure(self, step: int) -> bool:
         """Rank 0: is an injected failure (chaos.fail_at_steps) due at this step?"""
-        return self.leader and bool(self._ask("claim_injected_failure", step, time.time()))
+        if not self.leader:
+            return False
+        return self._ask(WorkerLedger.claim_injected_failure, None, step, time.time())
 
-    def notice_request(self) -> str | None:
+    def notice_request(self) -> NoticeSource | None:
         """What the driver asks of the workers now: a stop (SIGTERM to it), a resize."""
-        return self._ask("notice_request", timeout=10)
+        return self._ask(WorkerLedger.notice_request, 10)
 
-    def heartbeat(self, beat: dict[str, Any]) -> dict[str, Any]:
-        """Every rank, about once a second; the answer steers chaos=slow."""
-        return self._ask("heartbeat", self.attempt, self.rank, beat, timeout=10) or {}
+    def heartbeat(self, beat: Beat) -> float:
+        """Every rank, about once a second; the answer: the share of each step to sleep
+        (chaos=slow)."""
+        return self._ask(WorkerLedger.heartbeat, 10, self.attempt, self.rank, beat)
 
     # -- recorded by every rank ------------------------------------------------------------------
 
-    def register(self, where: dict[str, Any]) -> None:
+    def register(self, where: WorkerPlace) -> None:
         """Where this rank runs (node, pid, raylet pid): chaos and hang handling target it."""
-        self._tell("register_worker", self.attempt, self.rank, {**where, "time": time.time()})
+        place = dataclasses.replace(where, time=time.time())
+        self._tell(WorkerLedger.register_worker, self.attempt, self.rank, place)
 
     def audit_step(self, step: int, epoch: int, ids: list[int], skipped: list[int]) -> None:
         """This rank's slice of a step: every sample of it, and those skipped (bad files)."""
-        self._tell("audit_step", self.attempt, step, epoch, ids, skipped)
+        self._tell(WorkerLedger.audit_step, self.attempt, step, epoch, ids, skipped)
 
-    def skipped_files(self, records: list[dict[str, Any]]) -> None:
+    def skipped_files(self, files: list[SkippedFile]) -> None:
         """Files this rank skipped (dataset.bad_files=skip): split, id, path, reason."""
-        self._tell("skipped_files", self.attempt, self.rank, records)
+        self._tell(WorkerLedger.skipped_files, self.attempt, self.rank, files)
 
-    def storage_stats(self, source: str, stats: dict[str, Any]) -> None:
-        self._tell("storage_stats", source, stats)
+    def storage_stats(self, source: str, stats: StorageCounters) -> None:
+        self._tell(WorkerLedger.storage_stats, source, stats)
 
     def data_error(self, error: str) -> None:
         """Any rank that met a file that cannot be decoded: the run's fatal error."""
-        self._ask("set_fatal", error, timeout=60)
+        self._ask(WorkerLedger.set_fatal, 60, error)
 
     # -- recorded by rank 0 ------------------------------------------------------------------------
 
-    def _lead(self, name: str, *args: Any) -> None:
+    def _lead(self, method: LedgerCall[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
         if self.leader:
-            self._tell(name, *args)
+            self._tell(method, *args, **kwargs)
 
     def fatal(self, error: str) -> JobStopped:
         """The job must stop (every rank agreed): rank 0 records why; raise what it returns."""
-        self._lead("set_fatal", error)
+        self._lead(WorkerLedger.set_fatal, error)
         return JobStopped(error)
 
     def log(self, line: str) -> None:
-        self._lead("log", line)
+        self._lead(WorkerLedger.log, line)
 
-    def restored(self, info: dict[str, Any]) -> None:
-        self._lead("restored", self.attempt, info)
+    def restored(self, restore: Restore) -> None:
+        self._lead(WorkerLedger.restored, self.attempt, restore)
 
     def step_done(self, step: int) -> None:
-        self._lead("step_done", self.attempt, step)
+        self._lead(WorkerLedger.step_done, self.attempt, step)
 
     def first_step(self, step: int, took: float, phases: dict[str, float]) -> None:
-        self._lead("first_step", self.attempt, step, time.time(), took, phases)
+        first = FirstStep(step=step, time=time.time(), took=took, phases=phases)
+        self._lead(WorkerLedger.first_step, self.attempt, first)
 
-    def progress(self, progress: dict[str, Any], metrics: dict[str, float]) -> None:
-        self._lead("progress_update", self.attempt, {**progress, "time": time.time()}, metrics)
+    def progress(self, progress: Progress, metrics: dict[str, float]) -> None:
+        point = dataclasses.replace(progress, time=time.time())
+        self._lead(WorkerLedger.progress_update, self.attempt, point, metrics)
 
-    def validation(self, step: int, result: dict[str, Any]) -> None:
-        self._lead("validation", self.attempt, step, result)
+    def validation(self, step: int, result: ValidationResult) -> None:
+        self._lead(WorkerLedger.validation, self.attempt, step, result)
 
-    def checkpoint(self, record: dict[str, Any]) -> None:
+    def checkpoint(self, record: CheckpointRecord) -> None:
         """An upload's outcome, the moment it ends (any thread of rank 0)."""
-        self._lead("checkpoint", self.attempt, {**record, "time": time.time()})
+        stamped = dataclasses.replace(record, time=time.time())
+        self._lead(WorkerLedger.checkpoint, self.attempt, stamped)
 
-    def preemption_notice(self, record: dict[str, Any]) -> None:
-        self._lead("preemption_notice", self.attempt, record)
+    def preemption_notice(self, notice: Notice) -> None:
+        self._lead(WorkerLedger.preemption_notice, self.attempt, notice)
 
-    def jit_checkpoint(self, record: dict[str, Any]) -> None:
-        self._lead("jit_checkpoint", self.attempt, {**record, "time": time.time()})
+    def jit_checkpoint(self, record: JitCheckpoint) -> None:
+        stamped = dataclasses.replace(record, time=time.time())
+        self._lead(WorkerLedger.jit_checkpoint, self.attempt, stamped)
 
     def finish(self) -> None:
-        self._lead("finish", time.time())
+        self._lead(WorkerLedger.finish, time.time())

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftjob import metrics as M
+from ftjob.record import ValidationResult
 
 
 class Validator:
@@ -61,15 +62,15 @@ class Validator:
         if not complete:  # a preemption notice: this step's validation runs after the restore
             self.validated_step, self.cut = -1, step
             return
-        result = {
-            "epoch": epoch,
-            "loss": loss / max(count, 1),
-            "accuracy": correct / max(count, 1),
-            "samples": int(count),
-            "time": time.time(),
-        }
-        self.metrics.set(M.VALIDATION_LOSS, result["loss"])
-        self.metrics.set(M.VALIDATION_ACCURACY, result["accuracy"])
+        result = ValidationResult(
+            epoch=epoch,
+            loss=float(loss / max(count, 1)),
+            accuracy=float(correct / max(count, 1)),
+            samples=int(count),
+            time=time.time(),
+        )
+        self.metrics.set(M.VALIDATION_LOSS, result.loss)
+        self.metrics.set(M.VALIDATION_ACCURACY, result.accuracy)
         self.record.validation(step, result)
 
 
