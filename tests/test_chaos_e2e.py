@@ -1,6 +1,6 @@
 """Chaos on real Ray: a node killed on a simulated 3-node cluster, the elastic group shrinking
 and growing back. (A fixed-size group restarted after a worker process is SIGKILLed is the hang's
-in test_preemption_e2e.py; a drained node the S3 run's, test_s3.py; the killer's choice of
+in test_e2e.py; a drained node the S3 run's, test_s3.py; the killer's choice of
 target is unit-tested in test_chaos.py; the failure budget and restores after failures are
 tested in-process: test_worker_local.py.)"""
 

@@ -1,16 +1,23 @@
 """End-to-end runs on a real Ray: jobs submitted to, stopped on and shown by an existing
-cluster started with `ray start --head` (the cluster extra: dashboard and job server).
-(Restores, mid-epoch resumption, exact-once and
-resume=true are tested in-process: test_worker_local.py.)"""
+cluster started with `ray start --head` (the cluster extra: dashboard and job server); the
+stopped job resumed on that cluster by its printed command, past a damaged checkpoint, through a
+worker SIGTERM and a hang. (Restores, mid-epoch resumption, exact-once and resume=true are tested
+in-process too: test_worker_local.py; a node drained with notice, Ray's drain API, in the S3
+run: test_s3.py; a slow rank named as a straggler, a slow upload that is no hang and the
+restart-loop guard in-process: test_worker_local.py; the hang and straggler decisions in
+test_hang.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +27,9 @@ from typing import Any
 import pytest
 
 from ftjob import metrics as M
-from tests.helpers import make_image_tree
+from ftjob.reporting.summary import exactly_once
+from ftjob.storage.checkpoint import manifest_of
+from tests.helpers import make_image_tree, read_until, start_ftjob
 
 pytestmark = pytest.mark.ray
 
@@ -41,8 +50,8 @@ def ray_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
 def submit(*args: str) -> subprocess.CompletedProcess[str]:
     """`ray job submit`, again while the head's job agent is still starting (the dashboard
     answers a few seconds before it: "No available agent to submit job, please try again
-    later")."""
-    deadline = time.monotonic() + 90
+    later"; minutes on a loaded machine: the bound only ends a wait that would never end)."""
+    deadline = time.monotonic() + 300
     while True:
         done = ray_cli("job", "submit", *args)
         if "try again later" not in done.stderr or time.monotonic() > deadline:
@@ -67,9 +76,22 @@ def job_logs(port: int, submission_id: str) -> str:
         return ""
 
 
-def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
+def complete_logs(port: int, submission_id: str) -> str:
+    """The logs of a job that ended (its driver exited: nothing more comes), asked again while
+    the dashboard cannot answer."""
+    deadline = time.monotonic() + 120
+    while not (logs := job_logs(port, submission_id)):
+        assert time.monotonic() < deadline, f"the dashboard never gave {submission_id}'s logs"
+        time.sleep(1)
+    return logs
+
+
+def head_node(port: int, dashboard: int, temp_dir: str) -> subprocess.Popen[bytes]:
     """`ray start --head --block` with its dashboard and job server on loopback, in a process
-    group of its own (ended by the caller, by pid); returns once the dashboard answers."""
+    group of its own (ended by the caller, by pid); returns once the dashboard answers. Its
+    ``temp_dir`` and ports are its own: the job server finds the cluster its drivers join
+    ("auto") in that dir's ray_current_cluster, which a Ray started elsewhere on this machine
+    meanwhile would otherwise have rewritten (a job's driver then joined that cluster)."""
     ray = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen(
         [
@@ -77,6 +99,12 @@ def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
             "start",
             "--head",
             f"--port={port}",
+            f"--temp-dir={temp_dir}",
+            # Ports Ray would otherwise take at fixed numbers (52365, 10001): another Ray on
+            # this machine holding one leaves the head without its job agent ("No available
+            # agent to submit job") or client server.
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
             "--num-cpus=4",
             "--include-dashboard=true",
             "--dashboard-host=127.0.0.1",
@@ -103,29 +131,48 @@ def head_node(port: int, dashboard: int) -> subprocess.Popen[bytes]:
             time.sleep(0.5)
 
 
-def ray_train_workers() -> list[int]:
-    """Live Ray Train worker processes on this machine."""
-    found = []
+def ray_train_workers(root: int) -> list[int]:
+    """Live Ray Train worker processes below process ``root`` (the head's: its raylet starts
+    them), none of another Ray's on this machine."""
+    children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"RayTrainWorker" in f.read():
-                    found.append(int(entry))
-        except OSError:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-    return found
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    if b"RayTrainWorker" in f.read():
+                        found.append(child)
+            except OSError:
+                continue
+    return sorted(found)
 
 
-def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dashboard(tmp_path):
+def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_the_dashboard(
+    tmp_path, monkeypatch
+):
     """As on a user's cluster: `ray start --head` with its dashboard and job server;
     `ray job submit --working-dir` runs a job on real image files, decoded by Ray Data on the
     cluster, that succeeds and leaves the cluster up; the dashboard's Train view lists the run,
     its attempt and its workers; `ray job stop` on a second job is a preemption notice: a
     just-in-time checkpoint, status preempted, the resume command (printed, and in the
-    summary), no training worker left."""
+    summary), no training worker left. That command, rerun on the cluster by a driver of its
+    own (as a scheduler reruns a job) once the just-in-time checkpoint was damaged, falls back
+    past it (quarantined, never deleted) while a second driver for the run is refused, naming
+    the holder; a SIGTERM to one of its training workers (a pod stopping it) saves that step; a
+    worker stopped later (SIGSTOP) is found hung within 30 s by the learned timeouts; every
+    sample is trained once."""
     port, dashboard = _free_port(), _free_port()
     address = f"http://127.0.0.1:{dashboard}"
-    head = head_node(port, dashboard)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
+    head = head_node(port, dashboard, temp_dir)
     try:
         working_dir = tmp_path / "wd"
         working_dir.mkdir()
@@ -164,12 +211,21 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
             if r["name"] == "images"
         ]
         assert run["status"] == "FINISHED" and run["job_id"]
-        [attempt] = run["attempts"]
-        assert len(attempt["workers"]) == 2 and all(w["pid"] for w in attempt["workers"])
+        # Its attempts (one, unless a loaded machine made Ray Train restart the group: then as
+        # many as the summary counts), each with its two workers.
+        assert len(run["attempts"]) == s["attempts"] >= 1
+        for attempt in run["attempts"]:
+            assert len(attempt["workers"]) == 2 and all(w["pid"] for w in attempt["workers"])
         assert run["run_settings"]["train_loop_config"]["trainer"]["epochs"] == 3
 
         # A second job, stopped with `ray job stop` once it committed a checkpoint.
-        long = ["+experiment=digits_ft", "trainer.epochs=30", "ray.address=auto", *storage]
+        long = [
+            "+experiment=digits_ft",
+            "trainer.epochs=30",
+            "trainer.audit_samples=true",
+            "ray.address=auto",
+            *storage,
+        ]
         entry = [
             sys.executable,
             "-m",
@@ -188,6 +244,10 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
             time.sleep(1)
         stopped = ray_cli("job", "stop", "--address", address, "ftjob-stopped")
         assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+        # `ray job stop` returns once the job is STOPPED, which Ray's job supervisor records
+        # only after the driver exited (on its SIGTERM, or SIGKILLed RAY_JOB_STOP_WAIT_TIME_S
+        # later): everything the driver printed is in the job's log by now.
+        assert dashboard_get(dashboard, "/api/jobs/ftjob-stopped")["status"] == "STOPPED"
         s = json.loads((tmp_path / "run2" / "summary.json").read_text())
         assert s["status"] == "preempted", s["error"]
         assert "after a just-in-time checkpoint of step" in s["error"]
@@ -197,14 +257,91 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_and_show_on_the_dash
         assert "resume=true" in command and "name=stopped" in command
         assert "trainer.epochs=30" in command and "ray.address=auto" in command
         assert s["metrics"][M.PREEMPTION_COUNT] == 1
-        deadline = time.monotonic() + 30  # the job's last lines reach the dashboard after it
-        while "to continue from" not in job_logs(dashboard, "ftjob-stopped"):
-            assert time.monotonic() < deadline, "the stopped job never printed its resume command"
-            time.sleep(1)
+        logs = complete_logs(dashboard, "ftjob-stopped")
+        assert f"to continue from {s['checkpoints']['latest']}: {command}" in logs, logs[-3000:]
+        assert "data: rank 0 decodes in" in logs  # where, and why (trainer.decode_in=auto)
         deadline = time.monotonic() + 60
-        while ray_train_workers():  # torn down with the job's driver
+        while ray_train_workers(head.pid):  # torn down with the job's driver
             assert time.monotonic() < deadline, "training workers outlived the stopped job"
             time.sleep(1)
+
+        # The just-in-time checkpoint is damaged while nobody runs: the resume must fall back
+        # to the one before it.
+        jit_dir = Path(s["checkpoints"]["latest"].removeprefix("file://"))
+        steps = [int(p.name.removeprefix("step_")) for p in jit_dir.parent.glob("step_*")]
+        before = max(step for step in steps if step < jit_step)
+        manifest = json.loads((jit_dir / manifest_of(os.listdir(jit_dir))).read_text())
+        model = jit_dir / manifest["files"]["model.pt"]["object"]
+        model.write_bytes(model.read_bytes()[:100])
+        # The resumed run (its printed command, trainer.epochs cut to what the test needs)
+        # stops a worker at a progress line (every 10 steps) past the worker SIGTERM's restart
+        # (sent at the first progress line after the resume) and the new attempt's settling
+        # steps, so its timeouts are learned; mid-epoch; 16 steps or more before the end.
+        hang_at = (before + 28 + 9) // 10 * 10
+        hang_at += 10 if hang_at % 22 == 0 else 0
+        epochs = (hang_at + 16) // 22 + 1
+        program, args = shlex.split(command)[:3], shlex.split(command)[3:]
+        assert program == ["python", "-m", "ftjob"], command
+        resume = [
+            f"trainer.epochs={epochs}" if arg.startswith("trainer.epochs=") else arg for arg in args
+        ]
+        # The drivers find `ray start`'s token, and join this cluster, whatever else runs here.
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        run_dir = tmp_path / "resumed"
+        hang = ["chaos=hang", f"chaos.at_steps=[{hang_at}]"]
+        resumed = start_ftjob([*resume, *hang], run_dir, tmp_path)
+        second = None
+        lines: list[str] = []
+        try:
+            read_until(resumed, "checkpoints: ", lines, timeout=240)
+            # A second driver for the same run, while the first lives: refused, naming the
+            # holder (in the background: the first's console is read on meanwhile).
+            second = start_ftjob(resume, tmp_path / "second", tmp_path)
+            read_until(resumed, "loss", lines, timeout=300)  # a progress line: training again
+            [worker, *_] = ray_train_workers(head.pid)
+            os.kill(worker, signal.SIGTERM)
+            refused, _ = second.communicate(timeout=240)
+            out, _ = resumed.communicate(timeout=480)
+            lines.append(out)
+        finally:
+            for proc in (resumed, second):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+        assert second.returncode == 2, refused[-3000:]
+        assert "being trained by another driver" in refused and f":{resumed.pid}" in refused
+        console = "".join(lines)
+        assert resumed.returncode == 0, console[-4000:]
+        s2 = json.loads((run_dir / "summary.json").read_text())
+        assert s2["status"] == "succeeded"
+        [fallback] = s2["checkpoints"]["fallbacks"]
+        assert fallback["path"] == str(jit_dir) and fallback["committed"]
+        assert Path(fallback["quarantined_to"], "QUARANTINED.json").exists()
+        assert Path(fallback["quarantined_to"], model.name).exists()  # evidence kept
+        assert "not usable" in console and "fell back" in console
+        by_worker, hung = s2["failures"]
+        assert by_worker["kind"] == "preemption" and by_worker["notice"]["source"] == "worker"
+        assert by_worker["lost_steps"] == 0 and by_worker["jit"]["path"]
+        steps_per_epoch = 22
+        assert s2["audit"][0]["resumed_at"] == (before % steps_per_epoch) * 64  # none again
+        assert s2["audit"][-1]["epoch"] == epochs - 1 and all(exactly_once(a) for a in s2["audit"])
+
+        [stop] = s2["chaos"]["kills"]
+        assert stop["kind"] == "hang"
+        [hang] = s2["hangs"]
+        assert hang["rank"] == stop["target"]["rank"] and hang["pid"] == stop["target"]["pid"]
+        assert hang["heartbeats_stopped"] and hang["killed"]
+        # Found by the default, learned timeouts within 30 s of the stop.
+        assert hang["learned"] and hang["time"] - stop["time"] < 30.0
+        assert hang["stack_source"] == "py-spy" and "ftjob/worker/loop.py" in hang["stack"]
+        assert (
+            hung["kind"] == "hang" and hung["recovered"] and hung["detail"]["rank"] == hang["rank"]
+        )
+        assert s2["metrics"][M.HANG_COUNT] == 1
+        assert 0 < s2["metrics"][M.HANG_DETECTION_TIME] < 30.0
+        assert "hang: rank" in console and "stack captured (py-spy)" in console
+        assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
         head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
