@@ -136,6 +136,15 @@ class Tier(Choice):
     memory = "memory"
 
 
+class RunStatus(Choice):
+    """How a run ended (summary.json ``status``)."""
+
+    succeeded = "succeeded"
+    failed = "failed"  # and why: summary.json ``error``
+    interrupted = "interrupted"  # Ctrl-C
+    preempted = "preempted"  # a preemption notice stopped it (resume to continue)
+
+
 class NoticeSource(Choice):
     """Who gave an agreed notice. A real preemption outranks a planned resize."""
 

@@ -47,7 +47,7 @@ from ftjob.driver.resume import (
     check_run_place,
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
-from ftjob.record import RunPlan, RunSnapshot
+from ftjob.record import RunPlan, RunSnapshot, RunStatus
 from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
 from ftjob.reporting.summary import (
     FitOutcome,
@@ -75,14 +75,14 @@ logger = logging.getLogger("ftjob")
 @dataclass
 class RunResult:
     name: str
-    status: str  # "succeeded" | "failed"
+    status: RunStatus
     error: str | None
     summary: dict[str, Any]
     summary_path: str
 
     @property
     def ok(self) -> bool:
-        return self.status == "succeeded"
+        return self.status == RunStatus.succeeded
 
 
 def unique_run_name() -> str:
@@ -298,7 +298,7 @@ def _finish(
         snapshot, trained.fit, job.failure.max_failures, job.failure.max_preemptions
     )
     if trained.lease_lost:
-        status, error = "failed", trained.lease_lost
+        status, error = RunStatus.failed, trained.lease_lost
     name = prep.name if prep else (job.name or "")
     summary = build_summary(
         snapshot,

@@ -22,7 +22,7 @@ from ftjob import metrics as M
 from ftjob.config import ENDS_ATTEMPT
 from ftjob.data.order import epoch_order
 from ftjob.metrics import finite, fmt
-from ftjob.record import AuditStep, RunSnapshot, Tier
+from ftjob.record import AuditStep, RunSnapshot, RunStatus, Tier
 from ftjob.reporting.failures import PREEMPTION, failure_records, hang_metrics, preemption_metrics
 from ftjob.reporting.goodput import goodput, predict_ettr
 from ftjob.reporting.resizes import resize_records, time_below_full
@@ -45,14 +45,17 @@ class FitOutcome:
 
 def decide_status(
     snap: RunSnapshot, fit: FitOutcome, max_failures: int, max_preemptions: int = -1
-) -> tuple[str, str | None]:
-    """("succeeded" | "failed" | "interrupted", the one-line error). A run succeeds only when
+) -> tuple[RunStatus, str | None]:
+    """How the run ended, and why (one line; None when it succeeded). A run succeeds only when
     fit() returned, no rank declared the job fatally failed, the last step was trained and,
     when audited, every sample was trained exactly once."""
     if fit.interrupted:
-        return "interrupted", f"interrupted (Ctrl-C) {fit.stopped_at or 'before the last step'}"
+        return (
+            RunStatus.interrupted,
+            f"interrupted (Ctrl-C) {fit.stopped_at or 'before the last step'}",
+        )
     if fit.preempted and fit.stopped_at:
-        return "preempted", f"stopped by a preemption notice (SIGTERM) {fit.stopped_at}"
+        return RunStatus.preempted, f"stopped by a preemption notice (SIGTERM) {fit.stopped_at}"
     if fit.preempted:
         notice = snap.attempts[-1].preemption if snap.attempts else None
         jit = notice.jit if notice is not None else None
@@ -62,34 +65,34 @@ def decide_status(
             else "without a just-in-time checkpoint"
             + (f" ({jit.reason})" if jit and jit.reason else "")
         )
-        return "preempted", f"stopped by a preemption notice (SIGTERM) {saved}"
+        return RunStatus.preempted, f"stopped by a preemption notice (SIGTERM) {saved}"
     if fit.preemption_budget_exhausted:
         count = sum(1 for a in snap.attempts if a.preemption is not None)
-        return "failed", (
+        return RunStatus.failed, (
             f"training stopped after {count} preemption(s), over the budget "
             f"failure.max_preemptions={max_preemptions}: {fit.error}"
         )
     if snap.fatal:  # ftjob stopped the job (a failure after it is its consequence)
-        return "failed", snap.fatal
+        return RunStatus.failed, snap.fatal
     if fit.error is not None:
         if fit.budget_exhausted:
-            return "failed", (
+            return RunStatus.failed, (
                 f"training failed after {len(snap.failures)} failure(s), over the budget "
                 f"failure.max_failures={max_failures}: {fit.error}"
             )
-        return "failed", fit.error
+        return RunStatus.failed, fit.error
     if snap.finished is None:
-        return "failed", "training ended before the last epoch"
+        return RunStatus.failed, "training ended before the last epoch"
     broken = [a for a in (audit_report(snap) if snap.audit else []) if not exactly_once(a)]
     if broken:
         a = broken[0]
-        return "failed", (
+        return RunStatus.failed, (
             f"exact-once broken: epoch {a['epoch']} trained {a['duplicates']} duplicate, "
             f"{a['missing']} missing and {a['unexpected']} unexpected sample(s), "
             f"{a.get('misplaced', 0)} step(s) not on their global batch "
             f"({len(broken)} epoch(s) affected; see summary.json audit)"
         )
-    return "succeeded", None
+    return RunStatus.succeeded, None
 
 
 def exactly_once(epoch_audit: dict[str, Any]) -> bool:
