@@ -317,6 +317,9 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
                 # committed (6+ s through a third of requests failing, and a busy machine):
                 # its 30 s give the commit room to end well before the node goes.
                 "ray.local_nodes=3",
+                # The drained node's replacement is added as it goes (at the deadline, not 5 s
+                # later): the restart waits for it, and nothing here is about that wait.
+                "ray.replace_delay=0",
                 "trainer.decode_in=ray",  # Ray Data's decode through a failure and a drain
                 "chaos=preempt",
                 "chaos.at_steps=[30]",
