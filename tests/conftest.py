@@ -1,4 +1,5 @@
-"""Shared fixtures. Ray-backed tests are marked ``ray``; S3 tests ``s3`` (see s3_fixtures.py)."""
+"""Fixtures for every test under tests/. Ray-backed tests are marked ``ray``; S3 tests ``s3``
+(see support/s3_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-pytest_plugins = ["tests.s3_fixtures"]
+pytest_plugins = ["tests.support.s3_fixtures"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -12,7 +12,7 @@ rates do not):
 The request body is always read first, so the faults look the same to the client whatever it
 sends. Use as a context manager in tests, or standalone for manual runs::
 
-    python -m tests.fault_proxy --upstream http://127.0.0.1:5000 --throttle 0.2 --drop 0.05
+    python -m tests.support.fault_proxy --upstream http://127.0.0.1:5000 --throttle 0.2 --drop 0.05
 """
 
 from __future__ import annotations

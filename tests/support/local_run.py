@@ -121,7 +121,7 @@ def _rank_context() -> Any:
     session's first world-2 attempt started it: a test's ``monkeypatch.setenv`` does not
     reach them."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.local_run"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.support.local_run"])
     return ctx
 
 

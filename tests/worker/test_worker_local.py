@@ -1,6 +1,6 @@
 """The training worker in this process (no Ray): restores, exact-once, verdicts, notices.
 
-Each test runs a whole job with :func:`tests.local_run.run_locally` -- the driver's real
+Each test runs a whole job with :func:`tests.support.local_run.run_locally` -- the driver's real
 preparation (storage, lease, resume checks), a real run ledger, real workers (world 2: two
 processes in a gloo group) restarted after a failure the way Ray Train restarts them -- and
 reads the summary that summary.json would hold. What only Ray can show stays in the ``ray``
@@ -21,15 +21,15 @@ from ftjob import metrics as M
 from ftjob.record import Hang, Kill, KillTarget, RunSnapshot
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import checkpoint_file
-from tests.helpers import compose_job
-from tests.local_run import run_locally, stop_when
+from tests.support.jobs import compose_job
+from tests.support.local_run import run_locally, stop_when
 
 pytestmark = pytest.mark.worker
 
 
 def run_digits(tmp_path: Path, *overrides: str, during: Any = None) -> Any:
     """digits_ft (1408 training samples: 22 steps of 64 an epoch) with ``overrides``, run
-    in-process to its end: the :class:`~tests.local_run.LocalRun`."""
+    in-process to its end: the :class:`~tests.support.local_run.LocalRun`."""
     return run_locally(compose_job("+experiment=digits_ft", *overrides), tmp_path, during=during)
 
 

@@ -9,8 +9,13 @@ import pytest
 
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule, choose_target, eligible_targets
 from ftjob.config import ChaosConfig
-from ftjob.record import Beat, KillTarget, RunPlan, WorkerPlace
-from tests.helpers import WORKERS, FakeLedger
+from ftjob.record import (
+    Beat,
+    KillTarget,
+    RunPlan,
+    WorkerPlace,
+)
+from tests.support.ledgers import WORKERS, FakeLedger
 
 
 def test_schedule_same_seed_same_times_and_one_kill_per_window():
@@ -237,3 +242,24 @@ def test_slow_chaos_picks_a_rank_and_the_ledger_steers_its_heartbeat_to_sleep():
     other = next(w.rank for w in WORKERS if w.rank != rank)
     assert run.heartbeat(0, other, Beat("step", 0.0, 1)) == 0.0
     assert [k.kind for k in run.snapshot_kills()] == ["slow"]
+
+
+def test_preempt_chaos_drains_then_counts_the_node_once_it_is_gone():
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    done: list[tuple[str, dict[str, Any]]] = []
+    killer = ChaosKiller(
+        KillSchedule(1, 1, jitter=False),
+        "preempt",
+        ledger,
+        {"head"},
+        notice=10.0,
+        execute=lambda kind, target: done.append((kind, target)) or -1,
+        confirm=lambda target: True,
+        clock=lambda: 100.0,
+        wait=lambda s: False,
+    )
+    [record] = killer.run()
+    assert done[0][0] == "preempt" and done[0][1].node_id != "head"
+    assert (record.notice, record.deadline) == (100.0, 110.0)
+    assert ledger.confirmed == [(100.0, True)]

@@ -197,7 +197,7 @@ def test_missing_config_dir_is_a_usage_error(tmp_path: Path, capsys) -> None:
 def test_the_custom_model_and_dataset_example_checks_clean(monkeypatch) -> None:
     """examples/custom_model_dataset: the user's own _target_s and config dir compose, bind and
     validate, as README's one command needs."""
-    example = Path(__file__).resolve().parent.parent / "examples" / "custom_model_dataset"
+    example = Path(__file__).resolve().parents[3] / "examples" / "custom_model_dataset"
     monkeypatch.syspath_prepend(str(example))
     verdicts = check_all(str(example / "conf"), only_config_dir=True)
     assert all(v.target.label.startswith(str(example)) for v in verdicts)
@@ -214,7 +214,7 @@ def test_the_custom_model_and_dataset_example_checks_clean(monkeypatch) -> None:
 
 
 def test_check_data_decodes_every_file_in_parallel_and_lists_the_bad_ones(tmp_path: Path, capsys):
-    from tests.test_bad_files import bad_tree
+    from tests.support.images import bad_tree
 
     bad = bad_tree(tmp_path)
     big = tmp_path / "val" / "a" / "big.png"
@@ -239,7 +239,7 @@ def test_check_data_decodes_every_file_in_parallel_and_lists_the_bad_ones(tmp_pa
 
 
 def test_check_data_refuses_a_tree_that_fails_its_audit_before_decoding(tmp_path: Path, capsys):
-    from tests.test_bad_files import write_images
+    from tests.support.images import write_images
 
     write_images(tmp_path, per_class=2, val=1)
     (tmp_path / "train" / "c").mkdir()  # a class folder without images

@@ -36,9 +36,11 @@ from ftjob.config import (
     register_schema,
     to_plain,
 )
-from tests.helpers import compose_job, ctrl_c_reaches_it, make_image_tree
+from tests.support.images import make_image_tree
+from tests.support.jobs import compose_job
+from tests.support.processes import ctrl_c_reaches_it
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 
@@ -426,7 +428,7 @@ def test_a_run_stopped_while_the_dataset_is_listed_ends_with_a_summary(
 ):
     mark = tmp_path / "listing"
     proc = _ftjob(
-        ["dataset._target_=tests.cli_datasets.SlowListingDataset"],
+        ["dataset._target_=tests.support.cli_datasets.SlowListingDataset"],
         tmp_path,
         FTJOB_TEST_LISTING_MARK=str(mark),
     )
@@ -447,7 +449,7 @@ def test_a_run_stopped_while_the_dataset_is_listed_ends_with_a_summary(
 
 
 def test_an_unexpected_error_exits_1_with_a_summary_and_its_traceback_kept(tmp_path):
-    proc = _ftjob(["dataset._target_=tests.cli_datasets.BuggyDataset"], tmp_path)
+    proc = _ftjob(["dataset._target_=tests.support.cli_datasets.BuggyDataset"], tmp_path)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1
     lines = stderr.strip().splitlines()

@@ -236,7 +236,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A run prepared as the driver prepares one (storage, dataset, lease), with every row's
     secret in its config."""
     from ftjob.driver.runner import prepare
-    from tests.helpers import compose_job
+    from tests.support.jobs import compose_job
 
     run_dir = tmp_path_factory.mktemp("prepared")
     job = compose_job("dataset=synthetic", "logger=csv", *SECRET_OVERRIDES)
@@ -266,7 +266,7 @@ def test_the_config_checkpoints_loggers_and_ray_see_has_no_secret(prepared: Any)
 
 def test_the_resume_command_has_no_secret_and_still_resumes(prepared: Any, monkeypatch) -> None:
     from ftjob.driver.runner import resume_command
-    from tests.helpers import compose_job
+    from tests.support.jobs import compose_job
 
     job, prep, _ = prepared
     command, notes = resume_command(SECRET_OVERRIDES, prep, prep.redactor)
@@ -434,7 +434,7 @@ def test_a_workers_log_records_lose_the_jobs_secrets(restore_logging: None) -> N
     """A Ray worker's records reach Ray's log files and the driver's console (streamed, past
     the driver's own guard): the worker guards its own process with the job it was given."""
     from ftjob.worker.loop import guard_worker_logging
-    from tests.helpers import compose_job
+    from tests.support.jobs import compose_job
 
     job = compose_job(
         "+checkpoint.storage_options.secret=wJalrXUtnFEMIK7MDENG",

@@ -399,7 +399,7 @@ def test_a_first_window_decoded_in_the_process_gives_ray_datas_batches(tmp_path,
     import ray
 
     from ftjob.data.streams import LocalWindow, RayDataStream
-    from tests.helpers import make_image_tree
+    from tests.support.images import make_image_tree
 
     local_rows = []
     decode_here = LocalWindow.decode.__func__

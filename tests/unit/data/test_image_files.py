@@ -378,7 +378,7 @@ def test_images_in_nested_folders_belong_to_their_top_class_folder(tmp_path: Pat
 
 
 def test_a_flat_tree_has_no_notes_and_the_same_catalog_as_before(tmp_path: Path):
-    from tests.helpers import make_image_tree
+    from tests.support.images import make_image_tree
 
     ds = ImageFolderDataset(path=str(make_image_tree(tmp_path, classes=2, train_per_class=3)))
     train = ds.catalog(TRAIN)

@@ -8,7 +8,7 @@ import pytest
 
 from ftjob.config import JobError
 from ftjob.driver.cluster import Machine, check_machine, shortfall, wait_for_resources
-from tests.helpers import compose_job
+from tests.support.jobs import compose_job
 
 GIB = 2.0**30
 TWO_CORES = Machine(cpus=2, gpus=0, memory=8 * GIB)

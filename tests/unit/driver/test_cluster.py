@@ -103,7 +103,7 @@ def test_decode_tasks_are_asked_for_only_where_batches_decode_in_ray_data() -> N
     import ray
 
     from ftjob.worker.context import _ray_machine
-    from tests.helpers import compose_job
+    from tests.support.jobs import compose_job
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

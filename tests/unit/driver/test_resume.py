@@ -22,8 +22,8 @@ from ftjob.driver.resume import (
 from ftjob.driver.runner import prepare
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.lease import RunLease
-from tests.helpers import compose_job, make_image_tree
-from tests.local_run import run_locally
+from tests.support.images import make_image_tree
+from tests.support.jobs import compose_job
 
 DIGITS = {"_target_": "ftjob.datasets.DigitsDataset"}
 MODEL = {"_target_": "ftjob.models.SmallCNN"}
@@ -134,18 +134,6 @@ def test_chaos_steps_behind_the_checkpoint_are_said_not_to_be_reached(tmp_path: 
     assert check_resume(resumed, store, "u", ROWS_640) == [
         "chaos.fail_at_steps: [5, 25] are at or behind the checkpoint's step 25: not reached"
     ]
-
-
-@pytest.mark.worker
-def test_a_finished_run_resumed_with_fewer_epochs_is_refused_before_training(tmp_path: Path):
-    common = ("+experiment=digits_ft", "name=done", f"checkpoint.storage_path={tmp_path / 's'}")
-    one = ("trainer.num_workers=1", "trainer.batch_size=64", "chaos=disabled")
-    first = run_locally(compose_job(*common, *one, "trainer.epochs=2"), tmp_path / "a")
-    assert first.summary["status"] == "succeeded", first.errors
-    with pytest.raises(
-        ResumeError, match="has nothing left to train: its checkpoint is at step 44"
-    ):
-        run_locally(compose_job(*common, *one, "trainer.epochs=1", "resume=true"), tmp_path / "b")
 
 
 def test_run_names_are_never_reused_silently(tmp_path: Path):

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from typing import Any
 
 import pytest
@@ -19,28 +14,19 @@ from ftjob.config import (
     JobConfig,
     RetryConfig,
 )
-from ftjob.driver.ledger import RunLedger
-from ftjob.driver.stacks import capture_and_kill, trim_stack
 from ftjob.policy.hang import (
     HangDetector,
     HangPolicy,
     SectionTimes,
     StragglerScores,
-    WatchConfig,
     restart_loop,
 )
 from ftjob.record import (
     Attempt,
     Beat,
-    Kill,
-    KillTarget,
     Notice,
     NoticeSource,
-    RunPlan,
-    Straggler,
-    WorkerPlace,
 )
-from ftjob.worker.heartbeat import Heartbeat
 
 POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
 
@@ -174,115 +160,6 @@ def test_restart_loop_needs_n_attempts_in_a_row_without_progress():
     assert restart_loop(preempted, 2, 1) is None  # a preemption is not a failure
 
 
-def test_the_ledger_stops_a_restart_loop_and_steers_the_slow_rank():
-    ledger = RunLedger(RunPlan(), watch=WatchConfig(POLICY, restart_loop_attempts=2))
-    for i in range(2):
-        assert ledger.start_attempt(float(i)).stop is None
-    stop = ledger.start_attempt(2.0).stop
-    assert stop is not None and ledger.fatal == stop
-    ledger.register_worker(2, 1, WorkerPlace("n", 5, time=2.0))
-    target = KillTarget("n", rank=1, pid=5)
-    ledger.kill(Kill(time=3.0, kind="slow", target=target, attempt=2, slowdown=0.5))
-    assert ledger.heartbeat(2, 1, beat("step", 0.0)) == 0.5
-    assert ledger.heartbeat(2, 0, beat("step", 0.0)) == 0.0
-    assert ledger.snapshot().watch.stragglers.max_slowdown == 0.0
-
-
-def test_heartbeat_sections_and_steps_without_a_thread():
-    hb = Heartbeat(recorder=None, enabled=False)
-    with hb.section("restore"):
-        time.sleep(0.01)
-    hb.enter("warmup")
-    hb.step_started(0.0)
-    hb.step_done(1)  # the first step ends the warm-up
-    hb.step_started(0.0)
-    hb.step_done(2)
-    with hb.section("validation"):
-        pass
-    sent = hb._beat()
-    assert sent.section == "data" and sent.step == 2  # waiting for its next batch
-    assert set(sent.durations) == {"setup", "restore", "warmup", "data", "step", "validation"}
-    assert len(sent.durations["step"]) == 1 and len(sent.local) == 1  # not the warm-up
-    hb.step_started(0.0)
-    assert hb._beat().section == "step"  # the batch came: computing
-    assert sent.durations["restore"][0] >= 0.01
-
-
-def test_a_slow_rank_sleeps_its_current_pace_not_its_start_up_pace(monkeypatch):
-    # chaos=slow: the rank sleeps `slow` x its recent step time less what it slept. Its first
-    # steps were 3x slower (they share the process with the stream's start-up); once it runs
-    # at its own pace, the sleep follows that pace, and the local step time it reports is
-    # (1 + slow) x the pace: the slowdown the user asked for.
-    clock = {"now": 0.0}
-    fake = type("FakeTime", (), {})()
-    fake.perf_counter = lambda: clock["now"]
-    fake.sleep = lambda s: clock.__setitem__("now", clock["now"] + s)
-    monkeypatch.setattr("ftjob.worker.heartbeat.time", fake)
-    hb = Heartbeat(recorder=None, enabled=False, sleep=fake.sleep)
-    hb.enter("warmup")
-    slept = []
-    for step, compute in enumerate([0.3] * 6 + [0.1] * 40, start=1):
-        if step == 4:
-            hb.slow = 1.0  # chaos=slow reaches the rank while its steps are still slow
-        hb.step_started(0.0)
-        fake.sleep(compute)
-        before = clock["now"]
-        hb.straggle()
-        slept.append(clock["now"] - before)
-        hb.step_done(step)
-    assert slept[:3] == [0.0, 0.0, 0.0]
-    assert slept[-1] == pytest.approx(0.1)  # its pace now, not the 0.3 of its first steps
-    assert hb._beat().local[-1] == pytest.approx(0.2)
-
-
-def test_a_slow_start_does_not_stretch_the_step_timeout(monkeypatch):
-    # An attempt's first steps share the process with its start-up (the first decode window):
-    # 6.5 s each here, then 0.1 s. Learned from every step, the step timeout would be
-    # 5 x 6.5 = 32.5 s (a stopped worker found past 30 s); from steady state it is the floor.
-    clock = {"now": 0.0}
-    fake = type("FakeTime", (), {})()
-    fake.perf_counter = lambda: clock["now"]
-    monkeypatch.setattr("ftjob.worker.heartbeat.time", fake)
-
-    def learned_step_timeout(settle_steps: int) -> float | None:
-        hb = Heartbeat(recorder=None, enabled=False, settle_steps=settle_steps)
-        hb.enter("warmup")
-        for step, compute in enumerate([6.5] * 6 + [0.1] * 60, start=1):
-            hb.step_started(0.0)
-            clock["now"] += compute
-            hb.step_done(step)
-        times = SectionTimes(HangPolicy.from_config(HangConfig(), RetryConfig()))
-        times.observe("step", hb._beat().durations["step"])
-        return times.timeout("step")
-
-    assert learned_step_timeout(settle_steps=0) == pytest.approx(32.5)
-    assert learned_step_timeout(settle_steps=HangConfig().settle_steps) == HangConfig().min_timeout
-
-
-def test_trimmed_stacks_put_the_training_thread_first():
-    dump = "Process 1: python\nPython v3.11\n\nThread 1 (idle)\n    wait (threading.py:1)\n\n"
-    dump += "Thread 2 (idle)\n    _train (ftjob/train_loop.py:9)\n"
-    out = trim_stack(dump)
-    assert out.index("ftjob/train_loop.py") < out.index("threading.py")
-    assert len(trim_stack(dump * 500, 1000)) <= 1000
-
-
-def test_a_stopped_process_gives_its_stack_then_dies():
-    code = "import time\ndef stuck_here():\n    while True: time.sleep(0.05)\nstuck_here()\n"
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        time.sleep(1.0)
-        os.kill(proc.pid, signal.SIGSTOP)
-        result = capture_and_kill(proc.pid)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert result.killed
-    assert result.stack_source == "py-spy", result.stack
-    assert "stuck_here" in result.stack
-
-
 def test_hang_chaos_needs_hang_detection():
     with pytest.raises(ConfigError, match="failure.hang.enabled"):
         JobConfig(
@@ -295,7 +172,7 @@ def test_hang_chaos_needs_hang_detection():
 
 def test_failure_keys_spelled_the_old_way_still_work_and_say_their_new_name(capsys, monkeypatch):
     import ftjob.config.legacy
-    from tests.helpers import compose_job
+    from tests.support.jobs import compose_job
 
     monkeypatch.setattr(ftjob.config.legacy, "_said", set())  # said once per process: this one's
 
@@ -310,18 +187,6 @@ def test_failure_keys_spelled_the_old_way_still_work_and_say_their_new_name(caps
     assert "failure.restart_loop_attempts is deprecated" in err
     with pytest.raises(ConfigError, match="failure.hang.timeout"):  # the rules apply to them too
         compose_job("failure.hang_timeout=-1")
-
-
-def test_no_hang_is_declared_while_ray_train_restarts_a_failed_group():
-    ledger = RunLedger(RunPlan(), watch=WatchConfig(POLICY))
-    ledger.start_attempt(0.0)
-    ledger.register_worker(0, 0, WorkerPlace("n", 5, time=0.0))
-    ledger.failure_noticed(5.0, {0: "ActorDiedError: the node died"})
-    assert ledger.check_watch(1000.0) == []  # silent for long, but the attempt is over
-    ledger.start_attempt(30.0)
-    ledger.register_worker(1, 0, WorkerPlace("n", 6, time=30.0))
-    [hang] = ledger.check_watch(1000.0)  # the new attempt is watched
-    assert hang.pid == 6 and hang.section == "setup"
 
 
 def test_a_rank_waiting_long_for_its_data_is_no_hang_and_neither_is_the_rank_waiting_for_it():
@@ -366,26 +231,6 @@ def test_rank_0_stopped_while_it_writes_a_checkpoint_is_named_not_the_rank_waiti
     hang = d.check(12.5)
     assert hang is not None and hang.rank == 0 and hang.heartbeats_stopped
     assert hang.timeout_s == 10.0  # the floor: a silent process is not a slow upload
-
-
-def test_a_persistent_straggler_is_restarted_when_so_configured():
-    config = WatchConfig(
-        POLICY, straggler_threshold=1.3, straggler_patience=2, straggler_action="restart"
-    )
-    ledger = RunLedger(RunPlan(), watch=config)
-    ledger.start_attempt(0.0)
-    for rank, pid in ((0, 10), (1, 11)):
-        ledger.register_worker(0, rank, WorkerPlace(f"n{rank}", pid, time=0.0))
-    actions = []
-    for t in range(1, 5):
-        ledger.heartbeat(0, 0, beat("step", 0.0, step=t, local=[0.1] * 20))
-        ledger.heartbeat(0, 1, beat("step", 0.0, step=t, local=[0.2] * 20))
-        actions += ledger.check_watch(float(t))
-    [restart] = actions
-    assert isinstance(restart, Straggler) and restart.rank == 1 and restart.pid == 11
-    assert restart.slowdown == pytest.approx(2.0) and restart.restarted
-    assert ledger.check_watch(10.0) == []  # once, and no hang declared on top of it
-    assert any("restarting the worker group" in line for line in ledger.lines)
 
 
 def test_a_rank_stopped_while_it_waited_for_data_is_found_at_the_floor_not_the_learned_wait():

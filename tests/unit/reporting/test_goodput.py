@@ -13,7 +13,7 @@ from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import CheckpointRecord, FirstStep, Kill, KillTarget, Progress
 from ftjob.reporting.goodput import BUCKETS, goodput, predict_ettr
 from ftjob.reporting.summary import build_summary, declared_failures
-from tests.helpers import make_ledger, restored, train
+from tests.support.ledgers import make_ledger, restored, train
 
 
 def test_buckets_sum_to_the_wall_clock_and_name_each_cause():

@@ -14,7 +14,7 @@ from ftjob.config import ConfigError, LoggerConfig
 from ftjob.driver.ledger import RunLedger
 from ftjob.record import CheckpointRecord, Progress, RunPlan, StepRecord, ValidationResult
 from ftjob.reporting.loggers import LogFeed, build_loggers, flatten
-from tests.helpers import wandb_config, wandb_records
+from tests.support.loggers import wandb_config, wandb_records
 
 
 def train(ledger: RunLedger, attempt: int, step: int, loss: float) -> None:

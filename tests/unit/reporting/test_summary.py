@@ -50,7 +50,7 @@ from ftjob.reporting.summary import (
     format_summary,
     write_summary,
 )
-from tests.helpers import PLAN, make_ledger, restored, train
+from tests.support.ledgers import PLAN, make_ledger, restored, train
 
 
 def test_failure_records_measure_each_part_of_recovery():
@@ -484,7 +484,7 @@ def key_paths(value: object, path: str = "") -> set[str]:
 
 def test_summary_json_keeps_its_keys(tmp_path):
     """summary.json of a run that met everything it records has exactly the keys it has
-    always had (tests/summary_keys.txt): a renamed, dropped or added key -- in a record the
+    always had (tests/unit/reporting/summary_keys.txt): a renamed, dropped or added key -- in a record the
     summary embeds, too -- fails here, not in a reader of summary.json."""
     summary = build_summary(
         rich_snapshot(),

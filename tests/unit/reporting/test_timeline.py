@@ -14,7 +14,7 @@ from ftjob.cli.report import main as report
 from ftjob.record import FirstStep, Kill, KillTarget
 from ftjob.reporting.summary import build_summary
 from ftjob.reporting.timeline import marks, phase_spans, training_label, write_timeline
-from tests.helpers import make_ledger, restored, train
+from tests.support.ledgers import make_ledger, restored, train
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_000_000.0

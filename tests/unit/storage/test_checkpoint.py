@@ -31,15 +31,14 @@ from ftjob.storage.lease import LeaseLost
 from ftjob.worker.checkpointer import choose_checkpoint
 from ftjob.worker.scratch import attempt_scratch_dir, run_scratch_dir, scratch_name
 from ftjob.worker.uploads import AsyncUploader, UploadOutcome, upload_checkpoint
-from tests.helpers import (
-    RecordingFileSystem,
+from tests.support.checkpoints import (
     flip_bytes,
     manifest_in,
-    no_sleep_policy,
     remote,
     tagged_checkpoint,
     zombie_commit,
 )
+from tests.support.storage import RecordingFileSystem, no_sleep_policy
 
 
 @pytest.fixture(params=["local", "memory"])

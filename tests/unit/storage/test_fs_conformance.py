@@ -26,7 +26,7 @@ from ftjob.config import RetryConfig
 from ftjob.storage.fs import RetryingFileSystem, build_filesystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import exclusive_create_guarantee
-from tests.s3_fixtures import new_bucket
+from tests.support.s3_fixtures import new_bucket
 
 SUITES = (
     abstract.AbstractCopyTests,

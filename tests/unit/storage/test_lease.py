@@ -26,9 +26,9 @@ from ftjob.storage.fs import RetryingFileSystem, build_filesystem
 from ftjob.storage.lease import LEASE_DIR, LeaseHeld, LeaseKeeper, LeaseLost, RunLease, generations
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.wrapper import DelegatingFileSystem
-from tests.helpers import no_sleep_policy
+from tests.support.storage import no_sleep_policy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 
 
 def local_fs() -> RetryingFileSystem:

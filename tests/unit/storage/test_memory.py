@@ -1,6 +1,6 @@
 """The memory tier's holder: the newest snapshots within a count and a byte cap, verified by
-digest. (Taking and restoring snapshots: test_checkpointer.py; a run restoring from them:
-test_worker_local.py and the elastic run, test_chaos_e2e.py.)"""
+digest. (Taking and restoring snapshots: tests/unit/worker/test_checkpointer.py; a run restoring
+from them: tests/worker/test_worker_local.py and the elastic run, tests/test_chaos_e2e.py.)"""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ftjob.storage.memory import (
     unpack,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 HERE = machine()
 
 

@@ -22,7 +22,8 @@ from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainSta
 from ftjob.worker.context import DirectHandle
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.snapshots import MemoryTier
-from tests.helpers import RecordingFileSystem, flip_bytes, manifest_in, no_sleep_policy, remote
+from tests.support.checkpoints import flip_bytes, manifest_in, remote
+from tests.support.storage import RecordingFileSystem, no_sleep_policy
 
 
 class Call:
