@@ -1,6 +1,6 @@
 """A filesystem wrapper that answers every call as the filesystem it wraps would (fsspec's own
-conformance suite runs on it, tests/test_fs_conformance.py): each operation goes to the
-filesystem's own implementation where it has one (see :data:`PRIMITIVES`). Two things differ,
+conformance suite runs on it, tests/unit/storage/test_fs_conformance.py): each operation goes to
+the filesystem's own implementation where it has one (see :data:`PRIMITIVES`). Two things differ,
 on purpose: a write handle uploads its whole content in one request on close (a writer that
 fails half way publishes nothing), and ``pipe_file(mode="create")`` / ``open(path, "x")`` are
 exclusive creates wherever the backend allows (:func:`exclusive_create_guarantee`); local

@@ -129,7 +129,7 @@ def _answer(value: Any, timeout: float | None = None) -> Any:
 
 def local_context(ledger: Any, rank: int = 0, world: int = 1) -> WorkerContext:
     """A worker in this process: world 1, or one of ``world`` processes that joined a gloo
-    process group already (see tests/helpers.py). ``ledger`` answers at once (a
+    process group already (see tests/support/local_run.py). ``ledger`` answers at once (a
     :class:`DirectHandle`, or a proxy of a ledger in another process)."""
     import torch
 
