@@ -195,3 +195,22 @@ def test_the_torch_floor_has_no_known_weights_only_bypass():
     vision = re.search(r'"torchvision>=0\.(\d+)', text)
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 10)
     assert vision and int(vision[1]) >= 25  # torchvision 0.25 goes with torch 2.10
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists the packages by hand (conf/ ships as ftjob.conf): a new package
+    missing there installs a wheel that cannot import it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {
+        ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        for init in PACKAGE.rglob("__init__.py")
+    }
+    assert found <= listed, (
+        f"add to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
+    )
