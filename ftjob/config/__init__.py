@@ -48,7 +48,7 @@ from ftjob.config.failure import (
     StragglerAction,
     StragglerConfig,
 )
-from ftjob.config.job import JobConfig
+from ftjob.config.job import RESUME_AUTO, JobConfig, resume_value
 from ftjob.config.legacy import RENAMED_FAILURE_KEYS, say_deprecated
 from ftjob.config.load import load_job, register_schema, to_plain
 from ftjob.config.logger import LOGGER_BACKENDS, LoggerConfig, WandbMode
@@ -69,6 +69,7 @@ __all__ = [
     "LOGGER_BACKENDS",
     "NODE_KINDS",
     "RENAMED_FAILURE_KEYS",
+    "RESUME_AUTO",
     "RUN_NAME",
     "STORAGE_ERRORS",
     "TARGET_GROUPS",
@@ -107,6 +108,7 @@ __all__ = [
     "load_job",
     "refuse_non_finite",
     "register_schema",
+    "resume_value",
     "say_deprecated",
     "to_plain",
     "validate_run_name",

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, BooleanNode
+from omegaconf.errors import ValidationError
 
 from ftjob.config.backends import check_backend, fsspec_protocol
 from ftjob.config.chaos import NODE_KINDS, ChaosConfig, ChaosKind
@@ -16,6 +17,30 @@ from ftjob.config.logger import LoggerConfig
 from ftjob.config.names import validate_run_name
 from ftjob.config.rules import ConfigError, is_placeholder, refuse_non_finite, require
 from ftjob.config.trainer import TrainerConfig
+
+RESUME_AUTO = (
+    "auto"  # resume=auto: continue the run if it has a committed checkpoint, else start it
+)
+
+
+def resume_value(value: Any) -> bool | str:
+    """``resume`` as the job holds it: a bool, read as OmegaConf reads one (``resume=true`` on
+    the command line, ``resume: yes`` in YAML), or the word ``auto``; anything else is refused
+    with the words the key takes."""
+    if isinstance(value, str) and value == RESUME_AUTO:
+        return RESUME_AUTO
+    try:
+        read = None if value is None else BooleanNode(value=value)._value()
+    except ValidationError:
+        read = None
+    if not isinstance(read, bool):
+        raise ConfigError(
+            "resume",
+            value,
+            "must be false (start a new run), true (continue the run called `name`) or auto "
+            "(continue it if it has a committed checkpoint, start it otherwise)",
+        )
+    return read
 
 
 @dataclass
@@ -38,16 +63,23 @@ class JobConfig:
     ray: RayConfig = field(default_factory=RayConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     name: str | None = None
-    resume: bool = False
+    # false, true or auto. OmegaConf 2.3 types no union of a bool and a word, so this key is
+    # checked here (resume_value).
+    resume: Any = False
 
     def __post_init__(self) -> None:
         refuse_non_finite(self)
+        self.resume = resume_value(self.resume)
         require(
-            not self.resume or bool(self.name),
+            self.resume is False or bool(self.name),
             "",
             "resume",
             self.resume,
-            "resume=true continues the run called `name`: set name=RUN_NAME too",
+            "resume=auto continues the run called `name` when its storage holds a committed "
+            "checkpoint, and starts it otherwise: set name=RUN_NAME too, a name that stays the "
+            "same when a scheduler reruns the job"
+            if self.resume == RESUME_AUTO
+            else "resume=true continues the run called `name`: set name=RUN_NAME too",
         )
         validate_run_name(self.name)
         self._check_chaos_has_what_it_needs()

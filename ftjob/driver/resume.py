@@ -2,7 +2,7 @@
 refuses changes its checkpoint cannot follow.
 
 Two checks, cheap first: :func:`check_run_name` (before the dataset is listed: does the run
-exist, may it be continued) and :func:`check_resume` (after: the config and the training data
+exist, may it be continued; for ``resume=auto``, whether it is continued or started) and :func:`check_resume` (after: the config and the training data
 the newest checkpoint was trained on). Exact-once rests on the epoch order, which is a function
 of the train catalog (its rows, ids, labels and sources), the global batch and the seed; any
 change there is refused with the diff. Changes that only reshape the rest of training (more
@@ -16,11 +16,12 @@ import json
 import os
 import posixpath
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
-from ftjob.config import JobConfig, fsspec_protocol, to_plain
+from ftjob.config import RESUME_AUTO, JobConfig, fsspec_protocol, to_plain
 from ftjob.data.datasets import GONE
 from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
 from ftjob.storage.lease import LEASE_DIR
@@ -184,21 +185,64 @@ def _is_run_dir(fs: Any, directory: str) -> bool:
         return False
 
 
-def check_run_name(job: JobConfig, store: CheckpointStore, url: str) -> None:
-    """A new run must not reuse a name that has checkpoints; a resumed one must find them."""
+@dataclass(frozen=True)
+class Resumption:
+    """How the driver takes up the run called ``name``: continued from its newest committed
+    checkpoint (``step``), or started; ``said``: the line that tells which and why
+    (``resume=auto``)."""
+
+    continues: bool
+    step: int | None = None
+    said: str | None = None
+
+
+def asked(job: JobConfig) -> str:
+    """``resume=...`` as the user asked it, for messages."""
+    return f"resume={'auto' if job.resume == RESUME_AUTO else 'true' if job.resume else 'false'}"
+
+
+def _instead(job: JobConfig) -> str:
+    """How to start a new run instead, for messages."""
+    return "choose another name" if job.resume == RESUME_AUTO else "drop resume=true"
+
+
+def check_run_name(job: JobConfig, store: CheckpointStore, url: str) -> Resumption:
+    """A new run must not reuse a name that has checkpoints; a resumed one must find them.
+    ``resume=auto`` decides: continue when the run has a committed checkpoint (one whose
+    manifest, config and state read, as ``resume=true`` requires), start when it has none;
+    directories without a manifest (uploads that never completed: no checkpoint, the
+    workers' restore sets them aside) do not count. A checkpoint that was committed but does
+    not read is refused as ``resume=true`` refuses it: a run is never started over on top of
+    a damaged one without a person deciding."""
     steps = store.steps()
-    if not job.resume:
+    if job.resume is False:
         if steps:
             raise ResumeError(
                 f"name={job.name!r}: a run with this name already has checkpoints at {url}; "
-                "pass resume=true to continue it, or choose another name"
+                "pass resume=true (or resume=auto) to continue it, or choose another name"
             )
-        return
-    if not steps or latest_config(store) is None:
+        return Resumption(False)
+    latest = _latest(store) if steps else None
+    if latest is not None:
+        step = int(latest[1].get("step") or 0)
+        if job.resume is True:
+            return Resumption(True, step)
+        said = f"resume=auto: run {job.name!r} has a committed checkpoint at step {step} in {url}"
+        return Resumption(True, step, f"{said}: continuing it")
+    committed = store.committed_steps() if steps else []
+    if job.resume is True or committed:
+        damaged = f" (committed, but none reads: steps {committed})" if committed else ""
         raise ResumeError(
-            f"resume=true: no committed checkpoint of run {job.name!r} at {url}; check name= and "
-            "checkpoint.storage_path= (the storage of the run to continue)"
+            f"{asked(job)}: no committed checkpoint of run {job.name!r} at {url}{damaged}; "
+            "check name= and checkpoint.storage_path= (the storage of the run to continue)"
+            + (", and look at those checkpoints before starting the run over" if damaged else "")
         )
+    unfinished = f" (steps {steps}: uploads that never completed)" if steps else ""
+    return Resumption(
+        False,
+        said=f"resume=auto: no committed checkpoint of run {job.name!r} at {url}{unfinished}: "
+        "starting it",
+    )
 
 
 def check_resume(
@@ -208,11 +252,12 @@ def check_resume(
     data: dict[str, Any],
     current: dict[str, Any] | None = None,
 ) -> list[str]:
-    """For ``resume=true``: refuse a config or train data the newest checkpoint cannot follow,
-    or one that leaves nothing to train; return what the run should say (allowed changes,
-    steps it will not reach). ``data`` is :func:`catalog_fingerprint` now; ``current`` the
-    config as checkpoints keep it (secrets redacted, as in the saved one)."""
-    latest = _latest(store) if job.resume else None
+    """For a run that continues (``resume=true``, or ``auto`` with a committed checkpoint):
+    refuse a config or train data the newest checkpoint cannot follow, or one that leaves
+    nothing to train (:class:`NothingLeftToTrain`); return what the run should say (allowed
+    changes, steps it will not reach). ``data`` is :func:`catalog_fingerprint` now;
+    ``current`` the config as checkpoints keep it (secrets redacted, as in the saved one)."""
+    latest = _latest(store) if job.resume is not False else None
     if latest is None:
         return []
     saved, state = latest
@@ -223,10 +268,10 @@ def check_resume(
         changes += [f"train data {line}" for line in _diff(trained_on, data)]
     if changes:
         raise ResumeError(
-            f"resume=true: run {job.name!r} cannot continue with this config or data; its "
+            f"{asked(job)}: run {job.name!r} cannot continue with this config or data; its "
             "checkpoint needs:\n  "
             + "\n  ".join(changes)
-            + "\nrevert these changes, or start a new run (drop resume=true)"
+            + f"\nrevert these changes, or start a new run ({_instead(job)})"
         )
     check_left_to_train(job, state, data.get("train_rows"))
     allowed = [
@@ -235,10 +280,19 @@ def check_resume(
     return allowed + steps_behind(current, state)
 
 
+class NothingLeftToTrain(ResumeError):
+    """The checkpoint to continue from is at or past the run's last step (``step``)."""
+
+    def __init__(self, message: str, step: int, total: int) -> None:
+        super().__init__(message)
+        self.step, self.total = step, total
+
+
 def check_left_to_train(job: JobConfig, state: dict[str, Any], train_rows: int | None) -> None:
     """A resume must have steps left to train: ``trainer.epochs`` at or below what the
     checkpoint has trained would end the run at once, "succeeded", with its step past the
-    asked total. Refused, with the epochs that would train on."""
+    asked total. Refused (:class:`NothingLeftToTrain`), with the epochs that would train on;
+    ``resume=auto`` takes it as a finished run (the driver's :func:`finished_line`)."""
     step, batch = int(state.get("step") or 0), job.trainer.global_batch_size
     if not train_rows or batch > train_rows:
         return  # the epoch plan refuses this batch itself
@@ -247,11 +301,24 @@ def check_left_to_train(job: JobConfig, state: dict[str, Any], train_rows: int |
     if step < total:
         return
     trained = "all of them" if step == total else f"{step - total} steps past them"
-    raise ResumeError(
+    raise NothingLeftToTrain(
         f"trainer.epochs={job.trainer.epochs}: run {job.name!r} has nothing left to train: its "
         f"checkpoint is at step {step}, and {job.trainer.epochs} epochs of {per_epoch} steps are "
         f"{total} ({trained}); pass trainer.epochs={step // per_epoch + 1} or more to train on, "
-        "or start a new run (drop resume=true)"
+        f"or start a new run ({_instead(job)})",
+        step,
+        total,
+    )
+
+
+def finished_line(job: JobConfig, url: str, done: NothingLeftToTrain) -> str:
+    """What ``resume=auto`` says of a run whose checkpoint is at its last step: it is finished
+    (a scheduler that reruns a finished job gets success, not a failure to retry)."""
+    past = "its last step" if done.step == done.total else f"past its last step {done.total}"
+    return (
+        f"resume=auto: run {job.name!r} has a committed checkpoint at step {done.step} in {url}, "
+        f"{past} (trainer.epochs={job.trainer.epochs}): the run is finished, nothing to train "
+        "(pass a larger trainer.epochs to train on)"
     )
 
 

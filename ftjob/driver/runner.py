@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.chaos.killer import node_chaos_targets
-from ftjob.config import NODE_KINDS, ConfigError, JobConfig, JobError, to_plain
+from ftjob.config import NODE_KINDS, RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
@@ -40,11 +40,13 @@ from ftjob.driver.cluster import (
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
 from ftjob.driver.resume import (
+    NothingLeftToTrain,
     ResumeError,
     catalog_fingerprint,
     check_resume,
     check_run_name,
     check_run_place,
+    finished_line,
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.record import RunPlan, RunSnapshot, RunStatus
@@ -106,6 +108,10 @@ class Prepared:
     scratch: str  # this driver's checkpoint scratch on each node (checkpointer.scratch_name)
     public_config: dict[str, Any]  # the resolved config with its secrets redacted
     redactor: Redactor  # what keeps secrets out of what the run writes and prints
+    # resume=auto on a run whose checkpoint is at its last step: the line that says so, and
+    # that step; nothing is trained (and the lease was not taken: nothing is written).
+    finished: str | None = None
+    finished_step: int | None = None
 
 
 def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> Prepared:
@@ -131,26 +137,24 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     run_path = posixpath.join(root.rstrip("/"), name)
     check_run_place(probe_fs, url, run_path, job.dataset.get("path"))
     store, url = CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path)
-    check_run_name(job, store, url)
+    resumption = check_run_name(job, store, url)  # resume=auto decides here: before Ray
     dataset = build_dataset(job.dataset)
     catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
-    catalogs[TRAIN], removed = started_catalog(probe_fs, run_path, catalogs[TRAIN], job.resume)
+    catalogs[TRAIN], removed = started_catalog(
+        probe_fs, run_path, catalogs[TRAIN], resumption.continues
+    )
     data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
-    stated = check_resume(job, store, url, data, public) + removed
+    stated, finished = _continue_checks(job, store, url, data, public, resumption.continues)
     plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
     if job.trainer.num_workers > catalogs[VAL].num_rows:
         raise JobError(
             f"trainer.num_workers={job.trainer.num_workers}: more workers than validation samples"
         )
-    # Last: nothing fails after it.
-    lease = RunLease(probe_fs, run_path, job.checkpoint.lease_timeout, run_name=name)
-    try:
-        lease_note = lease.acquire()
-    except LeaseHeld as exc:
-        raise JobError(str(exc)) from None
-    remember_catalog(probe_fs, run_path, catalogs[TRAIN])  # at the run's first start
-    notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(probe_fs)}"]
-    notes += ([lease_note] if lease_note else []) + [f"resume: {line}" for line in stated]
+    notes = [resumption.said] if resumption.said and finished is None else []
+    # Last: nothing fails after it. A finished run writes nothing: it takes no lease.
+    lease, taken = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], finished is None)
+    notes += taken
+    notes += [f"resume: {line}" for line in stated + removed]
     notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
     return Prepared(
         name,
@@ -166,7 +170,53 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         scratch_name(name),
         public,
         redactor,
+        finished_line(job, url, finished) if finished else None,
+        finished.step if finished else None,
     )
+
+
+def _continue_checks(
+    job: JobConfig,
+    store: CheckpointStore,
+    url: str,
+    data: dict[str, Any],
+    public: dict[str, Any],
+    continues: bool,
+) -> tuple[list[str], NothingLeftToTrain | None]:
+    """A run that continues: what it states (:func:`check_resume`), or -- ``resume=auto`` on a
+    checkpoint at the run's last step -- that it is finished."""
+    if not continues:
+        return [], None
+    try:
+        return check_resume(job, store, url, data, public), None
+    except NothingLeftToTrain as done:
+        if job.resume != RESUME_AUTO:
+            raise
+        return [], done
+
+
+def _take_run(
+    job: JobConfig, name: str, fs: Any, run_path: str, train_catalog: Any, take: bool = True
+) -> tuple[RunLease, list[str]]:
+    """The run's lease, taken when ``take`` (refused while another driver holds it;
+    ``resume=auto`` waits out a holder that has gone silent), and the train catalog the run
+    started with kept at its first start; the notes to say."""
+    lease = RunLease(
+        fs,
+        run_path,
+        job.checkpoint.lease_timeout,
+        run_name=name,
+        wait_out=job.resume == RESUME_AUTO,  # a rerun right after its driver died elsewhere
+    )
+    if not take:
+        return lease, []
+    try:
+        lease_note = lease.acquire()
+    except LeaseHeld as exc:
+        raise JobError(str(exc)) from None
+    remember_catalog(fs, run_path, train_catalog)  # at the run's first start
+    notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(fs)}"]
+    return lease, notes + ([lease_note] if lease_note else [])
 
 
 def _fit_outcome(
@@ -220,7 +270,8 @@ def run(
             raise
         except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
             raise JobError(redactor.text(str(exc))) from None
-        trained = _train(job, prep, run_dir, echo, stop, trained)
+        if prep.finished is None:
+            trained = _train(job, prep, run_dir, echo, stop, trained)
     except (KeyboardInterrupt, StoppedDuringStartUp, SystemExit) as exc:
         # SystemExit(SIGTERM): Ray's own handler, while ray.init starts the cluster.
         if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
@@ -299,6 +350,11 @@ def _finish(
     )
     if trained.lease_lost:
         status, error = RunStatus.failed, trained.lease_lost
+    if prep is not None and prep.finished is not None and not trained.fit.stopped_at:
+        # resume=auto of a finished run: it succeeded before; a scheduler that reruns it gets
+        # success (exit 0), not a failure to retry
+        echo(prep.finished)
+        status, error = RunStatus.succeeded, None
     name = prep.name if prep else (job.name or "")
     summary = build_summary(
         snapshot,
@@ -312,6 +368,10 @@ def _finish(
     )
     if status != "succeeded" and prep is not None and not trained.lease_lost:
         _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
+    if prep is not None and prep.finished_step is not None:
+        path = CheckpointStore(prep.fs, prep.run_path).path_for(prep.finished_step)
+        summary["checkpoints"]["latest"] = path
+        summary["already_finished"] = {"step": prep.finished_step, "checkpoint": path}
     summary = redactor.strings(summary)  # workers' error texts, paths: every string scrubbed
     path = write_summary(summary, run_dir)
     for line in format_summary(summary).splitlines():

@@ -168,8 +168,14 @@ class RunLease:
         owner: str | None = None,
         here: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        wait_out: bool = False,
     ) -> None:
         self.fs, self.timeout, self.sleep = fs, timeout, sleep
+        # A holder that looks alive (renewed within the timeout) is watched until it would
+        # have expired, and half a timeout more, instead of refused at once: a scheduler that
+        # reruns a dead driver's command on another machine (resume=auto) waits it out; a
+        # holder that beats meanwhile refuses it all the same.
+        self.wait_out = wait_out
         self.machine = machine() if here is None else here
         self.directory = posixpath.join(run_path.rstrip("/"), LEASE_DIR)
         self.run_name = run_name or posixpath.basename(run_path.rstrip("/"))
@@ -254,13 +260,13 @@ class RunLease:
         if holder_gone(held, self.machine):
             return f"took over run {self.run_name!r} from {owner}: that process is gone"
         age = self._age(generation)
-        if age < self.timeout:
+        if age < self.timeout and not self.wait_out:
             raise LeaseHeld(
                 f"run {self.run_name!r} is being trained by another driver ({owner}, last "
                 f"renewed {max(age, 0):.0f} s ago by the store's clock): stop it first, or wait "
                 f"checkpoint.lease_timeout={self.timeout:g} s after it died to take over"
             )
-        watch = self.timeout / 2
+        watch = self.timeout / 2 + max(self.timeout - age, 0.0)
         logger.warning(
             "run %r: the lease of %s is %.0f s old by the store's clock; watching its beat "
             "counter for %.0f s before taking it over",
@@ -278,6 +284,11 @@ class RunLease:
             )
         if now.get("released"):
             return f"took over run {self.run_name!r} from {owner}: it released the run"
+        if now.get("beats") != held.get("beats") and age < self.timeout:
+            raise LeaseHeld(
+                f"run {self.run_name!r} is being trained by another driver ({owner}): its beat "
+                f"counter moved while watched {watch:.0f} s: stop it first"
+            )
         if now.get("beats") != held.get("beats"):
             raise LeaseHeld(
                 f"run {self.run_name!r} is being trained by another driver ({owner}): its lease "

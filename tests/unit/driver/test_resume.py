@@ -1,4 +1,4 @@
-"""resume=true: what a checkpoint remembers of its config and train data, and what a resumed
+"""resume=true and resume=auto: what a checkpoint remembers of its config and train data, and what a resumed
 run may change (no Ray: a committed checkpoint written by hand)."""
 
 from __future__ import annotations
@@ -11,15 +11,19 @@ import pyarrow as pa
 import pytest
 from fsspec.implementations.local import LocalFileSystem
 
+from ftjob import metrics as M
 from ftjob.config import ChaosConfig, JobConfig, TrainerConfig, to_plain
 from ftjob.driver.resume import (
+    NothingLeftToTrain,
     ResumeError,
+    Resumption,
     catalog_fingerprint,
     check_resume,
     check_run_name,
     check_run_place,
+    finished_line,
 )
-from ftjob.driver.runner import prepare
+from ftjob.driver.runner import prepare, resume_command
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.lease import RunLease
 from tests.support.images import make_image_tree
@@ -141,7 +145,7 @@ def test_run_names_are_never_reused_silently(tmp_path: Path):
     store = store_with_checkpoint(tmp_path, job(), data)
     with pytest.raises(ResumeError, match="pass resume=true"):
         check_run_name(replace(job(), resume=False), store, "u")
-    check_run_name(job(), store, "u")
+    assert check_run_name(job(), store, "u") == Resumption(True, 10)
     empty = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "other"))
     with pytest.raises(ResumeError, match="no committed checkpoint"):
         check_run_name(job(), empty, "u")
@@ -186,3 +190,162 @@ def test_the_driver_refuses_checkpoints_in_the_dataset_before_its_lease(tmp_path
     with pytest.raises(ResumeError, match="inside dataset.path="):
         prepare(refused, str(tmp_path / "run"))
     assert sorted(p.name for p in Path(images).iterdir()) == ["train", "val"]
+
+
+# -- resume=auto: continue the run if it has a committed checkpoint, start it otherwise --------
+
+
+def auto(**trainer: object) -> JobConfig:
+    return replace(job(**trainer), resume="auto")
+
+
+def test_resume_auto_continues_a_run_with_a_committed_checkpoint_with_every_check(tmp_path):
+    store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=25)
+    assert check_run_name(auto(epochs=5), store, "file:///s/r") == Resumption(
+        True,
+        25,
+        "resume=auto: run 'r' has a committed checkpoint at step 25 in file:///s/r: continuing it",
+    )
+    assert check_resume(auto(epochs=5), store, "u", ROWS_640) == []
+    changed = replace(auto(epochs=5), dataset={**DIGITS, "val_fraction": 0.3})
+    with pytest.raises(ResumeError) as err:  # the checks of resume=true, said as auto
+        check_resume(changed, store, "u", ROWS_640)
+    said = str(err.value)
+    assert said.startswith("resume=auto: run 'r' cannot continue with this config or data")
+    assert "dataset.val_fraction: None -> 0.3" in said and "(choose another name)" in said
+    smaller = {**ROWS_640, "train_rows": 639}
+    with pytest.raises(ResumeError, match="train data train_rows: 640 -> 639"):
+        check_resume(auto(epochs=5), store, "u", smaller)
+
+
+def test_resume_auto_starts_a_run_that_has_no_checkpoint(tmp_path: Path):
+    empty = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "r"))
+    assert check_run_name(auto(), empty, "file:///s/r") == Resumption(
+        False, None, "resume=auto: no committed checkpoint of run 'r' at file:///s/r: starting it"
+    )
+    assert check_resume(auto(), empty, "u", ROWS_640) == []
+    assert check_run_name(replace(job(), resume=False), empty, "u") == Resumption(False)
+
+
+def test_resume_auto_starts_over_uploads_that_never_completed_as_the_restore_does(
+    tmp_path: Path,
+):
+    # A driver killed while its first checkpoint uploaded: a directory without a manifest is
+    # no checkpoint (the workers' restore passes it over and sets it aside).
+    store = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "r"))
+    half = Path(store.path_for(10))
+    half.mkdir(parents=True)
+    (half / "model.g1a0-abc.pt").write_bytes(b"half an upload")
+    decided = check_run_name(auto(), store, "U")
+    assert not decided.continues and decided.said == (
+        "resume=auto: no committed checkpoint of run 'r' at U (steps [10]: uploads that never "
+        "completed): starting it"
+    )
+    with pytest.raises(ResumeError, match="resume=true: no committed checkpoint of run 'r'"):
+        check_run_name(job(), store, "U")  # as before
+    with pytest.raises(ResumeError, match="already has checkpoints"):
+        check_run_name(replace(job(), resume=False), store, "U")
+
+
+def test_resume_auto_refuses_a_run_whose_committed_checkpoints_do_not_read(tmp_path: Path):
+    store = store_with_checkpoint(tmp_path, job(), ROWS_640, step=10)
+    [manifest] = Path(store.path_for(10)).glob("manifest*.json")
+    manifest.write_text("{torn")
+    for resume, word in ((auto(), "auto"), (job(), "true")):  # as resume=true refuses it
+        with pytest.raises(ResumeError) as err:
+            check_run_name(resume, store, "U")
+        assert str(err.value).startswith(
+            f"resume={word}: no committed checkpoint of run 'r' at U (committed, but none "
+            "reads: steps [10])"
+        )
+        assert "look at those checkpoints before starting the run over" in str(err.value)
+
+
+def test_resume_auto_takes_an_older_committed_checkpoint_past_a_newer_unfinished_upload(
+    tmp_path: Path,
+):
+    store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=20)
+    Path(store.path_for(30)).mkdir()  # the upload the driver's death cut short
+    decided = check_run_name(auto(epochs=5), store, "U")
+    assert (decided.continues, decided.step) == (True, 20)
+
+
+def test_resume_auto_on_a_finished_run_says_so_and_resume_true_refuses(tmp_path: Path):
+    store = store_with_checkpoint(tmp_path, job(epochs=3), ROWS_640, step=30)
+    with pytest.raises(NothingLeftToTrain) as done:
+        check_resume(auto(epochs=3), store, "U", ROWS_640)
+    assert (done.value.step, done.value.total) == (30, 30)
+    assert finished_line(auto(epochs=3), "U", done.value) == (
+        "resume=auto: run 'r' has a committed checkpoint at step 30 in U, its last step "
+        "(trainer.epochs=3): the run is finished, nothing to train (pass a larger "
+        "trainer.epochs to train on)"
+    )
+    with pytest.raises(ResumeError, match="drop resume=true"):
+        check_resume(job(epochs=3), store, "U", ROWS_640)
+
+
+def finished_digits_run(tmp_path: Path, *overrides: str) -> JobConfig:
+    """digits_ft (22 steps of 64 an epoch, 2 epochs) called ``done`` whose storage holds a
+    committed checkpoint of its last step, 44 (written by hand: no training)."""
+    storage = tmp_path / "storage"
+    finished = compose_job(
+        "+experiment=digits_ft",
+        "name=done",
+        f"checkpoint.storage_path={storage}",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "trainer.epochs=2",
+        *overrides,
+    )
+    local = tmp_path / "local"
+    local.mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps(to_plain(finished)))
+    (local / "state.json").write_text(json.dumps({"step": 44}))
+    CheckpointStore(LocalFileSystem(), str(storage / "done")).commit(str(local), 44)
+    return finished
+
+
+def test_a_finished_run_rerun_with_resume_auto_succeeds_without_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A scheduler that reruns a finished job (its driver died after the last commit) gets
+    # exit 0 and a summary of nothing trained, not a failure to retry.
+    from ftjob.driver import runner
+
+    rerun = finished_digits_run(tmp_path, "resume=auto")
+
+    def never(*args: object) -> None:
+        raise AssertionError("a finished run trains nothing: no cluster, no workers")
+
+    monkeypatch.setattr(runner, "_train", never)
+    lines: list[str] = []
+    result = runner.run(rerun, str(tmp_path / "rerun"), echo=lines.append)
+    assert result.ok and result.status == "succeeded" and result.error is None
+    url = f"file://{tmp_path / 'storage' / 'done'}"
+    assert (
+        "resume=auto: run 'done' has a committed checkpoint at step 44 in "
+        f"{url}, its last step (trainer.epochs=2): the run is finished, nothing to train "
+        "(pass a larger trainer.epochs to train on)"
+    ) in lines
+    written = json.loads(Path(result.summary_path).read_text())
+    assert written["status"] == "succeeded" and written["config"]["resume"] == "auto"
+    assert written["metrics"][M.TRAIN_STEPS_COMPLETED] == 0 and "resume_command" not in written
+    assert written["already_finished"]["step"] == 44
+    assert written["checkpoints"]["latest"].endswith("done/checkpoints/step_000000044")
+    assert not (tmp_path / "storage" / "done" / "lease").exists()  # nothing written to it
+    # resume=true keeps refusing it, as before; more epochs continue it
+    with pytest.raises(ResumeError, match="has nothing left to train"):
+        prepare(replace(rerun, resume=True), str(tmp_path / "again"))
+    more = finished_digits_run(tmp_path / "more", "resume=auto", "trainer.epochs=3")
+    prep = prepare(more, str(tmp_path / "more" / "run"))
+    where = prep.fs.unstrip_protocol(prep.run_path)
+    assert prep.finished is None
+    assert prep.notes[0] == (
+        f"resume=auto: run 'done' has a committed checkpoint at step 44 in {where}: continuing it"
+    )
+    prep.lease.release()
+    # The command a run that did not succeed prints continues it with resume=true: it names a
+    # committed checkpoint, and true refuses an empty storage where auto would start over.
+    command, _ = resume_command(["+experiment=digits_ft", "resume=auto", "name=done"], prep)
+    assert command.startswith("python -m ftjob +experiment=digits_ft name=done resume=true ")
+    assert "resume=auto" not in command

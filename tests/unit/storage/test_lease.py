@@ -511,3 +511,37 @@ def test_the_keeper_says_when_the_run_was_taken_over(tmp_path: Path) -> None:
     RunLease(local_fs(), run, timeout=60, owner="host-b:200", sleep=no_wait).acquire()
     keeper.renew_once()
     assert keeper.lost is not None and "host-b:200" in keeper.lost
+
+
+def test_with_wait_out_a_young_lease_is_waited_out_and_taken_only_if_it_stays_silent(
+    tmp_path: Path,
+) -> None:
+    # resume=auto: a scheduler reruns the command on another machine seconds after the
+    # driver died; its lease is 20 s old. Watched until it would have expired, and half a
+    # timeout more, instead of refused.
+    run = str(tmp_path / "run")
+    holder = RunLease(local_fs(), run, timeout=60, owner="host-a:100")
+    holder.acquire()
+    age_by(run, 1, 20)
+    with pytest.raises(LeaseHeld, match="last renewed 20 s ago"):  # without: refused
+        RunLease(local_fs(), run, timeout=60, owner="host-b:200").acquire()
+    watched: list[float] = []
+
+    def holder_beats_meanwhile(seconds: float) -> None:
+        watched.append(seconds)
+        holder.renew()
+
+    alive = RunLease(
+        local_fs(), run, timeout=60, owner="host-b:200", sleep=holder_beats_meanwhile, wait_out=True
+    )
+    with pytest.raises(LeaseHeld, match=r"host-a:100\): its beat counter moved while watched"):
+        alive.acquire()
+    assert len(watched) == 1 and 69 <= watched[0] <= 71  # 60 - 20 + 30
+    holder.check()  # still the holder's
+    age_by(run, 1, 20)
+    gone = RunLease(
+        local_fs(), run, timeout=60, owner="host-c:300", sleep=watched.append, wait_out=True
+    )
+    note = gone.acquire()
+    assert note is not None and "took over run 'run' from host-a:100" in note
+    assert generations(local_fs(), os.path.join(run, LEASE_DIR)) == [2]
