@@ -1,6 +1,6 @@
 """The memory tier's holder: the newest snapshots within a count and a byte cap, verified by
 digest. (Taking and restoring snapshots: tests/unit/worker/test_checkpointer.py; a run restoring
-from them: tests/worker/test_worker_local.py and the elastic run, tests/test_chaos_e2e.py.)"""
+from them: tests/worker/test_worker_local.py and the elastic run, tests/e2e/test_elastic_run.py.)"""
 
 from __future__ import annotations
 

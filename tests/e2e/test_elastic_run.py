@@ -1,8 +1,8 @@
 """Chaos on real Ray: a node killed on a simulated 3-node cluster, the elastic group shrinking
 and growing back. (A fixed-size group restarted after a worker process is SIGKILLed is the hang's
-in test_e2e.py; a drained node the S3 run's, test_s3.py; the killer's choice of
-target is unit-tested in test_chaos.py; the failure budget and restores after failures are
-tested in-process: test_worker_local.py.)"""
+in test_ray_jobs.py; a drained node the S3 run's, test_s3_run.py; the killer's choice of
+target is unit-tested in tests/unit/chaos/test_schedule.py; the failure budget and restores
+after failures are tested in-process: tests/worker/test_worker_local.py.)"""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.helpers import run_ftjob
+from tests.support.processes import run_ftjob
 
 pytestmark = pytest.mark.ray
 

@@ -2,10 +2,10 @@
 cluster started with `ray start --head` (the cluster extra: dashboard and job server); the
 stopped job resumed on that cluster by its printed command, past a damaged checkpoint, through a
 worker SIGTERM and a hang. (Restores, mid-epoch resumption, exact-once and resume=true are tested
-in-process too: test_worker_local.py; a node drained with notice, Ray's drain API, in the S3
-run: test_s3.py; a slow rank named as a straggler, a slow upload that is no hang and the
-restart-loop guard in-process: test_worker_local.py; the hang and straggler decisions in
-test_hang.py.)"""
+in-process too: tests/worker/test_worker_local.py; a node drained with notice, Ray's drain API,
+in the S3 run: test_s3_run.py; a slow rank named as a straggler, a slow upload that is no hang
+and the restart-loop guard in-process: tests/worker/test_worker_local.py; the hang and straggler
+decisions in tests/unit/policy/test_hang.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import pytest
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import manifest_of
-from tests.helpers import make_image_tree, read_until, start_ftjob
+from tests.support.images import make_image_tree
+from tests.support.processes import read_until, start_ftjob
 
 pytestmark = pytest.mark.ray
 
