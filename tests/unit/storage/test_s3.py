@@ -122,7 +122,8 @@ def test_listing_sees_checkpoints_written_by_another_process(
         body = client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
         if "/manifest." in key:
             body = body.replace(b'"step": 10', b'"step": 20')
-        client.put_object(Bucket=s3_bucket, Key=key.replace("010", "020"), Body=body)
+        moved = key.replace("/step_000000010/", "/step_000000020/")  # names within: as written
+        client.put_object(Bucket=s3_bucket, Key=moved, Body=body)
     assert store.steps() == [20, 10]
     result = store.restore_latest(str(tmp_path / "restore"))
     assert result is not None and result.step == 20
