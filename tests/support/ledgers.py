@@ -7,7 +7,8 @@ from typing import Any
 
 from ftjob.data.order import EpochPlan
 from ftjob.driver.ledger import RunLedger
-from ftjob.record import ChaosSkip, ChaosView, Kill, Restore, RunPlan, WorkerPlace
+from ftjob.policy.hang import HangPolicy
+from ftjob.record import Beat, ChaosSkip, ChaosView, Kill, Restore, RunPlan, WorkerPlace
 
 PLAN = EpochPlan(num_samples=40, global_batch_size=8, seed=0)
 
@@ -87,3 +88,13 @@ class FakeLedger:
 
     def report_error(self, message: str) -> None:
         self.errors.append(message)
+
+
+# A hang policy for tests: a 10 s floor, a 300 s ceiling, learned after 3 observations, no
+# storage allowance.
+HANG_POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
+
+
+def beat(section: str, age: float, step: int = 0, **extra: Any) -> Beat:
+    """A rank's heartbeat in ``section``, ``age`` seconds after its last progress."""
+    return Beat(section, age, step, **extra)

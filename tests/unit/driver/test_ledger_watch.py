@@ -3,29 +3,21 @@ watches only the attempt that runs. A test clock; no Ray."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from ftjob.driver.ledger import RunLedger
 from ftjob.policy.hang import (
-    HangPolicy,
     WatchConfig,
 )
 from ftjob.record import (
-    Beat,
     Kill,
     KillTarget,
     RunPlan,
     Straggler,
     WorkerPlace,
 )
-
-POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
-
-
-def beat(section: str, age: float, step: int = 0, **extra: Any) -> Beat:
-    return Beat(section, age, step, **extra)
+from tests.support.ledgers import HANG_POLICY as POLICY
+from tests.support.ledgers import beat
 
 
 def test_the_ledger_stops_a_restart_loop_and_steers_the_slow_rank():

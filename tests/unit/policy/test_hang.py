@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from ftjob.config import (
@@ -23,16 +21,11 @@ from ftjob.policy.hang import (
 )
 from ftjob.record import (
     Attempt,
-    Beat,
     Notice,
     NoticeSource,
 )
-
-POLICY = HangPolicy(min_timeout=10.0, max_timeout=300.0, warmup=3, io_timeout=0.0)
-
-
-def beat(section: str, age: float, step: int = 0, **extra: Any) -> Beat:
-    return Beat(section, age, step, **extra)
+from tests.support.ledgers import HANG_POLICY as POLICY
+from tests.support.ledgers import beat
 
 
 def test_a_section_timeout_is_learned_from_its_own_times_within_floor_and_ceiling():
