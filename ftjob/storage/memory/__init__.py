@@ -3,7 +3,7 @@ a process that outlives the training workers, so a restart restores from memory 
 would give seconds later and several steps older. Snapshots never replace durable checkpoints:
 a run's final checkpoint is always a durable one.
 
-- :mod:`~ftjob.storage.memory.format`: a snapshot (named buffers, each with its SHA-256
+- :mod:`~ftjob.storage.memory.format`: a snapshot (named buffers, each with its XXH3-128
   digest, trusted only when every one verifies) and a state dict packed into its buffers.
 - :mod:`~ftjob.storage.memory.ring`: the holder's shared-memory ring, which a rank on its
   machine writes snapshots into with no call per snapshot.
@@ -14,6 +14,7 @@ A worker takes and restores them through :mod:`ftjob.worker.snapshots`.
 """
 
 from ftjob.storage.memory.format import (
+    DIGEST,
     Buffer,
     Flat,
     Snapshot,
@@ -27,6 +28,7 @@ from ftjob.storage.memory.holder import RingRef, SnapshotHolder, start_holder
 from ftjob.storage.memory.ring import Arena, Ring, machine
 
 __all__ = [
+    "DIGEST",
     "Arena",
     "Buffer",
     "Flat",
