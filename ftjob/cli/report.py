@@ -1,5 +1,9 @@
 """``python -m ftjob.report DIR``: rebuild a sweep's report, or print one run's summary.
 
+``DIR`` may also be a run in its storage (``s3://bucket/runs/NAME``, its ``outputs/`` folder,
+or a local checkpoint.storage_path's run directory): the outputs mirrored there
+(:mod:`ftjob.reporting.outputs`) are copied into a local folder and read from it.
+
 A sweep dir (finished, partial or failed) gets its sweep_summary.csv/.md/.png rebuilt from the
 job dirs' own files (:func:`ftjob.reporting.sweep.build_sweep_report`); a run dir (one holding
 summary.json) is printed as the run printed it at its end (:func:`ftjob.reporting.summary.format_summary`)
@@ -12,7 +16,10 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
+from ftjob.config import RetryConfig
+from ftjob.reporting.outputs import fetch_outputs, outputs_root
 from ftjob.reporting.summary import SUMMARY_FILE, format_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
@@ -40,15 +47,53 @@ def summarise_run(run_dir: str) -> int:
     return 0
 
 
+def from_storage(url: str) -> str | None:
+    """A run's mirrored outputs at ``url`` (the run's directory in its storage, or its
+    ``outputs/``), copied into a new local folder; that folder, or None when ``url`` holds
+    none. Credentials and endpoints come from the environment, as for checkpoint.storage_path."""
+    from ftjob.storage.fs import build_filesystem
+
+    fs, path = build_filesystem(url, {}, RetryConfig(max_attempts=3))
+    root = outputs_root(fs, path)
+    if root is None:
+        return None
+    name = os.path.basename(path.rstrip("/").removesuffix("/outputs")) or "run"
+    local = tempfile.mkdtemp(prefix=f"ftjob-report-{name}-")
+    fetch_outputs(fs, root, local)
+    print(f"outputs of {fs.unstrip_protocol(root)}, copied to {local}")
+    return local
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ftjob.report",
         description="Rebuild sweep_summary.csv/.md/.png of a sweep dir (finished, partial or "
         "failed), or print the summary of a single run dir (one holding summary.json).",
     )
-    parser.add_argument("dir", help="a sweep dir (hydra.sweep.dir) or a run dir")
+    parser.add_argument(
+        "dir",
+        help="a sweep dir (hydra.sweep.dir), a run dir, or a run in its storage "
+        "(s3://bucket/path/NAME: the outputs mirrored there)",
+    )
     args = parser.parse_args(argv)
     target: str = args.dir
+    if "://" in target or (
+        os.path.isdir(target)
+        and not os.path.isfile(os.path.join(target, SUMMARY_FILE))
+        and os.path.isfile(os.path.join(target, "outputs", SUMMARY_FILE))
+    ):
+        try:
+            local = from_storage(target)
+        except (OSError, RuntimeError, ValueError, ImportError) as exc:
+            print(f"ftjob.report: {target}: could not read ({exc})", file=sys.stderr)
+            return 2
+        if local is None:
+            print(
+                f"ftjob.report: {target}: no {SUMMARY_FILE} there nor in its outputs/",
+                file=sys.stderr,
+            )
+            return 2
+        target = local
     if not os.path.isdir(target):
         print(f"ftjob.report: {target}: no such directory", file=sys.stderr)
         return 2

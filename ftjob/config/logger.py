@@ -40,9 +40,32 @@ class LoggerConfig:
     mlflow_experiment: str = "ftjob"
     wandb_project: str = "ftjob"
     wandb_mode: WandbMode | None = None
+    wandb_entity: str | None = None  # the team or user the project belongs to
+    wandb_group: str | None = None  # runs shown together (a sweep, a series of runs)
+    wandb_tags: list[str] = field(default_factory=list)
+    wandb_notes: str | None = None
+    wandb_job_type: str | None = None  # train, eval, ...: W&B groups runs by it
+    wandb_system_stats: bool = True  # CPU, memory, GPU figures W&B samples on the driver
 
     def __post_init__(self) -> None:
         coerce_choices(self)
+        for tag in self.wandb_tags:
+            require(
+                isinstance(tag, str) and 0 < len(tag) <= 64,
+                self._group,
+                "wandb_tags",
+                self.wandb_tags,
+                "each tag must be a word of 1 to 64 characters (W&B's limit)",
+            )
+        for key, most in (("wandb_group", 128), ("wandb_job_type", 64)):
+            value = getattr(self, key)
+            require(
+                value is None or 0 < len(value) <= most,
+                self._group,
+                key,
+                value,
+                f"must be null or 1 to {most} characters (W&B's limit)",
+            )
         for backend in self.backends:
             require(
                 backend in LOGGER_BACKENDS,

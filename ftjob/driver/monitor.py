@@ -14,6 +14,7 @@ from typing import Any
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.record import Hang, RunSnapshot, StackCapture, Straggler
 from ftjob.reporting.loggers import LogFeed
+from ftjob.reporting.outputs import COMMIT_LINE, OutputsMirror
 from ftjob.storage.lease import LeaseKeeper
 
 logger = logging.getLogger("ftjob")
@@ -89,9 +90,10 @@ class Monitor:
         keeper: LeaseKeeper,
         feed: LogFeed,
         clean: Callable[[str], str] = lambda text: text,
+        outputs: OutputsMirror | None = None,
     ) -> None:
         self.ledger, self.echo, self.local, self.keeper = ledger, echo, local, keeper
-        self.feed, self.clean = feed, clean
+        self.feed, self.clean, self.outputs = feed, clean, outputs
         self.cursor = 0
         self.started = time.time()
         self.failing: dict[str, int] = {}  # duty -> failed asks in a row
@@ -133,6 +135,8 @@ class Monitor:
         for line in lines:
             elapsed = int(time.time() - self.started)
             self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
+        if self.outputs is not None and any(COMMIT_LINE.match(line) for line in lines):
+            self.outputs.request()  # a durable point: the mirror catches up, on its thread
         if self.feed.loggers:
             records = self.ask(
                 "loggers",

@@ -50,7 +50,16 @@ from ftjob.driver.resume import (
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.record import RunPlan, RunSnapshot, RunStatus
-from ftjob.reporting.loggers import LogFeed, LoggerError, build_loggers
+from ftjob.reporting.loggers import (
+    LogFeed,
+    LoggerError,
+    LoggerRuns,
+    build_loggers,
+    keep_logger_runs,
+    read_logger_runs,
+    runs_of,
+)
+from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
 from ftjob.reporting.summary import (
     FitOutcome,
     build_summary,
@@ -112,6 +121,7 @@ class Prepared:
     # that step; nothing is trained (and the lease was not taken: nothing is written).
     finished: str | None = None
     finished_step: int | None = None
+    continues: bool = False  # the run goes on from a checkpoint (resume=true, or auto)
 
 
 def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> Prepared:
@@ -172,6 +182,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         redactor,
         finished_line(job, url, finished) if finished else None,
         finished.step if finished else None,
+        resumption.continues,
     )
 
 
@@ -253,13 +264,13 @@ def run(
     bad input. ``overrides`` (the command line's) make the printed command that resumes a run
     that did not succeed; ``redactor`` keeps secrets out of everything written or printed."""
     redactor = redactor or Redactor(resolved=to_plain(job))
-    say = echo or (lambda line: print(f"[ftjob] {line}", flush=True))
+    started = time.time()
+    os.makedirs(run_dir, exist_ok=True)
+    say = tee_console(run_dir, echo or (lambda line: print(f"[ftjob] {line}", flush=True)))
 
     def echo(line: str) -> None:
         say(redactor.text(line))
 
-    started = time.time()
-    os.makedirs(run_dir, exist_ok=True)
     stop = StopSignal(job.failure.preemption)
     prep: Prepared | None = None
     trained = Trained(empty_snapshot(), FitOutcome())
@@ -295,6 +306,7 @@ class Trained:
     fit: FitOutcome
     feed: LogFeed | None = None
     lease_lost: str | None = None  # another driver holds the run now: why this one stopped
+    outputs: OutputsMirror | None = None  # the run dir's copy in the run's storage
 
 
 def _train(
@@ -316,14 +328,15 @@ def _train(
             f"{job.trainer.epochs} epochs"
         )
         echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
+        out.outputs = outputs_mirror(job, prep, run_dir)
+        echo(f"outputs: {out.outputs.url} (summary, console log, timeline, config: a copy)")
         for note in prep.notes:
             echo(note)
-        try:
-            out.feed = LogFeed(build_loggers(job.logger, run_dir, prep.name))
-        except LoggerError as exc:
-            raise JobError(prep.redactor.text(str(exc))) from None
+        out.feed = logger_feed(job, prep, run_dir, echo)
         out.feed.params(prep.public_config)
-        out.snapshot, out.fit = _train_on_cluster(job, prep, echo, out.feed, keeper, stop)
+        out.snapshot, out.fit = _train_on_cluster(
+            job, prep, echo, out.feed, keeper, stop, out.outputs
+        )
     finally:
         keeper.stop()
         out.lease_lost = keeper.lost
@@ -331,6 +344,32 @@ def _train(
         if keeper.lost is None:
             prep.lease.release()
     return out
+
+
+def logger_feed(
+    job: JobConfig, prep: Prepared, run_dir: str, echo: Callable[[str], None]
+) -> LogFeed:
+    """The experiment loggers, continuing the W&B and MLflow runs of a run that continues
+    (their ids kept in the run's storage)."""
+    runs = LoggerRuns()
+    if prep.continues and job.logger.backends:
+        try:
+            runs = read_logger_runs(prep.fs, prep.run_path)
+        except (StorageError, ValueError) as exc:
+            echo(f"warning: the loggers' run ids could not be read ({exc}): new runs are made")
+    try:
+        loggers = build_loggers(job.logger, run_dir, prep.name, runs)
+    except LoggerError as exc:
+        raise JobError(prep.redactor.text(str(exc))) from None
+    kept = runs_of(loggers, runs)
+    if kept != runs:
+        try:
+            keep_logger_runs(prep.fs, prep.run_path, kept)
+        except StorageError as exc:
+            echo(
+                f"warning: the loggers' run ids could not be kept ({exc}): a resume makes new runs"
+            )
+    return LogFeed(loggers)
 
 
 def _finish(
@@ -383,7 +422,23 @@ def _finish(
     if trained.feed is not None:
         trained.feed.finish(summary)
     echo(picture)
+    if trained.outputs is not None:  # last: the console log holds every line above
+        warning = trained.outputs.close(final=not trained.lease_lost)
+        if warning:
+            echo(warning)
     return RunResult(name, status, error, summary, path)
+
+
+def outputs_mirror(job: JobConfig, prep: Prepared, run_dir: str) -> OutputsMirror:
+    """The run dir's copy in ``<run>/outputs/`` of the run's storage, started: through a
+    retrying filesystem of its own (no injected storage faults; its requests are not the
+    run's in summary.json), brought up to date now, at each committed checkpoint and at the
+    end."""
+    url = posixpath.join(prep.fs.unstrip_protocol(prep.run_path), OUTPUTS_DIR)
+    fs, target = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
+    mirror = OutputsMirror(fs, target, run_dir, prep.redactor).start()
+    mirror.request()
+    return mirror
 
 
 def _how_to_resume(
@@ -457,6 +512,7 @@ def _train_on_cluster(
     feed: LogFeed,
     keeper: LeaseKeeper,
     stop: StopSignal,
+    outputs: OutputsMirror | None = None,
 ) -> tuple[dict[str, Any], FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
@@ -475,7 +531,7 @@ def _train_on_cluster(
             )
         stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
-        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text)
+        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True

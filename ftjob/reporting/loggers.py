@@ -7,6 +7,10 @@ committed checkpoint, or the run is over -- and then logs the surviving version 
 restore never draws a second curve. Events (kills, failures, restores, checkpoints, hangs,
 preemptions: the ledger's progress lines other than step lines) are logged as they come; the
 resolved config goes in as params, the summary at the end.
+
+A resumed run continues the same W&B and MLflow runs: their ids are kept in the run's storage
+beside its checkpoints (:data:`LOGGER_RUNS_FILE`, a :class:`LoggerRuns`), read back when the
+run continues, and handed to ``wandb.init(id=..., resume="allow")`` and MLflow's client.
 """
 
 from __future__ import annotations
@@ -16,12 +20,18 @@ import json
 import logging
 import math
 import os
+import posixpath
 import re
+import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ftjob import record
 from ftjob.config import LoggerConfig
+from ftjob.storage.checkpoint import CheckpointStore
+
+LOGGER_RUNS_FILE = "loggers.json"  # under the run's directory in its storage
 
 log = logging.getLogger("ftjob.reporting.loggers")
 
@@ -93,8 +103,40 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+@dataclass(frozen=True)
+class LoggerRuns(record.Record):
+    """The loggers' own run ids, kept with the run so that a resume continues those runs."""
+
+    wandb_id: str | None = record.optional()
+    mlflow_run_id: str | None = record.optional()
+
+
+def read_logger_runs(fs: Any, run_path: str) -> LoggerRuns:
+    """The ids kept in ``run_path`` (none: a run's first start, or one without loggers)."""
+    try:
+        return LoggerRuns.from_json(
+            json.loads(fs.cat_file(posixpath.join(run_path, LOGGER_RUNS_FILE)))
+        )
+    except FileNotFoundError:
+        return LoggerRuns()
+
+
+def keep_logger_runs(fs: Any, run_path: str, runs: LoggerRuns) -> None:
+    fs.pipe_file(posixpath.join(run_path, LOGGER_RUNS_FILE), json.dumps(runs.to_json()).encode())
+
+
+def runs_of(loggers: list[Any], before: LoggerRuns) -> LoggerRuns:
+    """The ids of ``loggers``' runs (``before``'s where a backend is not used now)."""
+    ids = {k: v for k, v in before.to_json().items() if isinstance(v, str)}
+    for logger in loggers:
+        ids.update(getattr(logger, "run_ids", {}))
+    return LoggerRuns.from_json(ids)
+
+
 class MlflowLogger:
-    def __init__(self, config: LoggerConfig, run_dir: str, name: str) -> None:
+    def __init__(
+        self, config: LoggerConfig, run_dir: str, name: str, run_id: str | None = None
+    ) -> None:
         from mlflow.tracking import MlflowClient
 
         store = os.path.join(os.path.abspath(run_dir), "mlruns")
@@ -108,13 +150,34 @@ class MlflowLogger:
             if experiment is not None
             else self.client.create_experiment(config.mlflow_experiment)
         )
-        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        self.existing: dict[str, str] = {}  # a continued run's params
+        self.run_id = self._continued(run_id) or (
+            self.client.create_run(experiment_id, run_name=name).info.run_id
+        )
+        self.run_ids = {"mlflow_run_id": self.run_id}
         self.events: list[str] = []
+
+    def _continued(self, run_id: str | None) -> str | None:
+        """The run a resumed run logged to, running again -- if this tracking store has it
+        (the default store is in the run dir of the driver that made it)."""
+        from mlflow.exceptions import MlflowException
+
+        if run_id is None:
+            return None
+        try:
+            self.existing = self.client.get_run(run_id).data.params
+        except MlflowException:
+            log.warning("MLflow run %s is not in this tracking store: a new run is made", run_id)
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
 
     def params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items())]
+        # A continued run keeps the params it was started with (MLflow refuses to change one).
+        kept = getattr(self, "existing", {})
+        items = [Param(k[:250], v[:6000]) for k, v in sorted(params.items()) if k[:250] not in kept]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=items[i : i + 100])
 
@@ -146,7 +209,9 @@ class WandbLogger:
 
     STEP = "trainer/step"
 
-    def __init__(self, config: LoggerConfig, run_dir: str, name: str) -> None:
+    def __init__(
+        self, config: LoggerConfig, run_dir: str, name: str, run_id: str | None = None
+    ) -> None:
         import wandb
 
         self.wandb = wandb
@@ -155,7 +220,7 @@ class WandbLogger:
             disable_code=True,
             disable_git=True,
             x_disable_meta=True,
-            x_disable_stats=True,
+            x_disable_stats=not config.wandb_system_stats,
             x_disable_machine_info=True,
             x_save_requirements=False,
             silent=True,
@@ -163,11 +228,20 @@ class WandbLogger:
         mode: Any = config.wandb_mode  # a word wandb knows (logger.wandb_mode's choices)
         self.run = wandb.init(
             project=config.wandb_project,
+            entity=config.wandb_entity,
+            group=config.wandb_group,
+            tags=list(config.wandb_tags) or None,
+            notes=config.wandb_notes,
+            job_type=config.wandb_job_type,
             name=name,
+            # The run's id, kept with the run: a resumed run continues this W&B run.
+            id=run_id or secrets.token_hex(4),
+            resume="allow",
             dir=os.path.abspath(run_dir),
             mode=mode,
             settings=settings,
         )
+        self.run_ids = {"wandb_id": self.run.id}
         self.run.define_metric(self.STEP)
         self.run.define_metric("*", step_metric=self.STEP)
         self.events: list[list[Any]] = []
@@ -193,13 +267,18 @@ class WandbLogger:
         self.run.finish(exit_code=0 if summary.get("status") == "succeeded" else 1)
 
 
-def build_loggers(config: LoggerConfig, run_dir: str, name: str) -> list[Any]:
+def build_loggers(
+    config: LoggerConfig, run_dir: str, name: str, runs: LoggerRuns | None = None
+) -> list[Any]:
+    """The loggers of ``config.backends``; ``runs``: the W&B and MLflow runs a resumed run
+    continues."""
     root = config.dir or os.path.join(run_dir, "logs")
+    runs = runs or LoggerRuns()
     made: dict[str, Any] = {
         "csv": lambda: CsvLogger(root, name),
         "tensorboard": lambda: TensorBoardLogger(root, name),
-        "mlflow": lambda: MlflowLogger(config, run_dir, name),
-        "wandb": lambda: WandbLogger(config, run_dir, name),
+        "mlflow": lambda: MlflowLogger(config, run_dir, name, runs.mlflow_run_id),
+        "wandb": lambda: WandbLogger(config, run_dir, name, runs.wandb_id),
     }
     loggers = []
     for backend in dict.fromkeys(config.backends):
@@ -269,6 +348,14 @@ class LogFeed:
                 self._each("event", when, self.step, line)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """The run is over: what is still held is the surviving version of its steps."""
-        self._flush(math.inf)
+        """The run is over. A run that succeeded (or stopped without a checkpoint: nothing can
+        continue it) logs every step still held, the surviving version. One that stopped
+        logs those at or before its latest committed checkpoint: a resume trains the rest
+        again, and logs them then, in the W&B and MLflow runs this one continues."""
+        settled = math.inf
+        latest = (summary.get("checkpoints") or {}).get("latest")
+        if summary.get("status") != "succeeded" and isinstance(latest, str):
+            step = CheckpointStore.step_of(latest)
+            settled = math.inf if step is None else step
+        self._flush(settled)
         self._each("finish", summary)

@@ -1,0 +1,107 @@
+"""The run's outputs mirrored into its storage (loopback S3), only what changed, secrets kept
+out, and read back by ``python -m ftjob.report`` from the bucket; a mirror that cannot write
+is said, never raised."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ftjob.cli.report import main as report
+from ftjob.config import RetryConfig
+from ftjob.config.secrets import Redactor
+from ftjob.driver.ledger import RunLedger
+from ftjob.record import CheckpointRecord, Progress, RunPlan
+from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
+from ftjob.reporting.summary import build_summary, write_summary
+from ftjob.reporting.timeline import draw_timeline
+from ftjob.storage.fs import build_filesystem
+from tests.support.s3 import FAST_RETRY, fresh_s3fs, s3_keys  # noqa: F401 -- fresh_s3fs: autouse
+
+pytestmark = pytest.mark.s3
+SECRET = "hunter2-very-secret"
+
+
+def a_run_dir(run_dir: Path, draw: bool = True) -> dict:
+    """A run dir as the driver leaves it: .hydra/, summary.json, timeline.png, console.log."""
+    ledger = RunLedger(RunPlan(steps_per_epoch=20, epochs=1))
+    attempt = ledger.begin_attempt(0.0)
+    for step in (10, 20):
+        ledger.progress_update(
+            attempt, Progress(step, 0, 1, 20, loss=0.5, throughput=9.0, lr=0.01), {}
+        )
+    ledger.checkpoint(attempt, CheckpointRecord(20, "s3://b/run/step_000000020", None, 0.1))
+    ledger.finish(5.0)
+    summary = build_summary(
+        ledger.snapshot(),
+        name="run",
+        status="succeeded",
+        error=None,
+        wall_time_s=6.0,
+        config={"trainer": {"epochs": 1}},
+    )
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(f"- trainer.epochs=1\n- key={SECRET}\n")
+    write_summary(summary, str(run_dir))
+    if draw:
+        draw_timeline(summary, str(run_dir))
+    return summary
+
+
+def test_outputs_are_mirrored_to_s3_only_what_changed_and_read_back_by_report(
+    s3_endpoint, s3_bucket, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # what the report's reader uses too
+    run_dir = tmp_path / "run_dir"
+    summary = a_run_dir(run_dir)
+    echo = tee_console(str(run_dir), lambda line: None)
+    echo("00:01 epoch 1/1 step 10/20")
+    fs, target = build_filesystem(f"s3://{s3_bucket}/runs/run/{OUTPUTS_DIR}", {}, FAST_RETRY)
+    redactor = Redactor()
+    redactor.add(SECRET)  # e.g. a storage key given on the command line
+    mirror = OutputsMirror(fs, target, str(run_dir), redactor).start()
+    mirror.request()
+    echo("00:02 checkpoint step 20 committed (0.10s)")
+    assert mirror.close() is None
+    keys = s3_keys(s3_endpoint, s3_bucket)
+    assert sorted(keys) == [
+        f"runs/run/outputs/{name}"
+        for name in (".hydra/overrides.yaml", "console.log", "summary.json", "timeline.png")
+    ]
+    assert mirror.sync() == 0  # nothing changed: nothing sent again
+    echo("summary: done")
+    assert mirror.sync() == 1  # the console log only
+    mirrored = {k: fs.cat_file(f"{s3_bucket}/{k}") for k in keys}
+    assert SECRET not in mirrored["runs/run/outputs/.hydra/overrides.yaml"].decode()
+    assert b"summary: done" in fs.cat_file(f"{target}/console.log")
+    assert json.loads(mirrored["runs/run/outputs/summary.json"]) == summary
+
+    # The driver's machine is gone: the report reads the run from its storage.
+    capsys.readouterr()
+    assert report([f"s3://{s3_bucket}/runs/run"]) == 0
+    printed = capsys.readouterr().out
+    assert f"outputs of s3://{s3_bucket}/runs/run/outputs, copied to" in printed
+    local = printed.split("copied to ")[1].split()[0]
+    assert "succeeded" in printed and os.path.isfile(os.path.join(local, "timeline.png"))
+    assert report([f"s3://{s3_bucket}/runs/nothing-here"]) == 2
+
+
+def test_a_mirror_that_cannot_write_is_said_and_leaves_the_run_dir_alone(
+    s3_endpoint, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    run_dir = tmp_path / "run_dir"
+    a_run_dir(run_dir, draw=False)
+    retry = RetryConfig(max_attempts=2, initial_backoff=0.01, max_backoff=0.01, deadline=5.0)
+    fs, target = build_filesystem("s3://ftjob-no-such-bucket/runs/run/outputs", {}, retry)
+    mirror = OutputsMirror(fs, target, str(run_dir), Redactor())
+    assert mirror.sync() == 0
+    warning = mirror.close()
+    assert warning is not None
+    assert "2 output file(s) could not be copied to s3://ftjob-no-such-bucket/runs/run/outputs" in (
+        warning
+    )
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
