@@ -50,15 +50,7 @@ from ftjob.driver.resume import (
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.record import RunPlan, RunSnapshot, RunStatus
-from ftjob.reporting.loggers import (
-    LogFeed,
-    LoggerError,
-    LoggerRuns,
-    build_loggers,
-    keep_logger_runs,
-    read_logger_runs,
-    runs_of,
-)
+from ftjob.reporting.loggers import LogFeed, LoggerError, continued_loggers
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
 from ftjob.reporting.summary import (
     FitOutcome,
@@ -349,26 +341,12 @@ def _train(
 def logger_feed(
     job: JobConfig, prep: Prepared, run_dir: str, echo: Callable[[str], None]
 ) -> LogFeed:
-    """The experiment loggers, continuing the W&B and MLflow runs of a run that continues
-    (their ids kept in the run's storage)."""
-    runs = LoggerRuns()
-    if prep.continues and job.logger.backends:
-        try:
-            runs = read_logger_runs(prep.fs, prep.run_path)
-        except (StorageError, ValueError) as exc:
-            echo(f"warning: the loggers' run ids could not be read ({exc}): new runs are made")
+    """The experiment loggers; a run that continues carries on its W&B and MLflow runs."""
+    storage = (prep.fs, prep.run_path)
     try:
-        loggers = build_loggers(job.logger, run_dir, prep.name, runs)
+        loggers = continued_loggers(job.logger, run_dir, prep.name, storage, prep.continues, echo)
     except LoggerError as exc:
         raise JobError(prep.redactor.text(str(exc))) from None
-    kept = runs_of(loggers, runs)
-    if kept != runs:
-        try:
-            keep_logger_runs(prep.fs, prep.run_path, kept)
-        except StorageError as exc:
-            echo(
-                f"warning: the loggers' run ids could not be kept ({exc}): a resume makes new runs"
-            )
     return LogFeed(loggers)
 
 

@@ -296,6 +296,37 @@ def build_loggers(
     return loggers
 
 
+def continued_loggers(
+    config: LoggerConfig,
+    run_dir: str,
+    name: str,
+    storage: tuple[Any, str],
+    continues: bool,
+    warn: Any = log.warning,
+) -> list[Any]:
+    """:func:`build_loggers` for the run at ``storage`` (filesystem, the run's path): one that
+    ``continues`` carries on the W&B and MLflow runs whose ids it kept there; the ids of the
+    runs logged to now are kept there for the next resume. Storage that fails here is said
+    (``warn``), and costs only that continuity."""
+    fs, run_path = storage
+    runs = LoggerRuns()
+    if continues and config.backends:
+        try:
+            runs = read_logger_runs(fs, run_path)
+        except (OSError, RuntimeError, ValueError) as exc:  # StorageError: retries spent
+            warn(f"warning: the loggers' run ids could not be read ({exc}): new runs are made")
+    loggers = build_loggers(config, run_dir, name, runs)
+    kept = runs_of(loggers, runs)
+    if kept != runs:
+        try:
+            keep_logger_runs(fs, run_path, kept)
+        except (OSError, RuntimeError) as exc:
+            warn(
+                f"warning: the loggers' run ids could not be kept ({exc}): a resume makes new runs"
+            )
+    return loggers
+
+
 class LoggerError(RuntimeError):
     """An experiment logger could not start; the message names the backend."""
 
