@@ -4,6 +4,7 @@ a failure and a drain notice on a simulated cluster."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import boto3
@@ -124,4 +125,13 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
         assert not any(value.encode() in blob for blob in stored + written), value
         assert value not in proc.stdout + proc.stderr
     assert summary["config"]["checkpoint"]["storage_options"]["secret"] == "<redacted>"
+    # The run's outputs outlive the driver's machine: mirrored beside its checkpoints (through
+    # the same faulty network), the summary as the run dir holds it; the loggers' run ids too.
+    assert f"outputs: s3://{s3_bucket}/runs/s3-e2e/outputs" in proc.stdout
+    mirrored = s3_keys(s3_endpoint, s3_bucket, "runs/s3-e2e/outputs/")
+    for name in ("summary.json", "console.log", "timeline.png", ".hydra/overrides.yaml"):
+        assert f"runs/s3-e2e/outputs/{name}" in mirrored, mirrored
+    key = "runs/s3-e2e/outputs/summary.json"
+    assert json.loads(client.get_object(Bucket=s3_bucket, Key=key)["Body"].read()) == summary
+    assert "runs/s3-e2e/loggers.json" in s3_keys(s3_endpoint, s3_bucket, "runs/s3-e2e/")
     check_loggers(tmp_path / "run", "s3-e2e", monkeypatch, last_step=44, epochs=2, failures=1)
