@@ -83,18 +83,40 @@ class MemoryConfig:
     _group: ClassVar[str] = "checkpoint.memory"
     enabled: bool = False
     """Take snapshots and restore from them."""
-    every_n_steps: int = 1
+    # Steps, or "auto". OmegaConf 2.3 types no union of int and a word, so this key is checked
+    # here.
+    every_n_steps: Any = 1
     """A snapshot every this many steps: about what a failure loses (one more while a
-    snapshot is still being sent: a due one is skipped, never waited for)."""
+    snapshot is still being sent: a due one is skipped, never waited for). ``auto``: the
+    shortest interval whose measured snapshot cost stays under ``max_overhead`` of step time
+    (:class:`ftjob.policy.cadence.SnapshotCadence`)."""
     keep: int = 2
     """Snapshots held; older ones are dropped."""
     max_mb: float = 2048.0
     """Memory the held snapshots may take; a state bigger than this turns the tier off for
     the run, with one line. On the holder's machine its ring takes ``keep + 1`` slots of about
     the state's size up front; where they do not fit, snapshots are sent through Ray."""
+    max_overhead: float = 0.02
+    """With ``every_n_steps=auto``: the fraction of step time snapshots may cost (the copy on
+    the training thread, and the background thread's CPU)."""
 
     def __post_init__(self) -> None:
-        at_least(self, "every_n_steps", 1)
+        every = self.every_n_steps
+        require(
+            every == "auto" or (type(every) is int and every >= 1),
+            self._group,
+            "every_n_steps",
+            every,
+            "must be a number of steps >= 1, or auto (the shortest interval whose measured "
+            "snapshot cost stays under checkpoint.memory.max_overhead of step time)",
+        )
+        require(
+            0 < self.max_overhead < 1,
+            self._group,
+            "max_overhead",
+            self.max_overhead,
+            "must be a fraction of step time in (0, 1), e.g. 0.02",
+        )
         at_least(self, "keep", 1)
         require(self.max_mb > 0, self._group, "max_mb", self.max_mb, "must be > 0 MB")
 

@@ -1,6 +1,8 @@
 """When to checkpoint: a fixed step interval, or Young's optimum for the checkpoint cost the run
-measures and the failure rate it declares (``trainer.checkpoint_every_n_steps=auto``). The
-reporting side (:mod:`ftjob.reporting.goodput`) predicts a run's ETTR with the same model."""
+measures and the failure rate it declares (``trainer.checkpoint_every_n_steps=auto``); when to
+take a memory snapshot, at a fixed interval or the shortest one within a share of step time
+(``checkpoint.memory.every_n_steps=auto``). The reporting side (:mod:`ftjob.reporting.goodput`)
+predicts a run's ETTR with the same model as the checkpoint interval's."""
 
 from __future__ import annotations
 
@@ -52,4 +54,71 @@ class CheckpointSchedule:
         return (
             f"checkpoint interval (auto): every {self.interval_steps} steps, for a checkpoint "
             f"cost of {cost:.2f} s and failure.expected_mtbf_s={self.mtbf_s:g}"
+        )
+
+
+def snapshot_interval(cost_s: float, step_s: float, max_overhead: float) -> int:
+    """The shortest interval, in steps, at which a snapshot that costs ``cost_s`` costs at
+    most ``max_overhead`` of the ``step_s`` each step takes: ``cost / (interval * step) <=
+    max_overhead``. 1 when a step's time is not known yet."""
+    if step_s <= 0:
+        return 1
+    # the tolerance keeps a cost of exactly the budget at its interval (float division)
+    return max(1, math.ceil(max(cost_s, 0.0) / (max_overhead * step_s) - 1e-9))
+
+
+class SnapshotCadence:
+    """When the memory tier's next snapshot is due (``checkpoint.memory.every_n_steps``): every
+    ``every`` steps, or with ``every="auto"`` at :func:`snapshot_interval` for the cost measured
+    so far -- a probe snapshot ``probe_steps`` into the attempt measures the first cost (by then
+    a step's time is known), every snapshot refreshes it (the mean of the last 20). A snapshot's
+    cost is known only when its background work ends (:meth:`measured`); until then none is
+    due. One rank takes snapshots, so nothing is agreed between ranks."""
+
+    def __init__(self, every: int | str, max_overhead: float, probe_steps: int = 5) -> None:
+        self.auto = every == "auto"
+        self.every = 1 if self.auto else int(every)
+        self.max_overhead, self.probe_steps = max_overhead, probe_steps
+        self.next_step: float | None = None  # auto: set at the attempt's first step
+        self.last_taken = 0
+        self.costs: list[float] = []
+        self.interval_steps: int | None = None
+        self.step_s = 0.0
+
+    def due(self, step: int) -> bool:
+        if not self.auto:
+            return step % self.every == 0
+        if self.next_step is None:
+            self.next_step = step + self.probe_steps - 1  # after probe_steps steps of it
+        return step >= self.next_step
+
+    def taken(self, step: int) -> None:
+        """A snapshot of ``step`` was taken: with ``auto``, the next waits for its cost."""
+        self.last_taken = step
+        if self.auto:
+            self.next_step = math.inf
+
+    def measured(self, cost_s: float, step_s: float) -> bool:
+        """The last snapshot cost ``cost_s`` (the copy on the training thread and the CPU of
+        its background work); a step takes ``step_s``. Plans the next one; True when this is
+        the first interval chosen (said once)."""
+        if not self.auto:
+            return False
+        self.costs.append(cost_s)
+        self.step_s = step_s
+        first = self.interval_steps is None
+        self.interval_steps = snapshot_interval(self.cost_s, step_s, self.max_overhead)
+        self.next_step = self.last_taken + self.interval_steps
+        return first
+
+    @property
+    def cost_s(self) -> float:
+        recent = self.costs[-20:]
+        return sum(recent) / max(1, len(recent))
+
+    def describe(self) -> str:
+        return (
+            f"memory snapshot interval (auto): every {self.interval_steps} steps, for a snapshot "
+            f"cost of {1e3 * self.cost_s:.1f} ms and {1e3 * self.step_s:.1f} ms a step "
+            f"(checkpoint.memory.max_overhead={self.max_overhead:g})"
         )

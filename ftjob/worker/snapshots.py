@@ -1,7 +1,8 @@
 """A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.storage.memory`):
 taking snapshots of the training state and restoring one.
 
-Taking: every ``every_n_steps`` steps rank 0 copies the model's and optimizer's tensors (the
+Taking: every ``every_n_steps`` steps (``auto``: the interval :class:`SnapshotCadence` picks
+for the measured cost) rank 0 copies the model's and optimizer's tensors (the
 only part on the training thread: a memory copy, so the next step can change the weights) and
 hands the copy to a background thread, which packs it
 (:func:`~ftjob.storage.memory.format.pack`: each tensor's bytes as an array, the rest as small
@@ -27,6 +28,7 @@ from typing import Any
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
+from ftjob.policy.cadence import SnapshotCadence
 from ftjob.storage.checkpoint import RestoreChoice
 from ftjob.storage.memory.format import Buffer, Flat, Snapshot, digest_all, pack, state_bytes
 from ftjob.storage.memory.holder import RingRef
@@ -58,8 +60,10 @@ class MemoryTier:
         fetch: Callable[[Any], Any],
         log: Callable[[str], None],
     ) -> None:
-        self.holder, self.every, self.cap_mb = holder, config.every_n_steps, config.max_mb
-        self.keep = config.keep
+        self.holder, self.cap_mb, self.keep = holder, config.max_mb, config.keep
+        self.cadence = SnapshotCadence(config.every_n_steps, config.max_overhead)
+        self._copy_s = 0.0  # the last snapshot's time on the training thread
+        self._background_s: float | None = None  # its thread's CPU, until the cadence has it
         self.ring: Ring | bool | None = None  # None: not asked yet; False: snapshots are sent
         self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
@@ -76,7 +80,21 @@ class MemoryTier:
     # -- taking ---------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        return self.enabled and self.rank == 0 and step % self.every == 0
+        if not (self.enabled and self.rank == 0):
+            return False
+        self._plan()
+        return self.cadence.due(step)
+
+    def _plan(self) -> None:
+        """The cadence learns the last snapshot's cost once its background work has ended:
+        the copy on the training thread plus that work's CPU, which on a machine whose cores
+        the step holds (CPU training) is what it takes from training (an upper bound
+        elsewhere). With ``every_n_steps=auto`` the first interval chosen is said."""
+        if self._background_s is None or not self._idle.is_set():
+            return
+        cost, self._background_s = self._copy_s + self._background_s, None
+        if self.cadence.measured(cost, self.metrics.seconds_per_step()):
+            self.log(self.cadence.describe())
 
     def take(
         self, step: int, tensors: dict[str, Any], records: Callable[[], dict[str, Any]]
@@ -112,7 +130,9 @@ class MemoryTier:
             slot = arena = None
             copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
         files_records = records()
-        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, time.perf_counter() - start)
+        self._copy_s = time.perf_counter() - start
+        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, self._copy_s)
+        self.cadence.taken(step)
         self._idle.clear()
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="ftjob-snapshot", daemon=True)
@@ -121,12 +141,14 @@ class MemoryTier:
 
     def _serve(self) -> None:
         while (work := self._work.get()) is not None:
+            cpu = time.thread_time()
             try:
                 self._send(*work)
             except Exception as exc:  # the thread's boundary: it must live on to serve `close`
                 logger.exception("memory tier: a snapshot failed")  # the bug, in the worker log
                 self._turn_off(f"a snapshot failed ({type(exc).__name__}: {exc})")
             finally:
+                self._background_s = time.thread_time() - cpu
                 self._idle.set()
 
     def _open_ring(self, state_size: int) -> Ring | bool:

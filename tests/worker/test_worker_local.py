@@ -10,6 +10,7 @@ end-to-end tests.
 from __future__ import annotations
 
 import io
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,40 @@ def test_with_the_memory_tier_a_failure_loses_one_step_and_the_weights_match_an_
     expected, got = final_weights(clean), final_weights(run)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_memory_snapshots_every_auto_steps_pick_their_interval_from_the_measured_cost(
+    tmp_path: Path,
+):
+    # 10 steps at world 1 on small generated images: the probe snapshot 5 steps in measures
+    # the cost. A share of step time far below that cost makes the interval longer than the
+    # run: the probe is the only snapshot.
+    run = run_digits(
+        tmp_path,
+        "trainer.num_workers=1",
+        "trainer.epochs=1",
+        "dataset=synthetic",
+        "dataset.num_samples=320",
+        "dataset.num_val_samples=64",
+        "dataset.image_size=16",
+        "trainer.checkpoint_every_n_steps=0",  # durable: the end of the epoch only
+        "checkpoint.memory.enabled=true",
+        "checkpoint.memory.every_n_steps=auto",
+        "checkpoint.memory.max_overhead=0.000001",
+    )
+    s, m = run.summary, run.summary["metrics"]
+    assert s["status"] == "succeeded", (s["error"], run.errors)
+    assert m[M.TRAIN_STEPS_COMPLETED] == 10
+    chosen = [line for line in run.lines if line.startswith("memory snapshot interval (auto)")]
+    assert len(chosen) == 1, run.lines  # said once, when chosen
+    found = re.search(
+        r"every (\d+) steps, for a snapshot cost of ([\d.]+) ms and ([\d.]+) ms", chosen[0]
+    )
+    assert found is not None, chosen
+    interval, cost_ms, step_ms = int(found[1]), float(found[2]), float(found[3])
+    # cost / (1e-6 of a step): about a million times the cost-to-step ratio
+    assert cost_ms > 0 and step_ms > 0 and interval >= 0.8e6 * cost_ms / step_ms > 10
+    assert m[M.CHECKPOINT_MEMORY_SNAPSHOTS] == 1 and m[M.CHECKPOINT_MEMORY_SNAPSHOT_TIME] > 0
 
 
 def test_a_diverged_run_stops_as_failed_and_is_not_retried(tmp_path: Path):
