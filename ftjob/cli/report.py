@@ -23,6 +23,7 @@ from ftjob.reporting.outputs import fetch_outputs, outputs_root
 from ftjob.reporting.summary import SUMMARY_FILE, format_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
+    SWEEP_MD,
     build_sweep_report,
     find_job_dirs,
     read_yaml_list,
@@ -99,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.path.isfile(os.path.join(target, SUMMARY_FILE)):
         return summarise_run(target)
+    copied_report = os.path.join(target, SWEEP_MD)
+    if not find_job_dirs(target) and os.path.isfile(copied_report):
+        with open(copied_report) as f:  # a sweep's report copied to storage, without its jobs
+            print(f.read().rstrip("\n"))
+        return 0
     if not find_job_dirs(target):
         print(
             f"ftjob.report: {target}: neither a run dir (no {SUMMARY_FILE}) nor a sweep dir "

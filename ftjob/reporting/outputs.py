@@ -35,10 +35,13 @@ MIRRORED_FILES = (
     SUMMARY_FILE,
     "timeline.png",
     "traceback.txt",
-    "sweep_summary.csv",
+    "sweep_summary.csv",  # a sweep dir's report (ftjob.reporting.sweep)
     "sweep_summary.md",
     "sweep_summary.png",
+    "sweep_goodput.png",
+    "multirun.yaml",
 )
+SWEEPS_DIR = "sweeps"  # under checkpoint.storage_path: a sweep's report, by its sweep dir
 TEXT_SUFFIXES = (".json", ".log", ".yaml", ".txt", ".csv", ".md")
 # The ledger's line for a committed checkpoint: the moment the mirror is brought up to date.
 COMMIT_LINE = re.compile(r"^checkpoint step \d+ committed\b")
@@ -178,11 +181,20 @@ def tee_console(run_dir: str, say: Callable[[str], None]) -> Callable[[str], Non
 # -- reading a run back -------------------------------------------------------------------------
 
 
+def sweep_id(sweep_dir: str) -> str:
+    """A sweep's name in storage: its dir's last two parts (``multirun/DATE/TIME``:
+    ``DATE_TIME``), in letters, digits and ``._-`` only."""
+    parts = [p for p in os.path.abspath(sweep_dir).split(os.sep) if p][-2:]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", "_".join(parts)).lstrip(".") or "sweep"
+
+
 def outputs_root(fs: Any, path: str) -> str | None:
-    """Where a run's outputs are, given the run's directory or its ``outputs/`` folder."""
+    """Where a run's outputs are, given the run's directory or its ``outputs/`` folder (or
+    where a sweep's report was copied)."""
     for candidate in (path.rstrip("/"), posixpath.join(path.rstrip("/"), OUTPUTS_DIR)):
-        if fs.isfile(posixpath.join(candidate, SUMMARY_FILE)):
-            return candidate
+        for marker in (SUMMARY_FILE, "sweep_summary.md"):
+            if fs.isfile(posixpath.join(candidate, marker)):
+                return candidate
     return None
 
 

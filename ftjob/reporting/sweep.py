@@ -14,13 +14,14 @@ import json
 import logging
 import math
 import os
+import posixpath
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ftjob import metrics as M
 from ftjob.config.compose import parse_overrides, sweep_values
@@ -458,6 +459,40 @@ class SweepReportCallback(Callback):
             logger.exception("could not build the sweep report in %s", sweep_dir)
             return
         print(report_text(paths), flush=True)
+        try:
+            said = mirror_sweep_report(config, sweep_dir)
+        # The report is on disk: its copy (a storage client's own errors, a bad key) is said,
+        # never raised past the sweep.
+        except Exception as exc:
+            logger.warning(
+                "the sweep report was not copied to storage: %s: %s", type(exc).__name__, exc
+            )
+            return
+        if said:
+            print(said, flush=True)
+
+
+def mirror_sweep_report(config: DictConfig, sweep_dir: str) -> str | None:
+    """The sweep's report copied to ``<checkpoint.storage_path>/sweeps/<DATE_TIME>/`` (the
+    sweep's storage, when it names one: the jobs' outputs are beside their checkpoints
+    there), through the retrying filesystem; the line that says where, or why not."""
+    from ftjob.config import RetryConfig
+    from ftjob.reporting.outputs import SWEEPS_DIR, OutputsMirror, sweep_id
+    from ftjob.storage.fs import build_filesystem
+
+    node = config.get("checkpoint")
+    plain = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else None
+    if not isinstance(plain, dict) or not plain.get("storage_path"):
+        return None
+    root = str(plain["storage_path"]).rstrip("/")
+    retry = RetryConfig(**dict(plain.get("retry") or {}))
+    fs, path = build_filesystem(root, dict(plain.get("storage_options") or {}), retry)
+    redactor = Redactor(resolved=plain)
+    mirror = OutputsMirror(
+        fs, posixpath.join(path, SWEEPS_DIR, sweep_id(sweep_dir)), sweep_dir, redactor
+    )
+    warning = mirror.close()
+    return warning or f"sweep report copied to {mirror.url}"
 
 
 def report_text(paths: SweepReportPaths) -> str:

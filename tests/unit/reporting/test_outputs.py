@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from ftjob.cli.report import main as report
 from ftjob.config import RetryConfig
@@ -17,6 +19,7 @@ from ftjob.driver.ledger import RunLedger
 from ftjob.record import CheckpointRecord, Progress, RunPlan
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
 from ftjob.reporting.summary import build_summary, write_summary
+from ftjob.reporting.sweep import mirror_sweep_report
 from ftjob.reporting.timeline import draw_timeline
 from ftjob.storage.fs import build_filesystem
 from tests.support.s3 import FAST_RETRY, fresh_s3fs, s3_keys  # noqa: F401 -- fresh_s3fs: autouse
@@ -105,3 +108,45 @@ def test_a_mirror_that_cannot_write_is_said_and_leaves_the_run_dir_alone(
         warning
     )
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
+
+
+def test_a_sweeps_report_is_copied_to_its_storage_and_read_back(
+    s3_endpoint, s3_bucket, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    sweep_dir = tmp_path / "multirun" / "2026-12-04" / "09-10-00"
+    sweep_dir.mkdir(parents=True)
+    (sweep_dir / "sweep_summary.md").write_text("| job | status |\n|---|---|\n| 0 | succeeded |\n")
+    (sweep_dir / "multirun.yaml").write_text(f"key: {SECRET}\n")
+    (sweep_dir / "0").mkdir()  # a job's dir: its outputs go with its own run
+    (sweep_dir / "0" / "summary.json").write_text("{}")
+    storage = {
+        "storage_path": f"s3://{s3_bucket}/runs",
+        "storage_options": {"key": "AKIAIOSFODNN7EXAMPLE", "secret": SECRET},
+    }
+    config = OmegaConf.create({"checkpoint": storage})
+    said = mirror_sweep_report(config, str(sweep_dir))
+    assert said == f"sweep report copied to s3://{s3_bucket}/runs/sweeps/2026-12-04_09-10-00"
+    prefix = "runs/sweeps/2026-12-04_09-10-00/"
+    keys = s3_keys(s3_endpoint, s3_bucket)
+    assert keys == [prefix + "multirun.yaml", prefix + "sweep_summary.md"]
+    fs, _ = build_filesystem(f"s3://{s3_bucket}", {}, FAST_RETRY)
+    assert SECRET not in fs.cat_file(f"{s3_bucket}/{prefix}multirun.yaml").decode()
+    capsys.readouterr()
+    assert report([f"s3://{s3_bucket}/{prefix}"]) == 0
+    assert "| 0 | succeeded |" in capsys.readouterr().out
+    assert mirror_sweep_report(OmegaConf.create({"checkpoint": {}}), str(sweep_dir)) is None
+
+
+def test_the_console_log_is_not_written_twice_when_stdout_already_goes_there(tmp_path, monkeypatch):
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+
+    with open(tmp_path / "console.log", "a") as console:  # a sweep job's stdout (the launcher)
+        monkeypatch.setattr(sys, "stdout", console)
+        assert tee_console(str(tmp_path), say) is say
+    monkeypatch.undo()
+    tee_console(str(tmp_path), say)("a line")
+    assert said == ["a line"] and (tmp_path / "console.log").read_text() == "a line\n"
