@@ -184,18 +184,25 @@ class Flat:
         return cls(_replace(state, is_tensor, marker), buffer, views, regions)
 
     def all_finite(self) -> bool:
-        """No NaN or inf in the floating-point tensors: one sum per dtype's run, in float64
-        (a NaN or inf anywhere makes it NaN or inf); a sum that is not finite is confirmed
-        element by element (float64 values near its limit can overflow their sum)."""
+        """No NaN or inf in the floating-point tensors: one sum per dtype's run (a NaN or inf
+        anywhere makes it NaN or inf), float32 and float64 in their own precision -- a
+        vectorised pass at memory speed, where a float64 sum of float32 converts every element
+        (25x slower: 250 ms of a ResNet-50 state's 200 MB here); 16-bit floats in float32, 8-bit
+        in float64. A sum that is not finite is confirmed element by element (large finite
+        values can overflow their sum)."""
         import torch
 
-        summed = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        accumulate = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
         for dtype, (start, end) in self.regions.items():
             if dtype.is_floating_point:
                 run = self.buffer[start:end].view(dtype)
-                run = run if dtype in summed else run.double()  # float8: no sum of its own
-                finite = bool(run.sum(dtype=torch.float64).isfinite())
-                if not finite and not bool(torch.isfinite(run).all()):
+                if dtype in (torch.float32, torch.float64):
+                    total = run.sum()
+                elif dtype in accumulate:
+                    total = run.sum(dtype=accumulate[dtype])
+                else:  # float8: no sum of its own
+                    total = run.double().sum()
+                if not bool(total.isfinite()) and not bool(torch.isfinite(run).all()):
                     return False
         return True
 

@@ -159,6 +159,9 @@ def test_a_nan_or_inf_in_any_floating_tensor_is_found_and_integers_are_not_check
         }
 
     assert Flat.copy_of(state(torch.zeros(1))).all_finite()
+    # Finite values whose sum overflows (float32's, and float16's limit) are still finite.
+    assert Flat.copy_of(state(torch.full((4,), 3e38))).all_finite()
+    assert Flat.copy_of(state(torch.full((4,), 6e4, dtype=torch.float16))).all_finite()
     for bad in (
         torch.tensor([0.0, float("nan")]),
         torch.tensor([float("-inf")], dtype=torch.bfloat16),
