@@ -32,8 +32,8 @@ DIGEST = "xxh3_128"
 """The checksum of a snapshot's buffers. A digest guards against accidents -- a slot torn by a
 writer that died half-way, overwritten under a reader, or another step's -- not against an
 attacker: the ring is private to the run's processes. XXH3-128 detects those (128 bits; any
-changed byte changes it) at about 1/30 of SHA-256's CPU (benchmarks/snapshot_cost.py: 200 MB in
-~7 ms here, SHA-256 ~190 ms), and it releases the GIL as SHA-256 does. Durable checkpoints keep
+changed byte changes it) at about 1/20 of SHA-256's CPU (benchmarks/snapshot_cost.py: 195 MB in
+8 ms of CPU here, SHA-256 148 ms), and it releases the GIL as SHA-256 does. Durable checkpoints keep
 SHA-256 in their manifests (:mod:`ftjob.storage.checkpoint`): they are read by other programs
 and outlive the run."""
 
