@@ -12,6 +12,7 @@ from ftjob.data.datasets import (
     sample_rng,
 )
 from ftjob.data.folders import IMAGE_EXTENSIONS
+from ftjob.data.parquet import ParquetDataset
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -21,6 +22,7 @@ __all__ = [
     "DigitsDataset",
     "ImageDataset",
     "ImageFolderDataset",
+    "ParquetDataset",
     "SyntheticDataset",
     "sample_rng",
 ]

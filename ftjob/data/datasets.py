@@ -37,6 +37,9 @@ BAD_FILES = ("fail", "skip")  # dataset.bad_files: what a file that does not dec
 MAX_IMAGE_PIXELS = 89_478_485
 GONE = "gone"  # catalog column: rows whose file was removed since the run started
 GONE_REASON = "removed from the dataset since the run started"
+# Catalog schema metadata: the catalog's fingerprint (JSON) as its dataset states it -- its
+# sources, shard by shard -- kept in every checkpoint instead of a hash of every column.
+SOURCES = b"ftjob.sources"
 
 
 class DataError(RuntimeError):

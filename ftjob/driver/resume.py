@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from ftjob.config import RESUME_AUTO, JobConfig, fsspec_protocol, to_plain
-from ftjob.data.datasets import GONE
+from ftjob.data.datasets import GONE, SOURCES
 from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
 from ftjob.storage.lease import LEASE_DIR
 
@@ -98,7 +98,13 @@ def catalog_fingerprint(table: pa.Table, num_classes: int) -> dict[str, Any]:
     of every column (ids, labels, sources). Source paths are hashed relative to their common
     root, so a dataset copied to another place is the same dataset. The ``gone`` marks of
     rows removed since the run started (:mod:`ftjob.driver.started_catalog`) are not part of
-    it: those rows keep their places."""
+    it: those rows keep their places. A catalog whose dataset states its sources (Parquet
+    shards: names, sizes, rows; :data:`~ftjob.data.datasets.SOURCES`) is remembered by them,
+    so a resume diffs them one by one."""
+    sources = (table.schema.metadata or {}).get(SOURCES)
+    if sources is not None:
+        stated = json.loads(sources)
+        return {"train_rows": table.num_rows, **stated, "num_classes": int(num_classes)}
     digest = hashlib.sha256()
     for name in sorted(set(table.column_names) - {GONE}):
         values = table.column(name).to_pylist()

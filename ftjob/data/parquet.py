@@ -1,0 +1,349 @@
+"""Parquet shards of encoded images (``dataset=parquet``, ``dataset=imagenet_parquet``).
+
+A split is a folder of ``*.parquet`` shards (at any depth under ``{path}/{train_dir}``), each
+row an encoded image and a label: Ray's ImageNet benchmark layout (``image`` = JPEG bytes,
+``label`` = class id string) and Hugging Face's (``image`` = struct ``{bytes, path}``,
+integer ``label``) without conversion.
+
+The catalog comes from the shards' footers and their label columns alone: a sample is the
+position ``(shard, row group, row)``, so building it, planning an epoch and skipping ahead read
+no image bytes. Decoding a block of samples reads the image column (projection) of only the row
+groups its rows are in, each once, with the footer each process read once per shard. A changed
+shard (list, sizes, row counts) changes the train fingerprint, which a resume refuses with the
+diff; a row whose bytes do not decode, or that has no label, is a bad row under
+``dataset.bad_files``, named by shard and row.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ftjob.config import ConfigError
+from ftjob.data.datasets import (
+    MAX_IMAGE_PIXELS,
+    SOURCES,
+    TRAIN,
+    VAL,
+    BadFile,
+    DataError,
+    ImageFolderDataset,
+    _reason,
+    sample_rng,
+)
+from ftjob.data.folders import is_local, names
+from ftjob.data.shards import (
+    Shard,
+    ShardLabels,
+    check_parquet_args,
+    class_ids,
+    class_names,
+    image_field,
+    label_kind,
+    list_shards,
+    no_readahead,
+    read_footer,
+    read_group_images,
+    read_labels,
+)
+
+SHARD, GROUP, ROW = "shard", "group", "row"  # catalog columns: a sample's position
+NO_LABEL = "no_label"  # catalog column: a row without a label (bad_files=skip)
+FOOTER_THREADS = 16  # footers and label columns read concurrently (object stores)
+NO_LABEL_REASON = "no label (the label column is null)"
+
+
+class ParquetDataset(ImageFolderDataset):
+    """Images stored as encoded bytes in Parquet shards, ``{path}/{train_dir}/**.parquet`` and
+    ``{path}/{val_dir}/**.parquet``, on any fsspec URL; decoded with the image keys and
+    transforms of :class:`ImageFolderDataset`.
+
+    Labels (``label_kind``): ``int`` -- the column holds class ids; ``classes`` -- strings
+    mapped through ``classes`` (the list's order is the class id); ``sorted`` -- strings mapped
+    through the sorted set of the training split's values (ImageNet's wnids sort to its class
+    ids); ``auto`` -- ``int`` for an integer column, else ``classes`` when given, else
+    ``sorted``."""
+
+    def __init__(
+        self,
+        path: str,
+        train_dir: str = TRAIN,
+        val_dir: str = VAL,
+        image_size: int = 224,
+        resize_size: int = 256,
+        augment: bool = True,
+        num_classes: int | None = None,
+        mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+        std: tuple[float, ...] = (0.5, 0.5, 0.5),
+        storage_options: dict[str, Any] | None = None,
+        bad_files: str = "fail",
+        max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+        image_column: str = "image",
+        label_column: str = "label",
+        label_kind: str = "auto",
+        classes: list[str] | None = None,
+    ) -> None:
+        self.check_args(
+            image_size=image_size,
+            resize_size=resize_size,
+            num_classes=num_classes,
+            mean=mean,
+            std=std,
+            bad_files=bad_files,
+            max_image_pixels=max_image_pixels,
+            image_column=image_column,
+            label_column=label_column,
+            label_kind=label_kind,
+            classes=classes,
+        )
+        super().__init__(
+            path,
+            train_dir,
+            val_dir,
+            image_size,
+            resize_size,
+            augment,
+            num_classes,
+            mean,
+            std,
+            storage_options,
+            bad_files,
+            max_image_pixels,
+        )
+        self.image_column, self.label_column = image_column, label_column
+        self.label_kind = label_kind
+        self.class_list = list(classes) if classes is not None else None
+        self._shards: dict[str, list[Shard]] = {}
+        self._read: dict[str, list[ShardLabels]] = {}
+        self._footers: dict[str, pq.FileMetaData] = {}  # per process: decode's footer cache
+        self._image_field: str | None = None  # "image" or "image.bytes" (a struct)
+
+    @classmethod
+    def check_args(cls, **kwargs: Any) -> None:
+        kwargs.setdefault("follow_links", False)
+        super().check_args(**kwargs)
+        check_parquet_args(kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        return {**state, "_shards": {}, "_read": {}, "_footers": {}}
+
+    # -- listing and the catalog (driver) -----------------------------------------------
+
+    def _split_dir(self, split: str) -> str:
+        return self.train_dir if split == TRAIN else self.val_dir
+
+    def shards(self, split: str) -> list[Shard]:
+        """The split's shards (:func:`~ftjob.data.shards.list_shards`), listed once."""
+        if split in self._shards:
+            return self._shards[split]
+        root = self._root(split)
+        shards, hidden = list_shards(self.fs, root)
+        folder = self._split_dir(split)
+        if hidden:
+            self._notes.setdefault(split, []).append(
+                f"dataset.path={self.path}: skipped {len(hidden)} hidden shard(s) under "
+                f"{folder}/ (e.g. {hidden[0]}): a name starting with '.' or '_' is not a shard"
+            )
+        if not shards:
+            raise FileNotFoundError(
+                f"dataset.path={self.path!r}: no Parquet shards under {split} folder {root!r}; "
+                f"expected {self.path}/{folder}/<shard>.parquet"
+            )
+        self._shards[split] = shards
+        return shards
+
+    def _read_split(self, split: str) -> list[ShardLabels]:
+        """Every shard's footer and labels, read concurrently on object stores."""
+        if split not in self._read:
+            columns = {"image_column": self.image_column, "label_column": self.label_column}
+
+            def read(shard: Shard) -> ShardLabels:
+                try:
+                    return read_labels(self.fs, shard, columns, self._url(shard.path))
+                except ConfigError:
+                    raise
+                except ValueError as exc:
+                    raise ValueError(f"dataset.path={self.path!r}: {exc}") from exc
+
+            threads = 1 if is_local(self.fs) else FOOTER_THREADS
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                self._read[split] = list(pool.map(read, self.shards(split)))
+        return self._read[split]
+
+    def _kind(self) -> str:
+        label_type = self._read_split(TRAIN)[0].labels.type
+        return label_kind(self.label_kind, label_type, self.class_list)
+
+    @property
+    def classes(self) -> list[str]:
+        if self._classes is None:
+            self._classes = self._class_names()
+            declared = self.declared_classes
+            if declared is not None and len(self._classes) != declared:
+                raise ConfigError(
+                    "dataset.num_classes",
+                    declared,
+                    f"{self.path} has {len(self._classes)} classes in the label column "
+                    f"{self.label_column!r} of {self.train_dir}/ ({names(self._classes)}): set "
+                    f"dataset.num_classes={len(self._classes)}, or null to count them",
+                )
+        return self._classes
+
+    def _class_names(self) -> list[str]:
+        kind = self._kind()
+        if kind == "classes":
+            assert self.class_list is not None
+            return list(self.class_list)
+        return class_names(kind, self._read_split(TRAIN), self.declared_classes)
+
+    def catalog(self, split: str) -> pa.Table:
+        shards, read = self.shards(split), self._read_split(split)
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("label", SHARD, GROUP, ROW)}
+        for k, (shard, got) in enumerate(zip(shards, read, strict=True)):
+            rows = int(got.groups.sum())
+            where = f"dataset.path={self.path!r}: shard {self._url(shard.path)} ({split})"
+            ids = class_ids(got.labels, self._kind(), self.classes, where)
+            parts["label"].append(ids)
+            parts[SHARD].append(np.full(rows, k, dtype=np.int32))
+            parts[GROUP].append(np.repeat(np.arange(len(got.groups), dtype=np.int32), got.groups))
+            parts[ROW].append(np.arange(rows, dtype=np.int64))
+        labels = np.concatenate(parts["label"])
+        missing = labels < 0
+        if missing.any():
+            first = int(np.flatnonzero(missing)[0])
+            shard = shards[int(np.concatenate(parts[SHARD])[first])]
+            row = int(np.concatenate(parts[ROW])[first])
+            if self.bad_files != "skip":
+                raise ValueError(
+                    f"dataset shard {self._url(shard.path)} row {row} ({split}): "
+                    f"{NO_LABEL_REASON}; {int(missing.sum())} row(s) of {split} have none: fix "
+                    "the shards, or set dataset.bad_files=skip"
+                )
+        index = pa.array(np.concatenate(parts[SHARD]))
+        columns: dict[str, Any] = {
+            "id": np.arange(len(labels), dtype=np.int64),
+            "label": np.where(missing, 0, labels),
+            SHARD: pa.DictionaryArray.from_arrays(index, pa.array([s.path for s in shards])),
+            GROUP: np.concatenate(parts[GROUP]),
+            ROW: np.concatenate(parts[ROW]),
+        }
+        if missing.any():
+            columns[NO_LABEL] = missing
+        table = pa.table(columns)
+        stated = json.dumps(self._sources(table, shards, read)).encode()
+        return table.replace_schema_metadata({SOURCES: stated})
+
+    def _sources(
+        self, table: pa.Table, shards: list[Shard], read: list[ShardLabels]
+    ) -> dict[str, Any]:
+        """The split as a checkpoint remembers it (the train fingerprint): a hash of the labels
+        and positions, and every shard's name, row count and size -- a resume diffs shard by
+        shard. Names are under the split folder: a copy elsewhere is the same data."""
+        digest = hashlib.sha256()
+        for name in ("label", GROUP, ROW):
+            digest.update(name.encode() + np.ascontiguousarray(table.column(name)).tobytes())
+        out: dict[str, Any] = {"train_sha256": digest.hexdigest()[:32], "shards": len(shards)}
+        for shard, got in zip(shards, read, strict=True):
+            out[f"shard {shard.name}"] = f"{int(got.groups.sum())} rows, {shard.size} bytes"
+        return out
+
+    def catalog_notes(self) -> list[str]:
+        notes: list[str] = []
+        for split in (TRAIN, VAL):
+            self.shards(split)
+            notes.extend(self._notes.get(split, []))
+        return notes
+
+    # -- decoding (workers, Ray Data tasks) ---------------------------------------------
+
+    def _footer(self, path: str) -> pq.FileMetaData:
+        if path not in self._footers:
+            size = int(self.fs.size(path))
+            with self.fs.open(path, "rb", **no_readahead(self.fs)) as f:
+                self._footers[path] = read_footer(f, size)
+        return self._footers[path]
+
+    def _group_images(self, path: str, group: int) -> list[Any]:
+        meta = self._footer(path)
+        if self._image_field is None:
+            self._image_field = image_field(meta, self.image_column)
+        return read_group_images(self.fs, path, meta, group, self._image_field)
+
+    def _where(self, path: str, row: int, group: int) -> str:
+        return f"dataset shard {self._url(path)} row {row} (row group {group})"
+
+    def _group_start(self, path: str, group: int) -> int:
+        meta = self._footer(path)
+        return sum(meta.row_group(g).num_rows for g in range(group))
+
+    def _row_image(self, data: Any, where: str, train: bool, rng: np.random.Generator) -> Any:
+        if data is None:
+            raise DataError(
+                f"{where} has no image bytes (the image column is null): fix the shard, or "
+                "set dataset.bad_files=skip"
+            )
+        try:
+            return self._transform(data, train, rng)
+        except MemoryError:
+            raise
+        except Exception as exc:  # decoding bytes in memory: the same every time
+            raise DataError(
+                f"{where} cannot be decoded as an image ({_reason(exc)}): fix the shard, or "
+                "set dataset.bad_files=skip"
+            ) from exc
+
+    def decode_batch(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        train = split == TRAIN
+        paths, groups, shard_rows = rows[SHARD], rows[GROUP], rows[ROW]
+        no_label = rows.get(NO_LABEL)
+        skipped = np.zeros(len(paths), bool) if no_label is None else np.asarray(no_label, bool)
+        skipped = skipped.copy()
+        # Each row group this block needs is read once (its image column only).
+        wanted = {(str(p), int(g)) for p, g, s in zip(paths, groups, skipped, strict=True) if not s}
+        images_of = {key: self._group_images(*key) for key in sorted(wanted)}
+        starts = {key: self._group_start(*key) for key in wanted}
+        size = self.image_size
+        images = np.zeros((len(paths), size, size, 3), dtype=np.uint8)
+        for k in range(len(paths)):
+            if skipped[k]:
+                continue
+            key = (str(paths[k]), int(groups[k]))
+            row = int(shard_rows[k])
+            data = images_of[key][row - starts[key]]
+            rng = sample_rng(seed, epoch, int(rows["id"][k]))
+            try:
+                images[k] = self._row_image(data, self._where(key[0], row, key[1]), train, rng)
+            except DataError:
+                if self.bad_files != "skip":
+                    raise
+                skipped[k] = True  # the same row fails the same way on every attempt
+        return np.ascontiguousarray(images.transpose(0, 3, 1, 2)), skipped  # uint8 NCHW
+
+    def check_row(self, row: dict[str, Any]) -> str | None:
+        """Why one catalog row cannot be a sample (decoded as validation decodes it), or None."""
+        if row.get(NO_LABEL):
+            return NO_LABEL_REASON
+        path, group = str(row[SHARD]), int(row[GROUP])
+        data = self._group_images(path, group)[int(row[ROW]) - self._group_start(path, group)]
+        try:
+            self._row_image(data, "", False, np.random.default_rng(0))
+        except DataError as exc:
+            cause = exc.__cause__
+            return _reason(cause) if cause is not None else "no image bytes"
+        return None
+
+    def bad_file(self, row: dict[str, Any]) -> BadFile:
+        where = f"{self._url(str(row[SHARD]))} row {int(row[ROW])}"
+        return BadFile(where, self.check_row(row) or "did not decode")
+
+    def describe(self) -> str:
+        return f"ParquetDataset({self.path})"

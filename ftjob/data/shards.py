@@ -1,0 +1,230 @@
+"""Parquet shards as :class:`ftjob.data.parquet.ParquetDataset` reads them: listed by exact name,
+their footers and label columns read without a byte of the image column (the catalog), one row
+group's image column read for a decode, and labels turned into class ids."""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ftjob.config import ConfigError
+from ftjob.data.datasets import _dataset_rule, _reason
+from ftjob.data.folders import is_local, names
+
+LABEL_KINDS = ("auto", "int", "classes", "sorted")
+SHARD_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One listed shard: its path on the filesystem, its name under the split folder, size."""
+
+    path: str
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ShardLabels:
+    """What a shard's footer and label column give the catalog."""
+
+    groups: np.ndarray  # rows per row group
+    labels: pa.Array  # the label column, as stored
+    hf_names: list[str] | None  # the label's ClassLabel names (Hugging Face), if kept
+
+
+def check_parquet_args(kwargs: dict[str, Any]) -> None:
+    """The keys ``dataset=parquet`` adds to the image keys: columns and labels."""
+    for key in ("image_column", "label_column"):
+        value = kwargs.get(key, "x")
+        _dataset_rule(
+            isinstance(value, str) and bool(value), key, kwargs, "must name a column of the shards"
+        )
+    kind = kwargs.setdefault("label_kind", "auto")
+    _dataset_rule(
+        kind in LABEL_KINDS,
+        "label_kind",
+        kwargs,
+        "must be auto, int (class ids), classes (strings mapped through dataset.classes) "
+        "or sorted (strings mapped through their sorted set)",
+    )
+    classes = kwargs.get("classes")
+    _dataset_rule(
+        classes is None or (len(classes) >= 2 and len(set(classes)) == len(classes)),
+        "classes",
+        kwargs,
+        "must list at least 2 distinct class names (the label strings, in class-id order), "
+        "or be null",
+    )
+    _dataset_rule(
+        kind != "classes" or classes is not None,
+        "label_kind",
+        kwargs,
+        "classes needs dataset.classes: the label strings in class-id order",
+    )
+
+
+def no_readahead(fs: Any) -> dict[str, Any]:
+    """Open options that read exactly the ranges asked (object stores read ahead in blocks of
+    megabytes by default: image bytes the catalog never needs)."""
+    return {} if is_local(fs) else {"cache_type": "none"}
+
+
+def list_shards(fs: Any, root: str) -> tuple[list[Shard], list[str]]:
+    """The shards under ``root``, sorted by name: every ``*.parquet`` file at any depth, by its
+    exact name (never glob-expanded); and the hidden ones left out (``.x``, ``_SUCCESS``...)."""
+    try:
+        found = fs.find(root, detail=True)
+    except FileNotFoundError:
+        found = {}
+    shards, hidden = [], []
+    for full, info in sorted(found.items()):
+        name = posixpath.relpath(full, root)
+        if not name.lower().endswith(SHARD_SUFFIXES):
+            continue
+        if any(part.startswith((".", "_")) for part in name.split("/")):
+            hidden.append(name)
+        else:
+            shards.append(Shard(full, name, int(info.get("size") or 0)))
+    return shards, hidden
+
+
+def read_footer(f: Any, size: int) -> pq.FileMetaData:
+    """A shard's footer from its last bytes alone: the 8-byte tail (length, ``PAR1``), then the
+    footer itself -- two small reads. pyarrow's own reader fetches the last 64 KiB, which on a
+    small shard is image bytes too."""
+    f.seek(size - 8)
+    tail = f.read(8)
+    length, magic = struct.unpack("<i4s", tail)
+    if magic != b"PAR1" or not 0 < length <= size - 12:
+        raise ValueError("not a Parquet file (no PAR1 footer)")
+    f.seek(size - 8 - length)
+    footer = f.read(length)
+    return pq.read_metadata(io.BytesIO(b"PAR1" + footer + tail))
+
+
+def hf_names(meta: pq.FileMetaData, label_column: str) -> list[str] | None:
+    """The class names a Hugging Face dataset keeps in its schema (a ClassLabel), or None."""
+    raw = (meta.metadata or {}).get(b"huggingface")
+    try:
+        label = json.loads(raw)["info"]["features"][label_column]
+        return [str(n) for n in label["names"]]
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> ShardLabels:
+    """One shard's footer and label column (its column chunks only: no image bytes).
+    ``columns``: ``{"image_column": name, "label_column": name}``; ``url``: the shard as
+    messages name it."""
+    label_column = columns["label_column"]
+    try:
+        with fs.open(shard.path, "rb", **no_readahead(fs)) as f:
+            meta = read_footer(f, shard.size)
+            have = meta.schema.to_arrow_schema().names
+            for key, column in columns.items():
+                if column not in have:
+                    raise ConfigError(
+                        f"dataset.{key}",
+                        column,
+                        f"is not a column of shard {url} (its columns: {names(have)})",
+                    )
+            table = pq.ParquetFile(f, metadata=meta, pre_buffer=False).read(columns=[label_column])
+    except (ConfigError, FileNotFoundError, PermissionError):
+        raise
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise ValueError(
+            f"shard {url} cannot be read as Parquet ({_reason(exc)}): remove or replace it"
+        ) from exc
+    groups = np.array(
+        [meta.row_group(g).num_rows for g in range(meta.num_row_groups)], dtype=np.int64
+    )
+    return ShardLabels(groups, table.column(0).combine_chunks(), hf_names(meta, label_column))
+
+
+def image_field(meta: pq.FileMetaData, image_column: str) -> str:
+    """The image column to read, or its ``bytes`` field when it is a struct (Hugging Face)."""
+    kind = meta.schema.to_arrow_schema().field(image_column).type
+    nested = pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0
+    return f"{image_column}.bytes" if nested else image_column
+
+
+def read_group_images(fs: Any, path: str, meta: pq.FileMetaData, group: int, field: str) -> list:
+    """The encoded images of one row group: its image column chunk, nothing else."""
+    with fs.open(path, "rb", **no_readahead(fs)) as f:
+        column = (
+            pq.ParquetFile(f, metadata=meta, pre_buffer=False)
+            .read_row_group(group, columns=[field])
+            .column(0)
+            .combine_chunks()
+        )
+    if pa.types.is_struct(column.type):
+        column = column.field("bytes")
+    return column.to_pylist()
+
+
+def label_kind(kind: str, label_type: pa.DataType, class_list: list[str] | None) -> str:
+    """``dataset.label_kind`` with ``auto`` decided by the column's type."""
+    if kind != "auto":
+        return kind
+    if pa.types.is_integer(label_type):
+        return "int"
+    return "classes" if class_list is not None else "sorted"
+
+
+def class_names(kind: str, read: list[ShardLabels], declared: int | None) -> list[str]:
+    """The classes of ``int`` or ``sorted`` labels (the training split's shards): for ``int``,
+    ``declared`` ids, else a Hugging Face ClassLabel's names, else ids up to the largest."""
+    values = [s.labels for s in read]
+    if kind == "sorted":
+        unique = pc.unique(pa.chunked_array(values).cast(pa.string())).drop_null()
+        return sorted(unique.to_pylist())
+    if not pa.types.is_integer(values[0].type):
+        raise ConfigError(
+            "dataset.label_kind",
+            kind,
+            f"the label column holds {values[0].type}, not class ids: use sorted (or classes "
+            "with dataset.classes)",
+        )
+    if declared is not None:
+        return [str(i) for i in range(declared)]
+    if read[0].hf_names is not None:
+        return read[0].hf_names
+    top = max((pc.max(v).as_py() or 0) for v in values)
+    return [str(i) for i in range(int(top) + 1)]
+
+
+def class_ids(labels: pa.Array, kind: str, classes: list[str], where: str) -> np.ndarray:
+    """Class ids of one shard's labels; -1 where a row has none (null; a negative id, as
+    Hugging Face's -1 of an unlabelled split). A label outside the classes is refused,
+    ``where`` (the shard) named."""
+    if kind == "int":
+        ids = labels.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+        ids = np.where(ids < 0, -1, ids)
+        out = ids[ids >= len(classes)]
+        if len(out):
+            raise ValueError(
+                f"{where} has label {int(out[0])}, outside the {len(classes)} classes "
+                f"0..{len(classes) - 1}: set dataset.num_classes, or fix the shard"
+            )
+        return ids
+    index = pc.index_in(labels.cast(pa.string()), value_set=pa.array(classes))
+    unknown = pc.and_(pc.is_null(index), pc.is_valid(labels))
+    if pc.any(unknown).as_py():
+        value = labels.filter(unknown)[0].as_py()
+        rule = (
+            "dataset.classes does not list it"
+            if kind == "classes"
+            else "the training split has no such label"
+        )
+        raise ValueError(f"{where} has label {value!r}, not a class: {rule}")
+    return index.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
