@@ -1,8 +1,8 @@
 """ftjob's own Ray actors and tasks pinned to one node.
 
-The run's ledger, the chaos killer and the snapshot holder live on the driver's node, and a
-kill or a node reaper on its target's: placed anywhere else they could die with a worker node,
-or hit the wrong one. So they are pinned (``soft=False``: never scheduled elsewhere, even when
+The run's ledger and the chaos killer live on the driver's node, a node's snapshot holder on
+that node, and a kill or a node reaper on its target's: placed anywhere else they could die with
+a worker node, or hit the wrong one. So they are pinned (``soft=False``: never scheduled elsewhere, even when
 their node is busy or gone), take no CPU (the node's CPUs are the training's), and are never
 restarted or retried (a restarted ledger or holder would have lost its state; a retried kill
 would kill twice).

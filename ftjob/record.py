@@ -136,6 +136,15 @@ class Tier(Choice):
     memory = "memory"
 
 
+class Holder(Choice):
+    """Which copy a restore read: this node's snapshot holder, a surviving peer node's, or
+    (no snapshot) storage."""
+
+    local = "local"
+    peer = "peer"
+    storage = "storage"
+
+
 class RunStatus(Choice):
     """How a run ended (summary.json ``status``)."""
 
@@ -190,6 +199,7 @@ class Restore(Record):
     skip: float = 0.0  # moving the data iterator to the position
     skipped: tuple[Fallback, ...] = ()
     tier: Tier = Tier.storage
+    holder: Holder | None = optional()  # local | peer (tier memory) | storage
 
 
 @dataclass(frozen=True)

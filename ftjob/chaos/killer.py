@@ -130,6 +130,7 @@ class KillerActor:
             at_steps=list(chaos.at_steps),
             notice=notice,
             slowdown=chaos.slowdown,
+            target=chaos.target,
             execute=lambda kind, target: _ray_kill(kind, target, notice),
             confirm=lambda target: _node_gone(target, 60.0 + notice),
         )

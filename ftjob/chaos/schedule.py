@@ -64,14 +64,18 @@ def eligible_targets(
     return [w for w in workers if w.node_id not in protected_nodes]  # node, preempt
 
 
-def choose_target(kind: str, workers: list[WorkerPlace], rng: random.Random) -> KillTarget:
-    """A node (all its training workers die) or one training worker process."""
+def choose_target(
+    kind: str, workers: list[WorkerPlace], rng: random.Random, target: str = "any"
+) -> KillTarget:
+    """A node (all its training workers die) or one training worker process: at random, or
+    (``target="rank0"``) rank 0's when it may be hit."""
+    chosen = [w for w in workers if w.rank == 0] if target == "rank0" else []
     if kind in NODE_KINDS:
-        nodes = sorted({w.node_id for w in workers})
+        nodes = sorted({w.node_id for w in chosen or workers})
         node = rng.choice(nodes)
         ranks = tuple(w.rank for w in workers if w.node_id == node and w.rank is not None)
         return KillTarget(node_id=node, ranks=ranks)
-    worker = rng.choice(sorted(workers, key=lambda w: w.rank or 0))
+    worker = rng.choice(sorted(chosen or workers, key=lambda w: w.rank or 0))
     return KillTarget(node_id=worker.node_id, pid=worker.pid, rank=worker.rank)
 
 
@@ -122,6 +126,7 @@ class ChaosKiller:
         at_steps: list[int] | None = None,
         notice: float = 30.0,
         slowdown: float = 0.5,
+        target: str = "any",
         execute: Callable[[str, KillTarget], int],
         confirm: Callable[[KillTarget], bool] = lambda target: True,
         clock: Callable[[], float] = time.time,
@@ -131,6 +136,7 @@ class ChaosKiller:
         self.schedule, self.kind, self.ledger = schedule, kind, ledger
         self.at_steps = sorted(at_steps or [])
         self.notice, self.slowdown = notice, slowdown
+        self.target = target  # chaos.target
         self.protected = set(protected_nodes)
         self.execute, self.confirm = execute, confirm
         self.clock = clock
@@ -207,7 +213,7 @@ class ChaosKiller:
                 "or more nodes give it one)",
             )
             return
-        target = choose_target(self.kind, targets, self.rng)
+        target = choose_target(self.kind, targets, self.rng, self.target)
         now = self.clock()
         record = Kill(time=now, kind=self.kind, target=target, attempt=attempt)
         if self.kind == "preempt":  # the drain is the notice; the node goes at the deadline

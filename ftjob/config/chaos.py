@@ -21,6 +21,13 @@ class ChaosKind(Choice):
     slow = "slow"  # one training worker sleeps part of every step
 
 
+class ChaosTarget(Choice):
+    """``chaos.target``: which rank, or whose node, a kill hits."""
+
+    any = "any"  # chosen at random (chaos.seed)
+    rank0 = "rank0"  # rank 0, or rank 0's node: the rank that writes checkpoints
+
+
 NODE_KINDS = (ChaosKind.node, ChaosKind.preempt)  # chaos that takes a whole node away
 WORKER_KINDS = (ChaosKind.worker, ChaosKind.hang, ChaosKind.slow)  # hits one training worker
 # The next window waits for a restart.
@@ -64,6 +71,7 @@ class StorageChaosConfig:
 class ChaosConfig:
     _group: ClassVar[str] = "chaos"
     kind: ChaosKind = ChaosKind.none
+    target: ChaosTarget = ChaosTarget.any
     interval: float = 480.0
     max_kills: int = 0
     start_delay: float = 0.0

@@ -76,9 +76,10 @@ def check_error_rules(rules: list[str] | tuple[str, ...], key: str) -> None:
 @dataclass
 class MemoryConfig:
     """The memory tier (``checkpoint.memory``): snapshots of the training state held in memory
-    by a process that outlives the workers (on the driver's node), restored after a failure,
-    preemption or resize when newer than the newest durable checkpoint. Durable checkpoints are
-    unchanged; a run's final checkpoint is always durable. See :mod:`ftjob.storage.memory`."""
+    by a process on every node that runs training ranks, outliving the workers (and, where the
+    cluster lives on, the driver), restored after a failure, preemption or resize when newer
+    than the newest durable checkpoint. Durable checkpoints are unchanged; a run's final
+    checkpoint is always durable. See :mod:`ftjob.storage.memory`."""
 
     _group: ClassVar[str] = "checkpoint.memory"
     enabled: bool = False
@@ -96,6 +97,10 @@ class MemoryConfig:
     """Memory the held snapshots may take; a state bigger than this turns the tier off for
     the run, with one line. On the holder's machine its ring takes ``keep + 1`` slots of about
     the state's size up front; where they do not fit, snapshots are sent through Ray."""
+    orphan_timeout_s: float = 300.0
+    """How long a node's holder outlives a driver that stopped claiming it (a driver killed
+    with the cluster kept): the next driver of the run restores from it within this time;
+    after it the holder releases its memory. A run that ends releases its holders at once."""
     max_overhead: float = 0.02
     """With ``every_n_steps=auto``: the fraction of step time snapshots may cost (the copy on
     the training thread, and the background thread's CPU)."""
@@ -119,6 +124,13 @@ class MemoryConfig:
         )
         at_least(self, "keep", 1)
         require(self.max_mb > 0, self._group, "max_mb", self.max_mb, "must be > 0 MB")
+        require(
+            self.orphan_timeout_s > 0,
+            self._group,
+            "orphan_timeout_s",
+            self.orphan_timeout_s,
+            "must be > 0 seconds (how long held snapshots wait for the run's next driver)",
+        )
 
 
 # ``async`` is a Python keyword, so this Choice is built by call rather than by class body.

@@ -37,6 +37,7 @@ from ftjob.driver.cluster import (
     cluster,
     probe_cluster,
 )
+from ftjob.driver.holders import held_snapshots
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
 from ftjob.driver.resume import (
@@ -497,7 +498,7 @@ def _train_on_cluster(
     Returns the ledger's final snapshot and how fit() ended."""
     interrupted = preempted = False
     stop.stage = "starting the cluster"
-    with cluster(job) as local:
+    with cluster(job) as local, contextlib.ExitStack() as run_actors:
         import ray
 
         stop.install()  # ray.init put its own SIGTERM handler in
@@ -509,10 +510,12 @@ def _train_on_cluster(
             )
         stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
+        memory = job.checkpoint.memory  # released before the cluster stops, after the run
+        holders = run_actors.enter_context(held_snapshots(prep.name, memory, prep.continues, echo))
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
-            target=_fit, args=(job, prep, ledger, outcome), name="ftjob-fit", daemon=True
+            target=_fit, args=(job, prep, ledger, outcome, holders), name="ftjob-fit", daemon=True
         )
         stop.training = True  # from now on SIGTERM is a preemption notice
         fit_thread.start()
@@ -604,7 +607,9 @@ def _torch_trainer() -> Any:
     return FtjobTorchTrainer
 
 
-def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -> None:
+def _fit(
+    job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any], holders: Any = None
+) -> None:
     """Runs TorchTrainer.fit() (on a thread: the main thread services the local cluster)."""
     import ray
     import ray.train
@@ -612,16 +617,15 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any]) -
     from ftjob.driver.drains import drain_relay
     from ftjob.driver.ledger import failure_watch
     from ftjob.driver.scaling import elastic_policy
-    from ftjob.storage.memory import start_holder
     from ftjob.worker.loop import train_loop
 
-    t, memory = job.trainer, job.checkpoint.memory
+    t = job.trainer
     spec = worker_spec(
         job,
         prep,
         ledger,
         {split: ray.put(table) for split, table in prep.catalogs.items()},
-        start_holder(memory.max_mb, memory.keep) if memory.enabled else None,
+        holders,
     )
     # Ray Train's controller polls its workers this often: it bounds how late a failure is
     # noticed and how long a ray.train.report waits for the previous one to be taken.

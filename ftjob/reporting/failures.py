@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ftjob import metrics as M
-from ftjob.record import Attempt, FirstStep, Notice, RunSnapshot
+from ftjob.record import Attempt, FirstStep, Notice, Restore, RunSnapshot, Tier
 from ftjob.reporting.resizes import ended_by_resize
 
 PREEMPTION = "preemption"  # the kind of a failure record that a notice came before
@@ -109,6 +109,7 @@ def _recovery(
         "restored_step": restored_step,
         "checkpoint": restored.path if restored else None,
         "tier": restored.tier.value if restored else None,  # storage | memory
+        "holder": _holder(restored),  # local | peer | storage
         "fallbacks": [fb.to_json() for fb in restored.skipped] if restored else [],
         **parts,
         "restoration_s": sum(parts.values()),
@@ -119,6 +120,16 @@ def _recovery(
         "phases": _start_phases(snap, nxt.index, first),
         "lost_window_s": _lost_window(snap, attempt, restored_step, t0),
     }
+
+
+def _holder(restored: Restore | None) -> str | None:
+    """Which copy the restore read: local | peer (a memory snapshot), storage; None for no
+    restore, or a memory restore recorded without it."""
+    if restored is None:
+        return None
+    if restored.holder is not None:
+        return restored.holder.value
+    return "storage" if restored.tier == Tier.storage else None
 
 
 def _lost_window(

@@ -341,7 +341,8 @@ class RestoreChoice:
     """What rank 0 chose to restore, as every rank receives it: a durable checkpoint (rank 0
     downloaded and verified it into ``local_dir``; what a newer one did not verify is in
     ``set_aside``) or a memory snapshot (``digests``: rank 0's, which every rank's copy must
-    match)."""
+    match; ``node``: the node whose holder rank 0 read it from, which every rank can fetch
+    it from when its own node's holder has no such copy)."""
 
     step: int
     path: str
@@ -349,6 +350,7 @@ class RestoreChoice:
     local_dir: str | None = None
     set_aside: tuple[dict[str, Any], ...] = ()
     digests: tuple[tuple[str, str], ...] = ()
+    node: str | None = None
 
 
 @dataclass

@@ -31,10 +31,11 @@ from typing import Any
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.record import CheckpointRecord, Fallback, JitCheckpoint, Restore, Tier
+from ftjob.record import CheckpointRecord, Fallback, Holder, JitCheckpoint, Restore, Tier
 from ftjob.storage.checkpoint import CheckpointStore, RestoreChoice
 from ftjob.storage.lease import LeaseLost
 from ftjob.storage.memory.format import unpack
+from ftjob.worker.node_holders import BUFFERS_SUFFIX
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.snapshots import MemoryTier
 from ftjob.worker.uploads import (
@@ -86,6 +87,23 @@ class Restored:
     load_s: float
     skipped: list[dict[str, Any]] = field(default_factory=list)
     tier: str = "storage"  # or "memory": a snapshot of the memory tier
+    holder: Holder = Holder.storage  # local | peer: the holder a snapshot came from
+
+    @classmethod
+    def of(
+        cls, state: TrainState, chosen: RestoreChoice, took: float, memory: MemoryTier | None
+    ) -> Restored:
+        """What ``chosen`` restored (``took``: the seconds until its files were here)."""
+        held = memory.source if memory is not None and chosen.tier == "memory" else None
+        return cls(
+            state,
+            chosen.path,
+            took,
+            0.0,
+            list(chosen.set_aside),
+            chosen.tier,
+            held or Holder.storage,
+        )
 
     def record(self, skip_s: float) -> Restore:
         """The ledger's restore record (``skip_s``: moving the data iterator there)."""
@@ -99,6 +117,7 @@ class Restored:
             skip=skip_s,
             skipped=tuple(Fallback.from_json(bad) for bad in self.skipped),
             tier=Tier(self.tier),
+            holder=self.holder,
         )
 
 
@@ -140,9 +159,24 @@ def load_state(state_of: Callable[[str], Any], module: Any, optimizer: Any) -> N
 
 def snapshot_state(files: dict[str, Any], device: Any) -> Callable[[str], Any]:
     """A memory snapshot's state dicts: the model's as views of its buffer (a module copies
-    what it loads into its parameters), the optimizer's copied onto ``device`` (it keeps the
-    tensors it is given)."""
-    return lambda name: unpack(files, name, None if name == MODEL_FILE else device)
+    what it loads into its parameters), with its buffers kept apart
+    (:func:`~ftjob.worker.node_holders.split_buffers`) back in it; the optimizer's copied onto
+    ``device`` (it keeps the tensors it is given)."""
+
+    def state_of(name: str) -> Any:
+        state = unpack(files, name, None if name == MODEL_FILE else device)
+        if f"{name}{BUFFERS_SUFFIX}" in files:
+            state.update(unpack(files, f"{name}{BUFFERS_SUFFIX}"))
+        return state
+
+    return state_of
+
+
+def snapshot_tensors(module: Any, optimizer: Any) -> dict[str, Any]:
+    """What a memory snapshot copies: the model's state dict with its parameters as such
+    (``keep_vars``: its buffers are told apart, :func:`~ftjob.worker.node_holders.split_buffers`)
+    and the optimizer's."""
+    return {MODEL_FILE: module.state_dict(keep_vars=True), OPTIMIZER_FILE: optimizer.state_dict()}
 
 
 def durable_state(local_dir: str, device: Any) -> Callable[[str], Any]:
@@ -236,7 +270,7 @@ class Checkpointer:
             return None
         step, path, local_dir = chosen.step, chosen.path, chosen.local_dir
         if chosen.tier == "memory":  # its digests came with it: the same on every rank
-            files = memory.files(step, dict(chosen.digests))
+            files = memory.files(chosen)
             record, state_of = json.loads(files[STATE_FILE]), snapshot_state(files, device)
         else:
             if self.rank != 0 or local_dir is None:
@@ -251,7 +285,7 @@ class Checkpointer:
                 f"this run uses {self.global_batch}: resuming would break exact-once data order"
             )
         elapsed = time.perf_counter() - start
-        restored = Restored(state, path, elapsed, 0.0, list(chosen.set_aside), chosen.tier)
+        restored = Restored.of(state, chosen, elapsed, memory)
         self.metrics.load_state_dict(state.metrics)
         self.metrics.add(M.CHECKPOINT_DOWNLOAD, restored.download_s)
         loading = time.perf_counter()
@@ -283,7 +317,7 @@ class Checkpointer:
                 guard()
                 self.save(state, module, optimizer)
         elif self.memory is not None and self.memory.due(state.step):
-            tensors = {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()}
+            tensors = snapshot_tensors(module, optimizer)
             self.memory.take(state.step, tensors, lambda: self._records(state))
 
     def save(self, state: TrainState, module: Any, optimizer: Any) -> None:

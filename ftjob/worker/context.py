@@ -46,6 +46,7 @@ class WorkerContext:
     prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
     decode_here: bool = False  # decode every window in this process, not in Ray Data tasks
     local_world: int = 1  # training workers on this machine (Ray Train counts by node IP)
+    local_rank: int = 0  # this worker's index among them
     machine: Callable[[], tuple[float, bool]] = lambda: (1.0, True)  # cores, one-machine cluster
     drain_notice: Callable[[], tuple[float | None, list[int]] | None] | None = None
     ray_signals: bool = False  # SIGTERM to this process arrives through Ray's handler
@@ -70,6 +71,7 @@ def ray_context(ledger: Any) -> WorkerContext:
         rank=rank,
         world=ctx.get_world_size(),
         local_world=ctx.get_local_world_size(),
+        local_rank=ctx.get_local_rank(),
         machine=_ray_machine,
         device=ray.train.torch.get_device(),
         recorder=RunRecorder(ledger, rank, ray.get),
@@ -127,10 +129,13 @@ def _answer(value: Any, timeout: float | None = None) -> Any:
     return value
 
 
-def local_context(ledger: Any, rank: int = 0, world: int = 1) -> WorkerContext:
+def local_context(
+    ledger: Any, rank: int = 0, world: int = 1, node_per_rank: bool = False
+) -> WorkerContext:
     """A worker in this process: world 1, or one of ``world`` processes that joined a gloo
     process group already (see tests/support/local_run.py). ``ledger`` answers at once (a
-    :class:`DirectHandle`, or a proxy of a ledger in another process)."""
+    :class:`DirectHandle`, or a proxy of a ledger in another process). ``node_per_rank``: each
+    rank stands for a node of its own (``node<rank>``), as on a cluster of one rank a node."""
     import torch
 
     def prepare(model: Any) -> Any:
@@ -152,7 +157,12 @@ def local_context(ledger: Any, rank: int = 0, world: int = 1) -> WorkerContext:
         world=world,
         device=torch.device("cpu"),
         recorder=RunRecorder(ledger, rank, _answer),
-        where=WorkerPlace(node_id="local", pid=os.getpid(), raylet_pid=os.getppid()),
+        where=WorkerPlace(
+            node_id=f"node{rank}" if node_per_rank else "local",
+            pid=os.getpid(),
+            raylet_pid=os.getppid(),
+        ),
+        local_rank=0 if node_per_rank else rank,
         report=report,
         fetch=lambda value: value,
         prepare_model=prepare,

@@ -57,6 +57,7 @@ from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, Restored
 from ftjob.worker.context import WorkerContext, ray_context
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
+from ftjob.worker.node_holders import holders_for
 from ftjob.worker.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.worker.preemption import PreemptionNotices
 from ftjob.worker.recorder import JobStopped, RunRecorder
@@ -80,7 +81,7 @@ class WorkerSpec:
     scratch: str  # this driver's checkpoint scratch (ftjob.worker.scratch.scratch_name)
     fence: LeaseFence  # raises once another driver holds the run: before every commit, prune
     public_config: dict[str, Any]  # the resolved config, secrets redacted: kept in checkpoints
-    memory: Any = None  # the memory tier's snapshot holder (checkpoint.memory), if on
+    memory: Any = None  # the memory tier's holders (checkpoint.memory), if on
 
 
 def train_loop(spec: WorkerSpec, config: dict[str, Any] | None = None) -> None:
@@ -209,7 +210,7 @@ class Worker:
         """This rank's checkpointer: its cadence, its storage and scratch, the memory tier."""
         job, spec = self.job, self.spec
         tier = MemoryTier(
-            spec.memory,
+            holders_for(spec.memory, self.ctx),
             job.checkpoint.memory,
             self.rank,
             self.metrics,

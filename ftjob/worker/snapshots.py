@@ -29,22 +29,22 @@ from typing import Any
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.policy.cadence import SnapshotCadence
+from ftjob.record import Holder
 from ftjob.storage.checkpoint import RestoreChoice
 from ftjob.storage.memory.format import Buffer, Flat, Snapshot, digest_all, pack, state_bytes
-from ftjob.storage.memory.holder import RingRef
 from ftjob.storage.memory.ring import Arena, Ring, machine
+from ftjob.worker.nearest_copy import NearestCopy, holder_errors
+from ftjob.worker.node_holders import (
+    bind_holders,
+    merge_per_rank,
+    rank_part,
+    split_buffers,
+    split_per_rank,
+)
 
 logger = logging.getLogger(__name__)
 
 MEMORY_PREFIX = "memory:"
-
-
-def holder_errors() -> tuple[type[BaseException], ...]:
-    """What a call to a holder that is gone raises: Ray's errors (a dead actor, a lost
-    object), or a connection's (the local harness's manager)."""
-    import ray.exceptions
-
-    return (ray.exceptions.RayError, ConnectionError, EOFError)
 
 
 class MemoryTier:
@@ -67,7 +67,10 @@ class MemoryTier:
         self.ring: Ring | bool | None = None  # None: not asked yet; False: snapshots are sent
         self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
-        self.enabled = holder is not None
+        self.place = bind_holders(holder, rank)  # this node's holder and its peers'
+        self.holder = self.place.local()
+        self.enabled = self.holder is not None
+        self.reader = NearestCopy(self.place, self.holder, rank, fetch, log, self._attach)
         # One thread sends (or commits) the snapshots, one at a time; `_idle` while none is
         # in flight.
         self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
@@ -80,7 +83,7 @@ class MemoryTier:
     # -- taking ---------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
-        if not (self.enabled and self.rank == 0):
+        if not (self.enabled and self.place.writes):
             return False
         self._plan()
         return self.cadence.due(step)
@@ -107,6 +110,7 @@ class MemoryTier:
             self.skipped += 1  # the previous one is still being sent: training goes on
             return
         start = time.perf_counter()
+        tensors = split_buffers(tensors)  # the module's buffers: this rank's own, apart
         size = state_bytes(tensors)
         if size / 2**20 > self.cap_mb:
             self._turn_off(
@@ -129,7 +133,7 @@ class MemoryTier:
             self._outgrew_ring(slot)
             slot = arena = None
             copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
-        files_records = records()
+        files_records = split_per_rank(records(), self.rank)  # this rank's own, apart
         self._copy_s = time.perf_counter() - start
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, self._copy_s)
         self.cadence.taken(step)
@@ -194,6 +198,7 @@ class MemoryTier:
                 self.ring.release(slot)
             return  # diverged weights are never held (nor restored)
         files = pack(states, records)
+        self._share(step, files)
         if slot is not None:
             try:
                 layout = arena.place(files)
@@ -215,6 +220,19 @@ class MemoryTier:
             self._turn_off(answer["reason"])
             return
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
+
+    def _share(self, step: int, files: dict[str, Buffer]) -> None:
+        """Rank 0: its own part of the snapshot (the module's buffers, its records: small) to
+        every peer holder, where it completes that node's copy of the step
+        (:mod:`ftjob.worker.node_holders`)."""
+        if self.rank != 0:
+            return
+        part = Snapshot.of(step, rank_part(files))
+        for _, peer in self.reader.holders()[1:]:
+            try:
+                self.fetch(peer.put_part.remote(part))
+            except holder_errors():
+                continue  # a peer gone with its node
 
     def _turn_off(self, why: str) -> None:
         if self.enabled:
@@ -238,35 +256,19 @@ class MemoryTier:
 
     def restored(self, step: int) -> None:
         """After every restore (of either tier, or of nothing: step 0), rank 0 drops the
-        snapshots past ``step``: they belong to the attempt that was lost."""
-        if self.holder is not None and self.rank == 0:
-            try:
-                self.fetch(self.holder.drop_after.remote(step))
-            except holder_errors() as exc:
-                self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
+        snapshots past ``step`` from every holder: they belong to the attempt that was lost."""
+        if self.holder is not None and self.rank == 0 and not self.reader.drop_after(step):
+            self._turn_off("the snapshot holder did not answer")
 
-    # -- restoring ------------------------------------------------------------------------
+    # -- restoring (:class:`~ftjob.worker.nearest_copy.NearestCopy`) ----------------------
+
+    @property
+    def source(self) -> Holder:
+        """Whose copy the last restore read: this node's holder, or a peer's."""
+        return self.reader.source
 
     def newest(self, committed: Callable[[], list[int]]) -> Snapshot | None:
-        """Rank 0: the newest held snapshot newer than every committed durable checkpoint
-        (``committed()``: their steps, newest first) that verifies; one that does not is
-        dropped from the holder, with a line."""
-        if self.holder is None:
-            return None
-        try:
-            steps = self.fetch(self.holder.steps.remote())
-        except holder_errors() as exc:
-            self.log(f"memory tier: the snapshot holder did not answer ({exc}); reading storage")
-            return None
-        durable = committed() if steps else []
-        after_step = durable[0] if durable else -1
-        for step in steps:
-            if step <= after_step:
-                return None
-            snapshot = self.get(step)
-            if snapshot is not None:
-                return snapshot
-        return None
+        return self.reader.newest(committed) if self.holder is not None else None
 
     def offer(self, committed: Callable[[], list[int]]) -> RestoreChoice | None:
         """Rank 0: the restore choice for the newest verified snapshot newer than storage
@@ -280,53 +282,22 @@ class MemoryTier:
             f"{MEMORY_PREFIX}step_{step:09d}",
             tier="memory",
             digests=tuple(sorted(self._offered.digests.items())),
+            node=self.reader.node_read,
         )
 
-    def files(self, step: int, digests: dict[str, str]) -> dict[str, Buffer]:
+    def files(self, chosen: RestoreChoice) -> dict[str, Buffer]:
         """Every rank: the files of the snapshot rank 0 chose (rank 0 verified its own
         copy; the others verify theirs and that it is the same one)."""
         offered, self._offered = self._offered, None  # not kept past the restore
-        if self.rank == 0 and offered is not None and offered.step == step:
-            return offered.files
-        return self.chosen(step, digests).files
+        if self.rank == 0 and offered is not None and offered.step == chosen.step:
+            return merge_per_rank(offered.files)
+        return merge_per_rank(self.chosen(chosen.step, dict(chosen.digests), chosen.node).files)
 
-    def chosen(self, step: int, digests: dict[str, str]) -> Snapshot:
-        """Ranks > 0: their copy of the snapshot rank 0 chose (``digests``: rank 0's), verified
-        and the same one (else raises: the attempt fails, and the next one reads storage) --
-        every rank loads the same state."""
-        snapshot = self.get(step)
-        if snapshot is None or snapshot.digests != digests:
-            raise RuntimeError(
-                f"rank {self.rank}: the memory snapshot of step {step} rank 0 chose does not "
-                "verify here, or is another one"
-            )
-        return snapshot
+    def chosen(self, step: int, digests: dict[str, str], node: str | None = None) -> Snapshot:
+        return self.reader.chosen(step, digests, node)
 
     def get(self, step: int) -> Snapshot | None:
-        """The snapshot of ``step`` if it verifies (else dropped from the holder, said)."""
-        snapshot, why = self.fetch(self.holder.get.remote(step)), None
-        if isinstance(snapshot, RingRef):
-            snapshot = self._read_ring(snapshot)
-        if snapshot is not None and not isinstance(snapshot, Snapshot):
-            try:  # its ObjectRef: read from Ray's object store
-                snapshot = self.fetch(snapshot)
-            except holder_errors() as exc:  # the object is lost (its node, its owner)
-                snapshot, why = None, f"{type(exc).__name__}: {exc}"
-        why = why or ("it is no longer held" if snapshot is None else snapshot.verify())
-        if why is None:
-            return snapshot
-        self.fetch(self.holder.discard.remote(step))
-        self.log(f"memory snapshot of step {step} is not usable ({why}): skipped")
-        return None
-
-    def _read_ring(self, ref: RingRef) -> Any:
-        """A snapshot in the holder's ring: read in place where this process can map the
-        ring (its arrays are the ring's memory: loaded before the next snapshot is written),
-        else a copy from the holder."""
-        ring = self._attach(ref.address)
-        if ring is not None:
-            return ring.read(ref.step)
-        return self.fetch(self.holder.copy.remote(ref.step))
+        return self.reader.get(step)
 
 
 __all__ = ["MEMORY_PREFIX", "MemoryTier", "holder_errors"]

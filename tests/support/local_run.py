@@ -30,6 +30,7 @@ from ftjob.policy.hang import WatchConfig
 from ftjob.record import Hang, RunSnapshot, Straggler
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
 from ftjob.storage.memory import SnapshotHolder
+from ftjob.storage.memory.cluster import LocalHolders
 from ftjob.worker.context import DirectHandle, TornDown, local_context
 from ftjob.worker.loop import Worker, WorkerSpec
 
@@ -99,7 +100,9 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _rank_main(spec: WorkerSpec, rank: int, world: int, port: int, out: Any) -> None:
+def _rank_main(
+    spec: WorkerSpec, rank: int, world: int, port: int, out: Any, node_per_rank: bool = False
+) -> None:
     """One rank of a world-2 attempt, in a process of its own."""
     import torch.distributed as dist
 
@@ -107,7 +110,7 @@ def _rank_main(spec: WorkerSpec, rank: int, world: int, port: int, out: Any) -> 
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        Worker(spec, local_context(spec.ledger, rank, world)).train()
+        Worker(spec, local_context(spec.ledger, rank, world, node_per_rank)).train()
         out.put((rank, None))
     except BaseException as exc:
         out.put((rank, f"{_error(exc)}\n{traceback.format_exc()}"))
@@ -130,7 +133,9 @@ class AttemptTimedOut(AssertionError):
     ranks entered, say): a bug to see, not a failure to restart from."""
 
 
-def _attempt(spec: WorkerSpec, world: int, timeout: float = 300.0) -> str | None:
+def _attempt(
+    spec: WorkerSpec, world: int, timeout: float = 300.0, node_per_rank: bool = False
+) -> str | None:
     """One attempt on every rank: the first error (one line and its traceback), or None."""
     if world == 1:
         # As a Ray Train worker unpickles its own: the storage's counters and fault stream
@@ -144,7 +149,9 @@ def _attempt(spec: WorkerSpec, world: int, timeout: float = 300.0) -> str | None
     ctx = _rank_context()
     out, port = ctx.Queue(), _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(spec, rank, world, port, out), daemon=True)
+        ctx.Process(
+            target=_rank_main, args=(spec, rank, world, port, out, node_per_rank), daemon=True
+        )
         for rank in range(world)
     ]
     for p in procs:
@@ -179,29 +186,35 @@ def run_locally(
     run_dir: Path,
     *,
     during: Callable[[Any], None] | None = None,
+    node_per_rank: bool = False,
 ) -> LocalRun:
     """Run ``job`` to its end in this process (``trainer.num_workers`` is the local world
     size, 1 or 2), restarting failed attempts up to ``failure.max_failures`` and preempted
     ones up to ``failure.max_preemptions``, as Ray Train would. ``during(ledger)`` runs on a
     thread while the attempts train (a test's stop request, say); the ledger is watched for
-    hangs and stragglers as the driver watches it."""
+    hangs and stragglers as the driver watches it. ``node_per_rank`` (world 2): each rank on a
+    node of its own, with its own snapshot holder (``node0``, ``node1``)."""
     world = job.trainer.num_workers
     started = time.time()
     prep = prepare(job, str(run_dir))
     args = (run_plan(job, prep), list(job.chaos.fail_at_steps), WatchConfig.from_job(job))
     memory = job.checkpoint.memory
     holder_args = (int(memory.max_mb * 2**20), memory.keep)
-    manager, holder = None, None
+    nodes = [f"node{rank}" for rank in range(world)] if node_per_rank else ["local"]
+    manager, holders = None, None
     if world == 1:
         handle: Any = DirectHandle(RunLedger(*args))
-        holder = DirectHandle(SnapshotHolder(*holder_args)) if memory.enabled else None
+        if memory.enabled:
+            holders = LocalHolders({"local": DirectHandle(SnapshotHolder(*holder_args))})
     else:
         manager = _Actors(ctx=multiprocessing.get_context("fork"))
         manager.start()
         handle = ProxyHandle(manager.Actor(RunLedger, *args))  # type: ignore[attr-defined]
         if memory.enabled:
-            holder = ProxyHandle(manager.Actor(SnapshotHolder, *holder_args))  # type: ignore[attr-defined]
-    spec = worker_spec(job, prep, handle, dict(prep.catalogs), holder)
+            holders = LocalHolders(
+                {n: ProxyHandle(manager.Actor(SnapshotHolder, *holder_args)) for n in nodes}  # type: ignore[attr-defined]
+            )
+    spec = worker_spec(job, prep, handle, dict(prep.catalogs), holders)
     if during is not None:
         threading.Thread(target=during, args=(handle,), daemon=True).start()
     # The driver's poll of the ledger for hangs and stragglers (ftjob.driver.monitor); here
@@ -221,7 +234,7 @@ def run_locally(
     failures = preemptions = 0
     fit, errors = FitOutcome(), []
     try:
-        while (error := _attempt(spec, world)) is not None:
+        while (error := _attempt(spec, world, node_per_rank=node_per_rank)) is not None:
             errors.append(error)
             first = error.splitlines()[0]
             handle.failure_noticed.remote(time.time(), {0: first})

@@ -7,8 +7,10 @@ a run's final checkpoint is always a durable one.
   digest, trusted only when every one verifies) and a state dict packed into its buffers.
 - :mod:`~ftjob.storage.memory.ring`: the holder's shared-memory ring, which a rank on its
   machine writes snapshots into with no call per snapshot.
-- :mod:`~ftjob.storage.memory.holder`: the holder, a Ray actor on the driver's node that keeps
-  the newest snapshots within a count and a byte cap.
+- :mod:`~ftjob.storage.memory.holder`: the holder, a Ray actor on a node that keeps the
+  newest snapshots within a count and a byte cap.
+- :mod:`~ftjob.storage.memory.cluster`: a holder on every node that runs training ranks,
+  named by the run, outliving the driver where the cluster lives on.
 
 A worker takes and restores them through :mod:`ftjob.worker.snapshots`.
 """

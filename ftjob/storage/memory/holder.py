@@ -2,16 +2,20 @@
 the training workers, so a restart restores from memory what storage would give seconds later
 and several steps older.
 
-In a run the :class:`SnapshotHolder` is a Ray actor owned by the driver and placed on the
-driver's node (not a worker's: the object would die with its owner), so a worker's death or the
-loss of a worker's node leaves it; when the driver dies the tier is gone and resuming reads
-storage. A rank on the holder's machine writes its snapshots into the holder's shared-memory
-:class:`~ftjob.storage.memory.ring.Ring` (no call per snapshot); a rank elsewhere sends each one
-through Ray.
+In a run each node that runs training ranks has one, a :class:`NodeHolder`: a detached Ray
+actor pinned to its node and named by the run (:mod:`ftjob.storage.memory.cluster`), so a
+worker's death leaves it, the loss of a node leaves the other nodes', and a driver's death leaves
+them all where the cluster lives on. A rank on the holder's machine writes its snapshots into the
+holder's shared-memory :class:`~ftjob.storage.memory.ring.Ring` (no call per snapshot); a rank
+elsewhere sends each one through Ray. (:func:`start_holder`: one holder owned by this process,
+on its node, for measurements.)
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +43,41 @@ class SnapshotHolder:
     call per snapshot; any other rank sends each one (:meth:`put`). Both are listed, offered
     and dropped alike."""
 
-    def __init__(self, cap_bytes: int, keep: int, object_store: bool = False) -> None:
+    def __init__(
+        self,
+        cap_bytes: int,
+        keep: int,
+        object_store: bool = False,
+        orphan_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cap_bytes, self.keep, self.object_store = cap_bytes, keep, object_store
         self.snapshots: dict[int, Any] = {}  # step -> its Snapshot, or its ObjectRef
         self.sizes: dict[int, int] = {}
         self.taken = self.dropped = 0
         self.ring: Ring | None = None
+        self.parts: dict[int, Snapshot] = {}  # step -> rank 0's own part of a peer's snapshot
+        self.orphan_timeout_s, self.clock = orphan_timeout_s, clock
+        self.claimed = clock()
+
+    def claim(self) -> None:
+        """A driver of the run is alive: the holder is kept (for ``orphan_timeout_s`` more)."""
+        self.claimed = self.clock()
+
+    def orphaned(self) -> bool:
+        """No driver claimed it for ``orphan_timeout_s``: the run's driver died and no next
+        one came (a holder without the timeout never is)."""
+        timeout = self.orphan_timeout_s
+        return timeout is not None and self.clock() - self.claimed > timeout
+
+    def release(self) -> None:
+        """Every snapshot and the ring let go (the run ended, or no driver claims it)."""
+        for step in list(self.snapshots):
+            self._drop(step)
+        self.parts.clear()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
 
     def channel(self, slot_bytes: int, where: str) -> dict[str, Any] | None:
         """The ring's address for a writer on machine ``where`` (:func:`machine`) whose
@@ -68,7 +101,10 @@ class SnapshotHolder:
         """Keep ``snapshot``: ``{"kept": True, "dropped": [steps]}``, or ``{"kept": False,
         "reason": ...}`` when it cannot fit under the cap. As a Ray actor (``object_store``)
         it keeps its copy in Ray's object store, owned by itself: a reader on this node maps
-        it without a copy."""
+        it without a copy. A step already held is kept as it is (a copy from a peer that
+        another rank of this node put first)."""
+        if snapshot.step in self._held():
+            return {"kept": True, "dropped": []}
         room = self.cap_bytes - self._ring_bytes()
         if snapshot.nbytes > room and self.ring is not None and not self.ring.counts()[0]:
             self.ring.close()  # made for a writer that never wrote into it: its room back
@@ -93,7 +129,19 @@ class SnapshotHolder:
         self.dropped += len(dropped)
         return {"kept": True, "dropped": dropped}
 
+    def put_part(self, part: Snapshot) -> None:
+        """Rank 0's own part of its snapshot of ``part.step`` (its module's buffers, its
+        records: small), which completes this node's copy of that step, written by another
+        rank. The newest ``keep + 1`` are kept."""
+        self.parts[part.step] = part.own()
+        for step in sorted(self.parts)[: -(self.keep + 1)]:
+            del self.parts[step]
+
+    def part(self, step: int) -> Snapshot | None:
+        return self.parts.get(step)
+
     def _drop(self, step: int) -> int:
+        self.parts.pop(step, None)
         self.snapshots.pop(step, None)
         self.sizes.pop(step, None)
         if self.ring is not None:
@@ -145,6 +193,7 @@ class SnapshotHolder:
     def drop_after(self, step: int) -> list[int]:
         """The run restored ``step``: snapshots of later steps belong to the attempt that was
         lost (kept, they would be restored instead of the new attempt's, and evicted first)."""
+        self.parts = {s: part for s, part in self.parts.items() if s <= step}
         return [self._drop(s) for s in sorted(self._held()) if s > step]
 
     def stats(self) -> dict[str, Any]:
@@ -157,10 +206,31 @@ class SnapshotHolder:
         }
 
 
+class NodeHolder(SnapshotHolder):
+    """A node's holder as a detached Ray actor (:mod:`ftjob.storage.memory.cluster`): it
+    outlives the driver that started it, so the next driver of the run finds its snapshots;
+    a thread releases it and ends the actor once no driver claimed it for
+    ``orphan_timeout_s``."""
+
+    def __init__(self, cap_bytes: int, keep: int, orphan_timeout_s: float) -> None:
+        super().__init__(cap_bytes, keep, True, orphan_timeout_s)
+        every, self.ended = min(max(orphan_timeout_s / 4, 0.5), 30.0), threading.Event()
+        threading.Thread(target=self._reap, args=(every,), name="ftjob-orphan", daemon=True).start()
+
+    def _reap(self, every: float) -> None:
+        import ray
+
+        while not self.ended.wait(every):
+            if self.orphaned():
+                self.release()
+                ray.kill(ray.get_runtime_context().current_actor)
+                return
+
+
 def start_holder(cap_mb: float, keep: int) -> Any:
     """The run's holder as a Ray actor on this (the driver's) node, owned by the driver;
     pinned there, as the run ledger is: placed elsewhere, it could die with a worker node."""
     return start_pinned_actor(SnapshotHolder, int(cap_mb * 2**20), keep, True)
 
 
-__all__ = ["RingRef", "SnapshotHolder", "start_holder"]
+__all__ = ["NodeHolder", "RingRef", "SnapshotHolder", "start_holder"]

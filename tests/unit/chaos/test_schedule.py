@@ -43,6 +43,22 @@ def test_targets_never_include_protected_nodes():
     assert worker.node_id != "head" and worker.pid in {11, 12, 13}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_chaos_target_rank0_hits_rank_0_or_its_node_and_any_other_when_it_is_protected(seed):
+    rank0_on_n2 = [
+        WorkerPlace(node_id="n1", pid=11, rank=1),
+        WorkerPlace(node_id="n2", pid=13, rank=0),
+    ]
+    rng = random.Random(seed)
+    node = choose_target("node", rank0_on_n2, rng, "rank0")
+    assert (node.node_id, node.ranks) == ("n2", (0,))
+    assert choose_target("worker", rank0_on_n2, rng, "rank0").pid == 13
+    # Rank 0 on the head (never a node kill's target): the kill hits another node.
+    targets = eligible_targets("node", WORKERS, {"head"})
+    assert choose_target("node", targets, rng, "rank0").node_id in {"n1", "n2"}
+    assert ChaosConfig(kind="node", target="rank0").target == "rank0"
+
+
 class FakeTime:
     """A clock that only moves when the killer waits; a hook runs at each wait."""
 

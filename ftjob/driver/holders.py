@@ -1,0 +1,78 @@
+"""The driver's side of the memory tier's holders (:mod:`ftjob.storage.memory.cluster`): one
+on every node that can run training ranks at the start, claimed while the driver runs,
+released when the run ends.
+
+A run that continues (``resume=true``, ``resume=auto`` that found a checkpoint) keeps the
+holders a previous driver of the run left on a cluster that lived on: its workers restore from
+them when they hold a state newer than storage's. A run that starts afresh releases any holder
+of its name first: what they hold is not this run's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+
+from ftjob.config import MemoryConfig
+from ftjob.storage.memory.cluster import RunHolders
+
+logger = logging.getLogger("ftjob")
+
+
+def training_nodes() -> list[str]:
+    """Alive nodes that can run a training rank (with CPUs or GPUs: not a head without)."""
+    import ray
+
+    return sorted(
+        n["NodeID"]
+        for n in ray.nodes()
+        if n.get("Alive") and (n["Resources"].get("CPU", 0) > 0 or n["Resources"].get("GPU", 0) > 0)
+    )
+
+
+def claim_interval(orphan_timeout_s: float) -> float:
+    """How often the driver claims its holders: several times within their orphan time."""
+    return min(orphan_timeout_s / 4, 30.0)
+
+
+@contextlib.contextmanager
+def held_snapshots(
+    run: str, memory: MemoryConfig, continues: bool, echo: Callable[[str], None]
+) -> Iterator[RunHolders | None]:
+    """The run's holders while the run trains (None: the tier is off); released after."""
+    if not memory.enabled:
+        yield None
+        return
+    holders = RunHolders(run, int(memory.max_mb * 2**20), memory.keep, memory.orphan_timeout_s)
+    found = holders.release() if not continues else len(holders.held())
+    if found:
+        echo(
+            f"memory tier: {found} snapshot holder(s) of this run outlived its last driver: "
+            + ("restores read them when newer than storage" if continues else "released")
+        )
+    holders.start(training_nodes())
+    stop = threading.Event()
+
+    def claim() -> None:
+        while not stop.wait(claim_interval(memory.orphan_timeout_s)):
+            try:
+                holders.claim()
+            except Exception as exc:  # the thread's boundary: a cluster going down ends it
+                logger.debug("memory tier: claiming the holders failed: %s", exc)
+
+    thread = threading.Thread(target=claim, name="ftjob-holders", daemon=True)
+    thread.start()
+    try:
+        yield holders
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
+        try:
+            holders.release()
+        except Exception as exc:  # the cluster is going down: the holders go with it
+            logger.debug("memory tier: releasing the holders failed: %s", exc)
+
+
+__all__ = ["claim_interval", "held_snapshots", "training_nodes"]

@@ -1,0 +1,157 @@
+"""The memory tier on a cluster: a snapshot holder on every node that runs training ranks.
+
+Each node's holder (:class:`~ftjob.storage.memory.holder.NodeHolder`) is a Ray actor pinned to
+that node, and the node's local rank 0 writes its snapshots into that holder's shared-memory
+ring: the state DDP keeps identical on every rank never crosses the network per snapshot, and
+every node holds a full copy, so the loss of any one node leaves the others'. A restarted rank
+reads its own node's copy, else fetches the one rank 0 chose from a surviving peer (one
+transfer), else the run restores from storage.
+
+The holders are detached actors named by the run -- namespace ``ftjob.<run>``, name
+``holder.<node id>`` -- so they outlive the driver: the next driver of the run (``resume=true``,
+or ``resume=auto`` on a cluster that lived on) finds them by name and restores from them. The
+driver claims them while it runs and releases them when the run ends; a holder no driver claimed
+for ``checkpoint.memory.orphan_timeout_s`` releases itself. A holder on a node that joins later
+(an elastic grow, a replaced node) is created by the first rank that runs there.
+
+:class:`RunHolders` finds them on Ray; :class:`LocalHolders` is the same directory of plain
+holders (the in-process harness, tests).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ftjob.storage.memory.holder import NodeHolder
+
+RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a run name, as ftjob.config checks it
+NODE_ID = re.compile(r"[0-9A-Za-z_.-]+")
+HOLDER_PREFIX = "holder."
+
+
+class HolderDirectory(Protocol):
+    """Where a run's holders are: this node's (created when it has none), and the others'."""
+
+    def local(self, node_id: str) -> Any: ...
+
+    def peers(self, node_id: str) -> list[tuple[str, Any]]: ...
+
+
+def holder_namespace(run: str) -> str:
+    """The Ray namespace of a run's holders (``run``: a run name, checked again here: it names
+    actors, never a path)."""
+    if not RUN_NAME.fullmatch(run):
+        raise ValueError(f"run name {run!r}: letters, digits and ._- only, not starting with '.'")
+    return f"ftjob.{run}"
+
+
+def holder_name(node_id: str) -> str:
+    if not NODE_ID.fullmatch(node_id):
+        raise ValueError(f"node id {node_id!r} is not a Ray node id")
+    return HOLDER_PREFIX + node_id
+
+
+@dataclass(frozen=True)
+class RunHolders:
+    """The holders of run ``run`` on the Ray cluster this process is connected to: what the
+    driver hands every worker (plain values: it pickles)."""
+
+    run: str
+    cap_bytes: int
+    keep: int
+    orphan_timeout_s: float
+
+    @property
+    def namespace(self) -> str:
+        return holder_namespace(self.run)
+
+    def local(self, node_id: str) -> Any:
+        """The holder of ``node_id``, created there (pinned, detached) if it has none."""
+        import ray
+
+        from ftjob.placement import pinned_to
+
+        actor = ray.remote(num_cpus=0, max_restarts=0)(NodeHolder)
+        return actor.options(
+            name=holder_name(node_id),
+            namespace=self.namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=pinned_to(node_id),
+        ).remote(self.cap_bytes, self.keep, self.orphan_timeout_s)
+
+    def held(self) -> dict[str, Any]:
+        """Node id -> handle of every live holder of the run."""
+        import ray
+
+        found = {}
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            name = actor["name"]
+            if actor["namespace"] == self.namespace and name.startswith(HOLDER_PREFIX):
+                try:
+                    found[name.removeprefix(HOLDER_PREFIX)] = ray.get_actor(name, self.namespace)
+                except ValueError:  # gone since it was listed
+                    continue
+        return found
+
+    def peers(self, node_id: str) -> list[tuple[str, Any]]:
+        return sorted(((n, h) for n, h in self.held().items() if n != node_id), key=_first)
+
+    def start(self, node_ids: list[str]) -> None:
+        """The driver's start: a holder on each of ``node_ids`` (a node that joins later gets
+        its own from its first rank)."""
+        for node_id in node_ids:
+            self.local(node_id)
+
+    def claim(self) -> int:
+        """The driver is alive: every holder of the run is kept. How many there are."""
+        held = self.held()
+        for handle in held.values():
+            handle.claim.remote()
+        return len(held)
+
+    def release(self) -> int:
+        """The run ended (or a new run of this name starts): every holder goes. How many."""
+        import ray
+
+        held = self.held()
+        for handle in held.values():
+            ray.kill(handle)
+        return len(held)
+
+
+@dataclass
+class LocalHolders:
+    """A directory of holders in one process or behind a manager's proxies: ``handles``, node
+    id -> handle; ``make()``, a new node's holder (None: a node without one has none)."""
+
+    handles: dict[str, Any] = field(default_factory=dict)
+    make: Callable[[], Any] | None = None
+
+    def local(self, node_id: str) -> Any:
+        if node_id not in self.handles and self.make is not None:
+            self.handles[node_id] = self.make()
+        return self.handles.get(node_id)
+
+    def peers(self, node_id: str) -> list[tuple[str, Any]]:
+        return sorted(((n, h) for n, h in self.handles.items() if n != node_id), key=_first)
+
+    def lose(self, node_id: str) -> None:
+        """The node is gone, and its holder with it."""
+        self.handles.pop(node_id, None)
+
+
+def _first(pair: tuple[str, Any]) -> str:
+    return pair[0]
+
+
+__all__ = [
+    "HolderDirectory",
+    "LocalHolders",
+    "RunHolders",
+    "holder_name",
+    "holder_namespace",
+]

@@ -1,0 +1,74 @@
+"""The memory tier's holders on a cluster: named by the run (never a path), released by a driver
+that ends and, when no driver claims them, after their orphan time. (Restoring through them:
+tests/unit/worker/test_node_holders.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from ftjob.storage.memory import Snapshot, SnapshotHolder, machine
+from ftjob.storage.memory.cluster import LocalHolders, holder_name, holder_namespace
+
+
+def snapshot(step: int) -> Snapshot:
+    return Snapshot.of(step, {"model.pt": bytes([step]) * 100, "state.json": b"{}"})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_holder_no_driver_claims_for_its_orphan_time_is_orphaned_and_releases_everything():
+    clock = Clock()
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2, orphan_timeout_s=60.0, clock=clock)
+    assert holder.channel(1000, machine()) is not None  # its ring: released too
+    holder.put(snapshot(1))
+    clock.now += 50
+    assert not holder.orphaned()
+    holder.claim()  # the driver (this one, or the run's next) is alive
+    clock.now += 59
+    assert not holder.orphaned()
+    clock.now += 2
+    assert holder.orphaned()
+    holder.release()
+    assert holder.steps() == [] and holder.ring is None and holder.held_bytes() == 0
+    # Without an orphan time (a holder owned by its driver) it never is.
+    assert not SnapshotHolder(cap_bytes=2**20, keep=2, clock=clock).orphaned()
+
+
+def test_a_step_already_held_keeps_its_first_copy():
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    first = snapshot(3)
+    holder.put(first)
+    other = Snapshot.of(3, {"model.pt": b"\x00" * 100, "state.json": b"{}"})
+    assert holder.put(other) == {"kept": True, "dropped": []}
+    assert holder.get(3).digests == first.digests and holder.stats()["taken"] == 1
+
+
+@pytest.mark.parametrize("name", ["../up", ".hidden", "a/b", "a*", "", "a b"])
+def test_holders_are_named_by_a_valid_run_name_only(name: str):
+    with pytest.raises(ValueError, match="run name"):
+        holder_namespace(name)
+    with pytest.raises(ValueError, match="node id"):
+        holder_name("../x")
+    assert holder_namespace("digits_ft-2026.12.04") == "ftjob.digits_ft-2026.12.04"
+    assert holder_name("ab12cd") == "holder.ab12cd"
+
+
+def test_a_node_without_a_holder_gets_one_and_peers_are_the_others():
+    made: list[SnapshotHolder] = []
+
+    def make() -> SnapshotHolder:
+        made.append(SnapshotHolder(cap_bytes=100, keep=1))
+        return made[-1]
+
+    directory = LocalHolders({"b": "holder-b", "a": "holder-a"}, make)
+    assert directory.local("c") is made[0] and directory.local("c") is made[0]
+    assert directory.peers("c") == [("a", "holder-a"), ("b", "holder-b")]
+    directory.lose("a")
+    assert [node for node, _ in directory.peers("b")] == ["c"]
+    assert LocalHolders({}).local("x") is None  # no way to make one: none

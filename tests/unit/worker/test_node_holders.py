@@ -1,0 +1,182 @@
+"""The memory tier with a holder on every node (:mod:`ftjob.storage.memory.cluster`): each
+node's local rank 0 writes into its own node's ring, and a restore reads the nearest verified
+copy -- its own node's, else a surviving peer's, which then fills its own node's holder. Holders
+are plain objects here (one process stands for every node); a run on a Ray cluster that loses
+rank 0's node: tests/e2e/test_elastic_run.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftjob import metrics as M
+from ftjob.config import MemoryConfig
+from ftjob.record import Holder
+from ftjob.storage.memory import Ring, SnapshotHolder
+from ftjob.storage.memory.cluster import LocalHolders
+from ftjob.worker.checkpointer import (
+    MODEL_FILE,
+    STATE_FILE,
+    TrainState,
+    load_state,
+    snapshot_state,
+    snapshot_tensors,
+)
+from ftjob.worker.context import DirectHandle
+from ftjob.worker.node_holders import NodeHolders, merge_per_rank, split_per_rank
+from ftjob.worker.snapshots import MemoryTier
+from tests.unit.worker.test_checkpointer import make, model_and_optimizer, weights
+
+
+def cluster(*nodes: str) -> tuple[LocalHolders, dict[str, SnapshotHolder]]:
+    """A holder on each of ``nodes``, in one directory; the holders themselves, by node."""
+    held = {node: SnapshotHolder(cap_bytes=2**24, keep=2) for node in nodes}
+    return LocalHolders({n: DirectHandle(h) for n, h in held.items()}), held
+
+
+def tier(directory: LocalHolders, node: str, rank: int, lines: list[str] | None = None) -> Any:
+    """Rank ``rank``'s memory tier on ``node``, where it is the local rank 0 (it writes)."""
+    lines = [] if lines is None else lines
+    config = MemoryConfig(enabled=True, max_mb=64.0)
+    place = NodeHolders(directory, node, writes=True)
+    return MemoryTier(place, config, rank, M.MetricSet(), lambda v: v, lines.append)
+
+
+def snap(memory: MemoryTier, step: int, model: Any, optimizer: Any, rank: int) -> None:
+    """The snapshot of ``step`` as this rank's node writes it (its own metrics and time)."""
+    state = TrainState(
+        step=step, position=32 * step, global_batch_size=32, metrics={"rank": rank}, time=rank
+    )
+    memory.take(step, snapshot_tensors(model, optimizer), lambda: {STATE_FILE: state.to_json()})
+    memory.wait()
+
+
+def with_buffers(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 4)).sum().backward()  # a step: the optimizer has its state
+    optimizer.step()
+    return model, optimizer
+
+
+def rank_view(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` as rank ``rank`` has it after a step: DDP keeps the weights the same on every
+    rank, each rank's BatchNorm statistics come from its own slice of the batch."""
+    view = copy.deepcopy(model)
+    view[1].running_mean += rank
+    return view
+
+
+def test_each_node_writes_its_own_ring_and_rank_0s_nodes_loss_leaves_a_whole_copy() -> None:
+    directory, held = cluster("node0", "node1")
+    model, optimizer = with_buffers(0)
+    writers = [tier(directory, f"node{rank}", rank) for rank in (0, 1)]
+    for step in (1, 2, 3):
+        for rank, memory in enumerate(writers):
+            snap(memory, step, rank_view(model, rank), optimizer, rank)
+    # Each node's copy is in its own ring: nothing was sent to a holder but rank 0's own part
+    # (its buffers and records: small) to its peer.
+    for node in ("node0", "node1"):
+        assert held[node].steps() == [3, 2] and held[node].snapshots == {}
+    rings = [memory.ring for memory in writers]
+    assert all(isinstance(r, Ring) for r in rings) and rings[0].address != rings[1].address
+    assert sorted(held["node1"].parts) == [1, 2, 3] and held["node0"].parts == {}
+    part = held["node1"].parts[3]
+    assert part.nbytes < 2048 and all("#buffers" in n or "#rank" in n for n in part.files)
+
+    directory.lose("node0")  # rank 0's node, and its holder, are gone
+    survivor = tier(directory, "node1", 0)  # the group restarts on node1: rank 0 there
+    choice = survivor.offer(lambda: [])
+    assert choice is not None and (choice.step, choice.node) == (3, "node1")
+    assert survivor.source == Holder.local
+    files = survivor.files(choice)
+    state = json.loads(files[STATE_FILE])
+    assert (state["step"], state["position"], state["metrics"]) == (3, 96, {"rank": 0})
+    # Loaded, it is rank 0's state bit for bit: its weights, and its buffers, not node1's.
+    fresh, fresh_optimizer = with_buffers(1)
+    load_state(snapshot_state(files, torch.device("cpu")), fresh, fresh_optimizer)
+    expected = model.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in fresh.state_dict().items())
+
+
+def test_a_step_rank_0_did_not_take_is_passed_over_for_the_newest_it_did() -> None:
+    # Rank 0 failed after step 15 was trained, before its snapshot; rank 1 took it: without
+    # rank 0's part it is not the run's state (rank 1's buffers), so 14 is restored.
+    directory, held = cluster("node0", "node1")
+    model, optimizer = with_buffers(0)
+    snap(tier(directory, "node0", 0), 14, model, optimizer, 0)
+    rank1 = tier(directory, "node1", 1)
+    for step in (14, 15):
+        snap(rank1, step, rank_view(model, 1), optimizer, 1)
+    choice = tier(directory, "node1", 0).offer(lambda: [])
+    assert choice is not None and choice.step == 14
+
+
+def test_a_rank_whose_node_holds_no_copy_reads_rank_0s_from_its_peer_once_and_keeps_it() -> None:
+    directory, held = cluster("node0", "node1")
+    model, optimizer = model_and_optimizer(0)
+    snap(tier(directory, "node0", 0), 4, model, optimizer, 0)  # node1 was replaced: empty
+    rank0, rank1 = tier(directory, "node0", 0), tier(directory, "node1", 1)
+    choice = rank0.offer(lambda: [2])
+    assert choice is not None and choice.node == "node0" and rank0.source == Holder.local
+    files = rank1.files(choice)
+    assert rank1.source == Holder.peer and rank1.reader.node_read == "node0"
+    assert json.loads(files[STATE_FILE])["metrics"] == {"rank": 0}  # rank 0's copy, whole
+    assert held["node1"].steps() == [4]  # filled from the peer: the next restore reads it here
+    again = tier(directory, "node1", 1)
+    again.files(choice)
+    assert again.source == Holder.local
+
+
+def test_a_copy_that_does_not_verify_here_is_dropped_and_a_peers_is_read(tmp_path: Path) -> None:
+    directory, held = cluster("node0", "node1")
+    model, optimizer = model_and_optimizer(0)
+    for rank in (0, 1):
+        snap(tier(directory, f"node{rank}", rank), 5, model, optimizer, rank)
+    held["node1"].ring.read(5).files[f"{MODEL_FILE}#tensors"][0] ^= 0x01  # a bit flipped
+    lines: list[str] = []
+    rank0, rank1 = tier(directory, "node0", 0), tier(directory, "node1", 1, lines)
+    choice = rank0.offer(lambda: [])
+    assert choice is not None
+    rank1.files(choice)
+    assert rank1.source == Holder.peer
+    assert any("memory snapshot of step 5 is not usable" in line for line in lines), lines
+    assert held["node1"].steps() == [5]  # the bad copy dropped, rank 0's kept in its place
+    assert held["node1"].get(5).digests == dict(choice.digests)
+
+
+def test_rank_0_on_a_new_node_restores_a_peers_snapshot_and_says_so(tmp_path: Path) -> None:
+    directory, held = cluster("node1", "node2")  # node2: a replacement, its holder empty
+    model, optimizer = model_and_optimizer(0)
+    for step in (7, 8):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        snap(tier(directory, "node1", 0), step, model, optimizer, 0)
+    place = NodeHolders(directory, "node2", writes=True)
+    checkpointer, _ = make(tmp_path, holder=place)
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = checkpointer.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.state.step == 8
+    record = restored.record(0.0)
+    assert (record.tier.value, record.holder) == ("memory", Holder.peer)
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(model), strict=True))
+    assert held["node2"].steps() == [8]
+    # Past the restored step nothing is offered again, on any node (the lost attempt's).
+    checkpointer.memory.restored(7)
+    assert held["node1"].steps() == [7] and held["node2"].steps() == []
+
+
+def test_per_rank_keys_travel_apart_and_come_back_whole() -> None:
+    records = {STATE_FILE: {"step": 3, "metrics": {"a": 1}, "time": 2.0}, "config.json": {"x": 1}}
+    split = split_per_rank(records, writer=2)
+    assert split[STATE_FILE] == {"step": 3}
+    assert split[f"{STATE_FILE}#rank"] == {"metrics": {"a": 1}, "time": 2.0, "writer": 2}
+    files = {name: json.dumps(record).encode() for name, record in split.items()}
+    merged = merge_per_rank(files)
+    assert set(merged) == {STATE_FILE, "config.json"}
+    assert json.loads(merged[STATE_FILE]) == records[STATE_FILE]
