@@ -46,6 +46,9 @@ class LoggerConfig:
     wandb_notes: str | None = None
     wandb_job_type: str | None = None  # train, eval, ...: W&B groups runs by it
     wandb_system_stats: bool = True  # CPU, memory, GPU figures W&B samples on the driver
+    # Points as the driver sees them, not once a checkpoint settles them: a step trained
+    # again after a restore is then logged twice in W&B, MLflow and CSV (TensorBoard rewinds).
+    live: bool = False
 
     def __post_init__(self) -> None:
         coerce_choices(self)

@@ -348,7 +348,7 @@ def logger_feed(
         loggers = continued_loggers(job.logger, run_dir, prep.name, storage, prep.continues, echo)
     except LoggerError as exc:
         raise JobError(prep.redactor.text(str(exc))) from None
-    return LogFeed(loggers)
+    return LogFeed(loggers, live=job.logger.live)
 
 
 def _finish(

@@ -94,6 +94,16 @@ class TensorBoardLogger:
     def event(self, when: float, step: int, text: str) -> None:
         self.writer.add_text("events", text, step, walltime=when)
 
+    def rewind(self, step: int) -> None:
+        """``logger.live``: the points logged at ``step`` and after are stale (a restore went
+        back): TensorBoard's reader drops the scalars there at a session start -- what
+        ``SummaryWriter(purge_step=...)`` writes when a writer opens. (It keeps the text:
+        the events placed there, the failure and the restore, are not stale.)"""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
+        self.writer._get_file_writer().add_event(start)
+
     def finish(self, summary: dict[str, Any]) -> None:
         step = int((summary.get("metrics") or {}).get("train/steps_completed") or 0)
         for key, value in (summary.get("metrics") or {}).items():
@@ -332,16 +342,26 @@ class LoggerError(RuntimeError):
 
 
 class LogFeed:
-    """Feeds the loggers from the ledger's step records and progress lines, each step once."""
+    """Feeds the loggers from the ledger's step records and progress lines, each step once.
 
-    def __init__(self, loggers: list[Any]) -> None:
+    ``live`` (``logger.live``): a step is logged as soon as the driver sees it, not once a
+    checkpoint settles it. A step trained again after a restore is then logged again: a
+    logger that can go back (TensorBoard: :meth:`TensorBoardLogger.rewind`) is rewound to
+    the first step the new attempt trained; the others (W&B, MLflow, CSV) keep both."""
+
+    def __init__(self, loggers: list[Any], live: bool = False) -> None:
         self.loggers = loggers
+        self.live = live
         self.cursor = 0
         self.pending: dict[tuple[int, str], record.StepRecord] = {}  # (step, kind) -> newest
         self.step = 0  # the run's furthest step seen: events are placed there
+        self.first_step: dict[int, int] = {}  # live: attempt -> the first step it trained
+        self.logged: tuple[int, int] | None = None  # live: newest attempt and step logged
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, method: str, *args: Any, only_able: bool = False) -> None:
         for logger in list(self.loggers):
+            if only_able and not hasattr(logger, method):
+                continue
             try:
                 getattr(logger, method)(*args)
             # A job boundary: each backend is third-party code (MLflow, TensorBoard) raising
@@ -361,17 +381,39 @@ class LogFeed:
         """``feed``: the ledger's :meth:`~ftjob.driver.ledger.RunLedger.log_feed` since the cursor."""
         self.cursor = feed.cursor
         for point in feed.records:
+            first = self.first_step.setdefault(point.attempt, point.step)
+            self.first_step[point.attempt] = min(first, point.step)
             key = (point.step, point.kind)
             if key not in self.pending or point.attempt >= self.pending[key].attempt:
                 self.pending[key] = point  # a step trained again replaces its earlier version
             self.step = max(self.step, point.step)
-        self._flush(feed.settled)
+        self._flush(math.inf if self.live else feed.settled)
+
+    def _stale(self, point: record.StepRecord) -> bool:
+        """A dying attempt's step that a later attempt went back before (live only: settled
+        steps are never stale)."""
+        return any(a > point.attempt and s <= point.step for a, s in self.first_step.items())
 
     def _flush(self, settled: float) -> None:
         for key in sorted(k for k in self.pending if k[0] <= settled):
             point = self.pending.pop(key)
+            if self.live and self._stale(point):
+                continue
+            if self.live and (
+                self.logged is None
+                or (point.attempt > self.logged[0] and point.step <= self.logged[1])
+            ):
+                # The first point this driver logs (a resumed run's earlier driver may have
+                # logged past it), or the first of an attempt that went back.
+                self._each_that_can("rewind", point.step)
             values = {f"{point.kind}/{k}": v for k, v in point.values.items()}
             self._each("scalars", point.step, values)
+            if self.live:
+                attempt, step = self.logged or (point.attempt, point.step)
+                self.logged = (max(attempt, point.attempt), max(step, point.step))
+
+    def _each_that_can(self, method: str, *args: Any) -> None:
+        self._each(method, *args, only_able=True)
 
     def events(self, lines: list[str], when: float) -> None:
         for line in lines:

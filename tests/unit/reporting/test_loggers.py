@@ -152,3 +152,41 @@ def test_params_are_flat_and_a_missing_backend_names_its_extra(monkeypatch):
         LoggerConfig(backends=["mlflow"])
     with pytest.raises(ConfigError, match="logger.backends"):
         LoggerConfig(backends=["neptune"])  # not a backend ftjob has
+
+
+def test_live_points_are_logged_at_once_and_tensorboard_rewinds_what_a_restore_made_stale(
+    tmp_path,
+):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = LoggerConfig(backends=["csv", "tensorboard"], live=True)
+    feed = LogFeed(build_loggers(config, str(tmp_path), "run"), live=config.live)
+
+    def csv_losses() -> list[tuple[int, float]]:
+        with open(tmp_path / "logs" / "metrics.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["name"] == "train/loss"]
+        return [(int(r["step"]), float(r["value"])) for r in rows]
+
+    ledger = RunLedger(RunPlan(steps_per_epoch=40, epochs=1))
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, 10, loss=0.1)
+    ledger.checkpoint(a0, CheckpointRecord(10, "ckpt/10", None, 0.1))
+    train(ledger, a0, 20, loss=9.0)
+    feed.records(ledger.log_feed(feed.cursor))
+    assert csv_losses() == [(10, 0.1), (20, 9.0)]  # at once: step 20 is past the checkpoint
+    feed.events(["failure noticed (1 worker(s)): boom"], 5.0)
+    train(ledger, a0, 30, loss=9.0)  # the dying attempt's last step, seen with the next's
+    a1 = ledger.begin_attempt(6.0)  # restored step 10
+    train(ledger, a1, 20, loss=0.02)
+    train(ledger, a1, 30, loss=0.03)
+    feed.records(ledger.log_feed(feed.cursor))
+    feed.finish({"status": "succeeded", "metrics": {}})
+    # CSV keeps what was logged: step 20 twice; the stale step 30 never reached a logger.
+    assert csv_losses() == [(10, 0.1), (20, 9.0), (20, 0.02), (30, 0.03)]
+    [events] = glob.glob(str(tmp_path / "logs" / "tensorboard" / "run" / "events.*"))
+    acc = EventAccumulator(events, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [s.step for s in loss] == [10, 20, 30]  # rewound at step 20: each step once
+    assert [round(s.value, 3) for s in loss] == [0.1, 0.02, 0.03]
+    assert [e.step for e in acc.Tensors("events/text_summary")] == [20]  # the failure stays
