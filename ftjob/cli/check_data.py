@@ -5,7 +5,8 @@ run lists it, then every file read and decoded up front, in parallel, and the ba
 The overrides are a run's (``dataset=imagefolder dataset.path=/data/imagenet``). Each file is
 decoded as validation decodes it (:meth:`ImageFolderDataset.check_file`), in a pool of
 processes (``--jobs``, default: this machine's cores), with the dataset's own limits
-(``dataset.max_image_pixels``). Exit 0 when every file decodes, 1 when any does not (or the
+(``dataset.max_image_pixels``); Parquet shards (``dataset=parquet``) row by row, in this
+process, each row group read once, a bad row named by its shard and row. Exit 0 when every file decodes, 1 when any does not (or the
 tree fails its audit: an empty class folder, validation classes that differ...), 2 when the
 command is wrong.
 """
@@ -13,12 +14,15 @@ command is wrong.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import multiprocessing
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import pyarrow as pa
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -66,6 +70,27 @@ def find_bad_files(dataset: ImageDataset, files: dict[str, list[str]], jobs: int
         return [bad for chunk in results for bad in chunk]
 
 
+def find_bad_rows(dataset: ImageDataset, catalogs: dict[str, pa.Table]) -> list[BadEntry]:
+    """Every row of catalogs without files (Parquet shards: ``check_row``) decoded here, as
+    validation decodes it, a block at a time (each row group read once); the bad ones, each
+    named by the dataset (shard and row) with its reason."""
+    skipping = copy.copy(dataset)
+    skipping.bad_files = "skip"
+    out = []
+    for split, table in catalogs.items():
+        for start in range(0, table.num_rows, ROWS_PER_BLOCK):
+            block = table.slice(start, ROWS_PER_BLOCK)
+            rows = {k: block.column(k).to_numpy(zero_copy_only=False) for k in block.column_names}
+            _, skipped = skipping.decode_batch(rows, VAL, 0, 0)
+            for i in np.flatnonzero(skipped):
+                bad = dataset.bad_file(block.slice(int(i), 1).to_pylist()[0])
+                out.append(BadEntry(split, bad.path, bad.reason))
+    return out
+
+
+ROWS_PER_BLOCK = 1024
+
+
 def _say(line: str) -> None:
     print(f"ftjob.check --data: {line}", flush=True)
 
@@ -89,17 +114,25 @@ def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
         return 1
     for note in notes:
         _say(note)
-    if not hasattr(dataset, "check_file") or "path" not in catalogs[TRAIN].column_names:
+    if hasattr(dataset, "check_row"):
+        total = sum(t.num_rows for t in catalogs.values())
+        _say(
+            f"{dataset.describe()}: decoding {catalogs[TRAIN].num_rows} {TRAIN} + "
+            f"{catalogs[VAL].num_rows} {VAL} rows in this process"
+        )
+        bad = find_bad_rows(dataset, catalogs)
+    elif not hasattr(dataset, "check_file") or "path" not in catalogs[TRAIN].column_names:
         _say(f"{dataset.describe()} reads no files: nothing to decode")
         return 0
-    files = {split: [str(p) for p in t.column("path").to_pylist()] for split, t in catalogs.items()}
-    jobs = max(1, jobs or os.cpu_count() or 1)
-    total = sum(len(paths) for paths in files.values())
-    _say(
-        f"{dataset.describe()}: decoding {len(files[TRAIN])} {TRAIN} + {len(files[VAL])} {VAL} "
-        f"files in {jobs} process(es)"
-    )
-    bad = find_bad_files(dataset, files, jobs)
+    else:
+        files = {s: [str(p) for p in t.column("path").to_pylist()] for s, t in catalogs.items()}
+        jobs = max(1, jobs or os.cpu_count() or 1)
+        total = sum(len(paths) for paths in files.values())
+        _say(
+            f"{dataset.describe()}: decoding {len(files[TRAIN])} {TRAIN} + {len(files[VAL])} "
+            f"{VAL} files in {jobs} process(es)"
+        )
+        bad = find_bad_files(dataset, files, jobs)
     for entry in bad:
         print(entry.line(), flush=True)
     if not bad:

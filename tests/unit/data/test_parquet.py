@@ -19,7 +19,7 @@ from PIL import Image
 
 from ftjob.config import ConfigError
 from ftjob.data.datasets import SOURCES, TRAIN, VAL, DataError
-from ftjob.data.parquet import GROUP, NO_LABEL, ROW, SHARD, ParquetDataset
+from ftjob.data.parquet import GROUP, NO_LABEL, NO_LABEL_REASON, ROW, SHARD, ParquetDataset
 from ftjob.data.to_parquet import convert, main
 from ftjob.driver.resume import catalog_fingerprint
 from tests.support.images import make_image_tree, truncated_png
@@ -211,6 +211,24 @@ def test_bad_rows_fail_or_are_skipped_naming_shard_and_row(tmp_path: Path):
     keep = {k: v[[3]] for k, v in rows.items() if k != NO_LABEL}
     with pytest.raises(DataError, match=rf"shard {shard} row 3 \(row group 0\) has no image"):
         failing.decode_batch(keep, TRAIN, 0, 0)
+
+
+def test_check_data_decodes_every_row_and_names_the_bad_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    from ftjob.cli.check_data import check_data
+
+    shard = tmp_path / TRAIN / "s.parquet"
+    labelled(shard, [0, 1, None, 0], [png(10), truncated_png(), png(20), None])
+    labelled(tmp_path / VAL / "s.parquet", [0, 1])
+    overrides = ["dataset=parquet", f"dataset.path={tmp_path}", "dataset.bad_files=skip"]
+    assert check_data(overrides) == 1
+    bad = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BAD")]
+    assert bad == [
+        f"BAD    train {shard} row 1: OSError: image file is truncated",
+        f"BAD    train {shard} row 2: {NO_LABEL_REASON}",
+        f"BAD    train {shard} row 3: no image bytes",
+    ]
 
 
 def test_the_configs_compose_and_bad_keys_are_refused_naming_them(tmp_path: Path):
