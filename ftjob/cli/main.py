@@ -112,6 +112,11 @@ def _explain(
     if unknown and not key:
         key = unknown.group(1)
     detail = next((line for line in str(cause).splitlines() if line.strip()), head).strip()
+    # A group missing from the defaults list: Hydra's own way out ("To append to your default
+    # list use +experiment=NAME") stays in the line.
+    hint = next((line for line in lines if line.startswith("To append")), None)
+    if hint and "No match in the defaults list" in detail:
+        detail = f"{detail} {hint}"
     if key is None:
         return ConfigError("config", " ".join(overrides), head)
     if "is not in struct" in detail:  # a new key in a dict-valued key, e.g. resources_per_worker
@@ -123,19 +128,42 @@ def _explain(
     return ConfigError(key, given[key] if key in given else getattr(cause, "value", None), rule)
 
 
+def _command_target(flags: dict[str, Any]) -> tuple[Composer, Target]:
+    """The composer and the primary config a command composes (``--config-dir``/``-cn``)."""
+    config_dir = flags.get("--config-dir") or flags.get("-cd")
+    config_name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
+    user_primary = bool(config_dir) and os.path.exists(
+        os.path.join(config_dir, f"{config_name}.yaml")
+    )
+    target = Target("command line", config_name=config_name, user_primary=user_primary)
+    return Composer(config_dir), target
+
+
+def spell_argv(argv: list[str]) -> list[str]:
+    """The command line with ``+experiment=NAME`` as ``experiment=NAME`` where the primary
+    config has ``experiment`` in its defaults list (ftjob's does, with a null default): both
+    spellings choose an experiment. Unchanged when the primary config cannot be read (the
+    precheck then says why) or comes from ``--config-path``."""
+    flags, overrides = split_args(argv)
+    if not any(o.startswith("+") for o in overrides) or "--config-path" in flags or "-cp" in flags:
+        return argv
+    composer, target = _command_target(flags)
+    try:
+        spelled = dict(zip(overrides, composer.spelled(overrides, target), strict=True))
+    except (HydraException, OmegaConfBaseException, OSError):
+        return argv
+    finally:
+        GlobalHydra.instance().clear()
+    return [spelled.get(arg, arg) for arg in argv]
+
+
 def precheck(argv: list[str]) -> None:
     """Raise ConfigError (one line) if the command's config, or any value it sweeps -- on the
     command line or in a ``+sweep=`` preset's ``hydra.sweeper.params`` -- is invalid."""
     flags, overrides = split_args(argv)
     if any(flag in _NO_RUN_FLAGS for flag in flags) or "--config-path" in flags or "-cp" in flags:
         return
-    config_dir = flags.get("--config-dir") or flags.get("-cd")
-    config_name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
-    composer = Composer(config_dir)
-    user_primary = bool(config_dir) and os.path.exists(
-        os.path.join(config_dir, f"{config_name}.yaml")
-    )
-    target = Target("command line", config_name=config_name, user_primary=user_primary)
+    composer, target = _command_target(flags)
     given = sweep_values(None, overrides)
     first = [values[0] for values in given.values.values()] + list(given.unlisted.values())
 
@@ -157,9 +185,8 @@ def precheck(argv: list[str]) -> None:
         params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
         swept = sweep_values(params, overrides)  # type: ignore[arg-type]
         for key, values in swept.values.items():
-            if len(values) > 1:
-                for value in values:
-                    check([o for o in first if override_key(o) != key] + [value])
+            for value in values[1:]:  # the first value is in the combination checked above
+                check([o for o in first if override_key(o) != key] + [value])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     redactor = Redactor.for_overrides(split_args(argv)[1])
     guard_logging(redactor)
     try:
+        argv = spell_argv(argv)
         precheck(argv)
     except ConfigError as exc:
         print(f"ftjob: config error: {redactor.text(str(exc))}", file=sys.stderr)

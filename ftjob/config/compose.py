@@ -7,6 +7,7 @@ override sets (:func:`override_key`), and the values a sweep runs (:func:`sweep_
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 CONFIG_MODULE = "ftjob.conf"
@@ -82,11 +84,32 @@ class Composer:
     def compose(self, target: Target, overrides: Sequence[str], hydra: bool = False) -> DictConfig:
         context, search = self._context(target)
         with context:
+            given = self._spell([*target.overrides, *overrides], target, search)
             return compose(
                 config_name=target.config_name,
-                overrides=[*target.overrides, *overrides, *search],
+                overrides=[*given, *search],
                 return_hydra_config=hydra,
             )
+
+    def spelled(self, overrides: Sequence[str], target: Target | None = None) -> list[str]:
+        """``overrides`` as Hydra takes them for ``target``'s primary config (:func:`spell_groups`)."""
+        target = target or Target(PRIMARY_CONFIG)
+        context, search = self._context(target)
+        with context:
+            return self._spell(overrides, target, search)
+
+    def _spell(self, overrides: Sequence[str], target: Target, search: list[str]) -> list[str]:
+        """:func:`spell_groups` against the groups in the primary config's defaults list (a
+        null default, experiment, too), read only when an override adds something
+        (``+key=...``): reading it costs about half a composition. ftjob's own primary
+        configs are read once a process (a user's may change between calls)."""
+        if not any(_adds(override) for override in overrides):
+            return list(overrides)
+        if target.user_primary:
+            groups = _default_groups(target.config_name, tuple(search))
+        else:
+            groups = _packaged_default_groups(target.config_name)
+        return spell_groups(overrides, groups)
 
     def group_options(self, group: str, target: Target | None = None) -> list[str]:
         """The options of ``group`` that exist (ftjob's conf plus the user's config dir)."""
@@ -101,6 +124,33 @@ class Composer:
     def default_groups(self) -> set[str]:
         choices = self.compose(Target(PRIMARY_CONFIG), (), hydra=True).hydra.runtime.choices
         return {group for group in choices if not str(group).startswith("hydra/")}
+
+
+def _default_groups(config_name: str, search: tuple[str, ...]) -> frozenset[str]:
+    """The groups of the defaults list of ``config_name`` (Hydra initialised)."""
+    loader = GlobalHydra.instance().config_loader()
+    defaults = loader.compute_defaults_list(config_name, list(search), RunMode.RUN)
+    return frozenset(defaults.overrides.known_choices)
+
+
+@functools.lru_cache(maxsize=8)
+def _packaged_default_groups(config_name: str) -> frozenset[str]:
+    """:func:`_default_groups` of one of ftjob's own primary configs (they do not change
+    while a process runs; a user's config dir may add options, never groups to its defaults)."""
+    return _default_groups(config_name, ())
+
+
+def spell_groups(overrides: Sequence[str], defaults: set[str]) -> list[str]:
+    """``+group=option`` as ``group=option`` for a group already in the defaults list:
+    ``+experiment=NAME`` (how an experiment was added before ``experiment`` had a null default)
+    and ``experiment=NAME`` then both choose it, where Hydra refuses the first ("Multiple
+    values for experiment")."""
+    return [o[1:] if _adds(o) and override_key(o) in defaults else o for o in overrides]
+
+
+def _adds(override: str) -> bool:
+    """``+key=value``: adds a key or a group (``++`` forces a key, and is left alone)."""
+    return "=" in override and override.startswith("+") and not override.startswith("++")
 
 
 def override_key(override: str) -> str:
