@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from ftjob.driver.ledger.pace import PacePoint, pace, pace_point
 from ftjob.metrics import fmt
 from ftjob.record import (
     CheckpointRecord,
@@ -28,6 +29,7 @@ class StepLog:
         self.checkpoints: list[CheckpointRecord] = []
         self.records: list[StepRecord] = []  # for the experiment loggers, append-only
         self.history: dict[int, HistoryPoint] = {}  # step -> its progress point that survived
+        self.pace_point: PacePoint | None = None  # the last progress point, for the ETA
 
     def progress_update(
         self, attempt: int, progress: Progress, metrics: dict[str, float], world: int | None
@@ -40,9 +42,12 @@ class StepLog:
             progress.step, progress.time, attempt, **values, world_size=world
         )
         p = progress
+        point = pace_point(attempt, progress, metrics)
+        now = pace(self.pace_point, point, p.total_steps)
+        self.pace_point = point
         self.log(
             f"epoch {p.epoch + 1}/{p.epochs} step {p.step}/{p.total_steps} "
-            f"loss {fmt(p.loss)} | {fmt(p.throughput, '.0f')} img/s"
+            f"loss {fmt(p.loss)} | {fmt(p.throughput, '.0f')} img/s{now.text()}"
         )
 
     def validation(self, attempt: int, step: int, result: ValidationResult) -> None:
