@@ -50,6 +50,7 @@ class TrainerConfig:
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     epochs: int = 3
     batch_size: int = 32
+    micro_batch_size: int | None = None  # samples per forward/backward pass; null: batch_size
     val_batch_size: int | None = None
     lr: float = 1e-3
     lr_schedule: LrSchedule = LrSchedule.cosine
@@ -76,6 +77,7 @@ class TrainerConfig:
     placement: Placement | None = None
     min_workers: int | None = None  # elastic: train on as few as this; num_workers is the most
     resize_interval: float = 60.0  # elastic: how often a running group checks for capacity
+    exact: bool = False  # the same weights, bit for bit, at any world size (ftjob.worker.exact)
 
     def __post_init__(self) -> None:
         coerce_choices(self)
@@ -85,6 +87,7 @@ class TrainerConfig:
         self._check_data_loading()
         self._check_resources()
         self._check_elastic()
+        self._check_exact()
 
     def _check_shape(self) -> None:
         at_least(self, "num_workers", 1)
@@ -205,6 +208,40 @@ class TrainerConfig:
             f"does not split evenly over {uneven[0] if uneven else 0} workers: raise "
             "trainer.min_workers, or choose a batch_size that every world size from min_workers "
             "to num_workers divides",
+        )
+
+    def _check_exact(self) -> None:
+        """``micro_batch_size`` >= 1; in exact mode, every world size the group may run at
+        must cut each rank's share of the global batch into whole micro-batches of it."""
+        micro = self.micro_batch_size
+        require(
+            micro is None or micro >= 1,
+            self._group,
+            "micro_batch_size",
+            micro,
+            "must be >= 1, or null for trainer.batch_size",
+        )
+        if not self.exact:
+            return
+        size, worlds = (
+            micro or self.batch_size,
+            range(self.min_workers or self.num_workers, self.num_workers + 1),
+        )
+        shares = [self.global_batch_size // w for w in worlds if self.global_batch_size % w == 0]
+        uneven = [
+            w for w in worlds if self.global_batch_size % w or (self.global_batch_size // w) % size
+        ]
+        fits = math.gcd(*shares) if shares else 1
+        require(
+            not uneven,
+            self._group,
+            "micro_batch_size",
+            micro if micro is not None else f"null (trainer.batch_size={self.batch_size})",
+            f"trainer.exact=true cuts the global batch {self.global_batch_size} (trainer.batch_size x "
+            f"trainer.num_workers) into micro-batches of {size} samples, each rank a whole number "
+            f"of them, at every world size from trainer.min_workers to trainer.num_workers: on "
+            f"{uneven[0] if uneven else 0} workers a rank's share is not: set "
+            f"trainer.micro_batch_size to a divisor of {fits}",
         )
 
     @property

@@ -130,10 +130,15 @@ class Heartbeat:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         def stamped(state, bucket):  # noqa: ANN001, ANN202 -- DDP checks any annotation
-            self._ready = time.perf_counter()
+            self.gradients_ready()
             return allreduce_hook(state, bucket)
 
         model.register_comm_hook(None, stamped)
+
+    def gradients_ready(self) -> None:
+        """This rank's gradients are computed: its step's own compute ends here, before it
+        waits for the others (DDP's hook, or exact mode's sum)."""
+        self._ready = time.perf_counter()
 
     def close(self) -> None:
         self._stop.set()

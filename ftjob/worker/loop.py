@@ -19,7 +19,6 @@ at its start.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -48,13 +47,14 @@ from ftjob.data.streams import (
     decode_in_worker,
 )
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.policy.elastic import micro_batches
 from ftjob.record import Progress
 from ftjob.storage.faults import set_fault_stream
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.lease import LeaseFence
+from ftjob.worker.backward import Backward, data_parallel
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, Restored, TrainState
 from ftjob.worker.context import WorkerContext, ray_context
+from ftjob.worker.exact import pin_kernels
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
 from ftjob.worker.node_holders import holders_for
@@ -126,7 +126,8 @@ class Worker:
     beat: Heartbeat
     checkpointer: Checkpointer
     notices: PreemptionNotices | None  # preemptions, and planned elastic resizes
-    model: Any  # as prepared for data parallelism (DDP)
+    model: Any  # as prepared for data parallelism (DDP; the bare model in exact mode)
+    backward: Backward  # the step's gradients: DDP's, or exact mode's (trainer.exact)
     module: torch.nn.Module  # the model itself
     optimizer: torch.optim.Optimizer
     restored: Restored | None
@@ -193,7 +194,7 @@ class Worker:
         self.record.attempt = answer.attempt
         if answer.stop is not None:
             raise JobStopped(answer.stop)
-        torch.set_num_threads(max(1, int(self.trainer.worker_cpus)))
+        pin_kernels(self.trainer, self.ctx.device)
         set_fault_stream(self.spec.fs, f"attempt {self.record.attempt} rank {self.rank}")
         self.record.register(self.ctx.where)
         hang = self.job.failure.hang
@@ -251,7 +252,7 @@ class Worker:
         model = build_model(job.model, self.spec.dataset.num_classes)
         if t.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        self.model = self.ctx.prepare_model(model)
+        self.model, self.backward = data_parallel(model, t, self.ctx, self.beat.gradients_ready)
         self.beat.attach(self.model)
         self.module = self.model.module if hasattr(self.model, "module") else self.model
         groups = parameter_groups(self.module, t.weight_decay_norm_and_bias)
@@ -366,9 +367,8 @@ class Worker:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-        step = (self.model, batch.images, batch.labels, self.trainer.batch_size, self._loss)
         # chaos=slow sleeps between forward and backward: local time, not the others' wait
-        loss = backward_in_micro_batches(*step, self.beat.straggle, batch.keep())
+        loss = self.backward(self.state.step, self.model, batch, self._loss, self.beat.straggle)
         self.optimizer.step()
         return loss
 
@@ -594,67 +594,6 @@ def divergence(loss: float, step: int, last_finite_step: int) -> str:
         f"at step {last_finite_step}); not retried, and no checkpoint of the diverged weights "
         "was written (trainer.stop_on_nonfinite_loss=false trains on)"
     )
-
-
-def backward_in_micro_batches(
-    model: Any,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    batch_size: int,
-    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    before_backward: Callable[[], None] = lambda: None,
-    keep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Gradients of the mean loss over this rank's slice, in micro-batches of at most
-    ``batch_size`` (several only below full size: elastic). Each micro-batch's mean loss is
-    weighted by its share of the slice, so the accumulated gradient is the slice's mean; a DDP
-    model all-reduces once, with the last micro-batch. Returns the slice's mean loss.
-
-    ``keep`` (bool per row) leaves out skipped samples (bad files): they never reach the
-    model, and count as a loss of 0 in the slice's mean -- the step's gradient is the kept
-    samples' loss summed over the global batch size, at any world size, with no collective
-    to count them. A rank whose whole slice was skipped still joins the gradient all-reduce
-    (:func:`_blank_backward`)."""
-    n = images.shape[0]
-    if keep is not None:
-        if not bool(keep.any()):
-            return _blank_backward(model, images[:1], labels[:1], loss_of, before_backward)
-        images, labels = images[keep], labels[keep]
-    kept = images.shape[0]
-    chunks = micro_batches(kept, batch_size)
-    total = torch.zeros((), device=images.device)
-    for lo, hi in chunks:
-        local = hi < kept and hasattr(model, "no_sync")  # no all-reduce until the last
-        with model.no_sync() if local else contextlib.nullcontext():
-            loss = loss_of(images[lo:hi], labels[lo:hi])
-            if len(chunks) > 1 or kept < n:
-                loss = loss * ((hi - lo) / n)
-            if lo == 0:  # after DDP's forward sync of buffers, before the gradient all-reduce
-                before_backward()
-            loss.backward()
-        total += loss.detach()
-    return total
-
-
-def _blank_backward(
-    model: Any,
-    image: torch.Tensor,
-    label: torch.Tensor,
-    loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    before_backward: Callable[[], None],
-) -> torch.Tensor:
-    """A zero gradient that still takes part in DDP's all-reduce, for a rank with nothing to
-    train this step: one blank image, in eval mode (batch-norm statistics stay as they were),
-    its loss weighted 0."""
-    was_training = model.training
-    model.eval()
-    try:
-        loss = loss_of(image, label) * 0.0
-        before_backward()
-        loss.backward()
-    finally:
-        model.train(was_training)
-    return loss.detach()
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:

@@ -14,7 +14,7 @@ from ftjob.config import ConfigError, TrainerConfig
 from ftjob.policy.elastic import micro_batches
 from ftjob.policy.hang import restart_loop
 from ftjob.record import Attempt, Notice, NoticeSource
-from ftjob.worker.loop import backward_in_micro_batches
+from ftjob.worker.backward import backward_in_micro_batches
 
 GLOBAL, BATCH = 64, 16  # trainer.batch_size 16 x trainer.num_workers 4
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftjob.worker.loop import backward_in_micro_batches
+from ftjob.worker.backward import backward_in_micro_batches
 
 
 def grads(model: torch.nn.Module) -> list[torch.Tensor]:
