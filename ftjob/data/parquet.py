@@ -41,14 +41,13 @@ from ftjob.data.folders import is_local, names
 from ftjob.data.shards import (
     Shard,
     ShardLabels,
+    cached_footer,
     check_parquet_args,
     class_ids,
     class_names,
     image_field,
     label_kind,
     list_shards,
-    no_readahead,
-    read_footer,
     read_group_images,
     read_labels,
 )
@@ -121,7 +120,7 @@ class ParquetDataset(ImageFolderDataset):
         self.class_list = list(classes) if classes is not None else None
         self._shards: dict[str, list[Shard]] = {}
         self._read: dict[str, list[ShardLabels]] = {}
-        self._footers: dict[str, pq.FileMetaData] = {}  # per process: decode's footer cache
+        self._sizes: dict[str, int] = {}  # shard path -> size, as listed: kept when pickled
         self._image_field: str | None = None  # "image" or "image.bytes" (a struct)
 
     @classmethod
@@ -132,7 +131,7 @@ class ParquetDataset(ImageFolderDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        return {**state, "_shards": {}, "_read": {}, "_footers": {}}
+        return {**state, "_shards": {}, "_read": {}}
 
     # -- listing and the catalog (driver) -----------------------------------------------
 
@@ -157,6 +156,7 @@ class ParquetDataset(ImageFolderDataset):
                 f"expected {self.path}/{folder}/<shard>.parquet"
             )
         self._shards[split] = shards
+        self._sizes.update((s.path, s.size) for s in shards)
         return shards
 
     def _read_split(self, split: str) -> list[ShardLabels]:
@@ -264,17 +264,18 @@ class ParquetDataset(ImageFolderDataset):
     # -- decoding (workers, Ray Data tasks) ---------------------------------------------
 
     def _footer(self, path: str) -> pq.FileMetaData:
-        if path not in self._footers:
-            size = int(self.fs.size(path))
-            with self.fs.open(path, "rb", **no_readahead(self.fs)) as f:
-                self._footers[path] = read_footer(f, size)
-        return self._footers[path]
+        return cached_footer(self.fs, path, self._size(path))
+
+    def _size(self, path: str) -> int:
+        if path not in self._sizes:  # a dataset pickled before its catalog was built
+            self._sizes[path] = int(self.fs.size(path))
+        return self._sizes[path]
 
     def _group_images(self, path: str, group: int) -> list[Any]:
         meta = self._footer(path)
         if self._image_field is None:
             self._image_field = image_field(meta, self.image_column)
-        return read_group_images(self.fs, path, meta, group, self._image_field)
+        return read_group_images(self.fs, path, self._size(path), meta, group, self._image_field)
 
     def _where(self, path: str, row: int, group: int) -> str:
         return f"dataset shard {self._url(path)} row {row} (row group {group})"

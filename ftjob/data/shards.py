@@ -73,10 +73,33 @@ def check_parquet_args(kwargs: dict[str, Any]) -> None:
     )
 
 
-def no_readahead(fs: Any) -> dict[str, Any]:
+def no_readahead(fs: Any, size: int | None = None) -> dict[str, Any]:
     """Open options that read exactly the ranges asked (object stores read ahead in blocks of
-    megabytes by default: image bytes the catalog never needs)."""
-    return {} if is_local(fs) else {"cache_type": "none"}
+    megabytes by default: image bytes the catalog never needs), and the file's ``size`` when
+    known (an object store asks for it otherwise: a request per open)."""
+    if is_local(fs):
+        return {}
+    return {"cache_type": "none", **({"size": size} if size is not None else {})}
+
+
+FOOTERS_KEPT = 4096  # shard footers a process keeps (a few KB each)
+_footers: dict[tuple[str, str, int], pq.FileMetaData] = {}
+
+
+def cached_footer(fs: Any, path: str, size: int) -> pq.FileMetaData:
+    """A shard's footer, read once per process (Ray Data's decode workers live across tasks;
+    a dataset reaches each task afresh), by path and size: a resume refuses a changed shard,
+    and a rewritten one of the same size and path in one process's life is not expected."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    key = (protocol, path, size)
+    meta = _footers.get(key)
+    if meta is None:
+        with fs.open(path, "rb", **no_readahead(fs, size)) as f:
+            meta = read_footer(f, size)
+        if len(_footers) >= FOOTERS_KEPT:
+            _footers.clear()
+        _footers[key] = meta
+    return meta
 
 
 def list_shards(fs: Any, root: str) -> tuple[list[Shard], list[str]]:
@@ -128,7 +151,7 @@ def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> Sha
     messages name it."""
     label_column = columns["label_column"]
     try:
-        with fs.open(shard.path, "rb", **no_readahead(fs)) as f:
+        with fs.open(shard.path, "rb", **no_readahead(fs, shard.size)) as f:
             meta = read_footer(f, shard.size)
             have = meta.schema.to_arrow_schema().names
             for key, column in columns.items():
@@ -158,9 +181,11 @@ def image_field(meta: pq.FileMetaData, image_column: str) -> str:
     return f"{image_column}.bytes" if nested else image_column
 
 
-def read_group_images(fs: Any, path: str, meta: pq.FileMetaData, group: int, field: str) -> list:
+def read_group_images(
+    fs: Any, path: str, size: int, meta: pq.FileMetaData, group: int, field: str
+) -> list:
     """The encoded images of one row group: its image column chunk, nothing else."""
-    with fs.open(path, "rb", **no_readahead(fs)) as f:
+    with fs.open(path, "rb", **no_readahead(fs, size)) as f:
         column = (
             pq.ParquetFile(f, metadata=meta, pre_buffer=False)
             .read_row_group(group, columns=[field])
