@@ -240,7 +240,7 @@ def check(command: Command, monkeypatch: pytest.MonkeyPatch) -> None:
     flags, overrides = split_args(list(command.args))
     config_dir = str(ROOT / flags["--config-dir"]) if "--config-dir" in flags else None
     groups = group_names()
-    overrides = spell_groups(overrides, set(groups))  # +experiment= as experiment=
+    overrides = spell_groups(overrides, set(groups) - {"sweep"})  # +experiment= as experiment=
     chosen = [o for o in overrides if override_key(o) in groups]
     values = [o for o in overrides if o not in chosen]
     base = selected(config_dir, tuple(sorted(chosen)))  # Hydra applies them in any order
