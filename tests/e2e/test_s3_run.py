@@ -1,6 +1,7 @@
 """One training run with its checkpoints on a real S3 API (moto's server on loopback,
 tests/support/s3_fixtures.py) through a fault-injecting proxy (tests/support/fault_proxy.py):
-a failure and a drain notice on a simulated cluster."""
+a failure and a drain notice on a simulated cluster, training on Parquet shards in the same
+bucket."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import boto3
 import pytest
 
 from ftjob import metrics as M
+from ftjob.data.to_parquet import convert
 from ftjob.reporting.summary import exactly_once
 from tests.support.fault_proxy import FaultProxy
+from tests.support.images import digits_tree
 from tests.support.loggers import check_loggers
 from tests.support.processes import run_ftjob
 from tests.support.s3 import (
@@ -33,7 +36,13 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
     API, as a spot reclaim) during an upload, whose checkpoint becomes the just-in-time one (no
     step lost, no failure budget spent); every checkpoint committed; no secret (in
     storage_options, or from the environment) in anything the run wrote; every logger's record
-    of the run (one point per step across the restores), read back; each sample trained once."""
+    of the run (one point per step across the restores), read back; each sample trained once.
+    The data: the digits run's images (its train/val rows, as PNGs) written by ftjob's writer
+    as Parquet shards into the bucket (``dataset=parquet``), read over S3 by Ray Data's decode
+    tasks through the failure and the drain."""
+    shards = f"s3://{s3_bucket}/digits"
+    options = {"endpoint_url": s3_endpoint}
+    convert(str(digits_tree(tmp_path / "digits")), shards, 256, storage_options=options)
     # About a third of the requests fail (truncation hits only reads): every one of the run's
     # ~15 uploads goes through the proxy, so none retried would be a 1-in-600 run (0.65^15).
     faults = {"throttle_rate": 0.2, "drop_rate": 0.15, "truncate_rate": 0.06}
@@ -42,6 +51,13 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
         proc, summary = run_ftjob(
             [
                 "+experiment=digits_ft",
+                "dataset=parquet",  # the digits' 1438 + 359 rows in 6 + 2 shards
+                f"dataset.path={shards}",
+                f"+dataset.storage_options.endpoint_url={s3_endpoint}",
+                "dataset.image_size=32",  # as dataset=digits renders them
+                "dataset.resize_size=32",
+                "dataset.augment=false",
+                "dataset.num_classes=10",
                 "trainer.epochs=2",  # 22 steps an epoch: checkpoints at 22, 30, 44
                 "trainer.checkpoint_every_n_steps=30",
                 "trainer.audit_samples=true",
@@ -105,6 +121,9 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
     assert drained.get("confirmed") or "before the run ended" in drained["reason"]
     assert "preemption notice (drain)" in proc.stdout
     assert len(summary["audit"]) == 2 and all(exactly_once(a) for a in summary["audit"])
+    assert all(a["unique"] == 22 * 64 for a in summary["audit"])
+    # Two epochs of digits learn them on the Parquet layout as on dataset=digits.
+    assert metrics["validation/accuracy"] >= 0.8, metrics["validation/accuracy"]
     # The bucket holds the newest committed checkpoints (checkpoint.num_to_keep=2), complete.
     keys = s3_keys(s3_endpoint, s3_bucket, "runs/s3-e2e/checkpoints/")
     kept = sorted({k.split("/")[3] for k in keys})

@@ -60,3 +60,20 @@ def bad_tree(root: Path) -> dict[str, Path]:
     bad["empty"].write_bytes(b"")
     bad["truncated"].write_bytes(truncated_png())
     return bad
+
+
+def digits_tree(root: Path) -> Path:
+    """scikit-learn's digits as ``dataset=digits`` splits them (the same train/val rows), each
+    an 8x8 PNG (0..16 scaled to 0..255) under ``{train,val}/<digit>/``: the digits run's images
+    as files, for the image-file and Parquet layouts."""
+    from ftjob.data.datasets import VAL, DigitsDataset
+
+    digits = DigitsDataset()
+    for split in (TRAIN, VAL):
+        table = digits.catalog(split).to_pydict()
+        for i, (label, raw) in enumerate(zip(table["label"], table["pixels"], strict=True)):
+            small = np.frombuffer(raw, dtype=np.uint8).reshape(8, 8).astype(np.uint16)
+            folder = root / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray((small * 255 // 16).astype(np.uint8)).save(folder / f"{i:04d}.png")
+    return root
