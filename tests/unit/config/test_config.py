@@ -202,6 +202,7 @@ def test_no_number_key_takes_a_non_finite_value(key, value):
 # Every key typed with a Choice, and a word it does not take.
 CHOICE_KEYS = {
     "chaos.kind": "nod",
+    "chaos.target": "rank1",
     "checkpoint.upload_mode": "later",
     "trainer.lr_schedule": "step",
     "trainer.precision": "fp16",
