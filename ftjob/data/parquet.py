@@ -205,16 +205,20 @@ class ParquetDataset(ImageFolderDataset):
 
     def catalog(self, split: str) -> pa.Table:
         shards, read = self.shards(split), self._read_split(split)
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("label", SHARD, GROUP, ROW)}
-        for k, (shard, got) in enumerate(zip(shards, read, strict=True)):
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in (SHARD, GROUP, ROW)}
+        for k, got in enumerate(read):
             rows = int(got.groups.sum())
-            where = f"dataset.path={self.path!r}: shard {self._url(shard.path)} ({split})"
-            ids = class_ids(got.labels, self._kind(), self.classes, where)
-            parts["label"].append(ids)
             parts[SHARD].append(np.full(rows, k, dtype=np.int32))
             parts[GROUP].append(np.repeat(np.arange(len(got.groups), dtype=np.int32), got.groups))
             parts[ROW].append(np.arange(rows, dtype=np.int64))
-        labels = np.concatenate(parts["label"])
+        starts = np.cumsum([0] + [int(got.groups.sum()) for got in read])
+
+        def where(row: int) -> str:
+            shard = shards[int(np.searchsorted(starts, row, side="right")) - 1]
+            return f"dataset.path={self.path!r}: shard {self._url(shard.path)} ({split})"
+
+        values = pa.chunked_array([got.labels for got in read])
+        labels = class_ids(values, self._kind(), self.classes, where)
         missing = labels < 0
         if missing.any():
             first = int(np.flatnonzero(missing)[0])

@@ -8,6 +8,7 @@ import io
 import json
 import posixpath
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,28 +229,33 @@ def class_names(kind: str, read: list[ShardLabels], declared: int | None) -> lis
     return [str(i) for i in range(int(top) + 1)]
 
 
-def class_ids(labels: pa.Array, kind: str, classes: list[str], where: str) -> np.ndarray:
-    """Class ids of one shard's labels; -1 where a row has none (null; a negative id, as
-    Hugging Face's -1 of an unlabelled split). A label outside the classes is refused,
-    ``where`` (the shard) named."""
+def class_ids(
+    labels: pa.ChunkedArray, kind: str, classes: list[str], where: Callable[[int], str]
+) -> np.ndarray:
+    """Class ids of a split's labels, in one pass; -1 where a row has none (null; a negative
+    id, as Hugging Face's -1 of an unlabelled split). A label outside the classes is refused,
+    ``where(row)`` naming the shard of the first such row."""
     if kind == "int":
-        ids = labels.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+        ids = np.concatenate(
+            [c.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False) for c in labels.chunks]
+        )
         ids = np.where(ids < 0, -1, ids)
-        out = ids[ids >= len(classes)]
+        out = np.flatnonzero(ids >= len(classes))
         if len(out):
             raise ValueError(
-                f"{where} has label {int(out[0])}, outside the {len(classes)} classes "
-                f"0..{len(classes) - 1}: set dataset.num_classes, or fix the shard"
+                f"{where(int(out[0]))} has label {int(ids[out[0]])}, outside the {len(classes)} "
+                f"classes 0..{len(classes) - 1}: set dataset.num_classes, or fix the shard"
             )
         return ids
     index = pc.index_in(labels.cast(pa.string()), value_set=pa.array(classes))
     unknown = pc.and_(pc.is_null(index), pc.is_valid(labels))
     if pc.any(unknown).as_py():
-        value = labels.filter(unknown)[0].as_py()
+        row = int(pc.index(unknown, True).as_py())
         rule = (
             "dataset.classes does not list it"
             if kind == "classes"
             else "the training split has no such label"
         )
-        raise ValueError(f"{where} has label {value!r}, not a class: {rule}")
-    return index.cast(pa.int64()).fill_null(-1).to_numpy(zero_copy_only=False)
+        raise ValueError(f"{where(row)} has label {labels[row].as_py()!r}, not a class: {rule}")
+    filled = index.cast(pa.int64()).fill_null(-1)
+    return np.concatenate([c.to_numpy() for c in filled.chunks])
