@@ -1,7 +1,6 @@
 """Exact mode (trainer.exact=true) in whole jobs in this process: the same job at world 1 and
 world 2 ends with the same weights and buffers, bit for bit -- which data parallel training
-does not -- and so does a run restored from storage on another world size, or from the
-memory tier."""
+does not -- and so does a run restored from the memory tier and from storage."""
 
 from __future__ import annotations
 
@@ -66,31 +65,14 @@ def test_without_exact_mode_the_same_comparison_differs(tmp_path: Path):
     assert differing(one, two) != []
 
 
-def test_exact_runs_restored_from_storage_on_another_world_size_or_from_memory_end_bit_identical(
+def test_an_exact_run_restored_from_the_memory_tier_and_from_storage_ends_bit_identical(
     tmp_path: Path, exact_world_1: dict[str, torch.Tensor]
 ):
-    # World 2 fails at step 5 with no failure budget: its checkpoint of step 3 is committed.
-    storage = ("name=resized", f"checkpoint.storage_path={tmp_path / 'store'}")
-    first = run_locally(
-        compose_job(
-            *JOB, *EXACT, *WORLD_2, *storage, "chaos.fail_at_steps=[5]", "failure.max_failures=0"
-        ),
-        tmp_path / "a",
-    )
-    assert first.summary["status"] == "failed", first.errors
-    # The same run resumed on one worker: restored from storage, at the other world size.
-    resumed = run(tmp_path / "b", *EXACT, *WORLD_1, *storage, "resume=true")
-    [restore] = [a.restored for a in resumed.snapshot.attempts if a.restored]
-    assert (restore.step, restore.tier) == (3, "storage")
-    assert differing(exact_world_1, final_weights(resumed.summary)) == []
-    # World 1 with the memory tier: step 6 fails, restored from the snapshot of step 5.
-    memory = run(
-        tmp_path / "c",
-        *EXACT,
-        *WORLD_1,
-        "checkpoint.memory.enabled=true",
-        "chaos.fail_at_steps=[6]",
-    )
-    [failure] = memory.summary["failures"]
-    assert (failure["tier"], failure["restored_step"]) == ("memory", 5)
-    assert differing(exact_world_1, final_weights(memory.summary)) == []
+    # Snapshots every 2 steps, durable checkpoints every 3: step 5 fails and restores the
+    # snapshot of step 4 (newer than the checkpoint of 3); step 7 fails and restores the
+    # checkpoint of step 6 from storage (the snapshot of 6 is no newer).
+    memory = ("checkpoint.memory.enabled=true", "checkpoint.memory.every_n_steps=2")
+    done = run(tmp_path, *EXACT, *WORLD_1, *memory, "chaos.fail_at_steps=[5,7]")
+    restored = [(f["tier"], f["restored_step"]) for f in done.summary["failures"]]
+    assert restored == [("memory", 4), ("storage", 6)]
+    assert differing(exact_world_1, final_weights(done.summary)) == []
