@@ -124,10 +124,11 @@ def _rank_context() -> Any:
     session's first world-2 attempt started it: a test's ``monkeypatch.setenv`` does not
     reach them."""
     ctx = multiprocessing.get_context("forkserver")
-    # torch._dynamo: the first optimizer (or DDP) a rank builds imports it -- seconds in every
-    # rank of every attempt, where the server imports it once.
+    # torch._dynamo (the first optimizer or DDP a rank builds imports it) and ray.data.block
+    # (the first window decoded in the rank): seconds in every rank of every attempt, where
+    # the server imports them once.
     ctx.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "tests.support.local_run"]
+        ["torch", "torch.distributed", "torch._dynamo", "ray.data.block", "tests.support.local_run"]
     )
     return ctx
 
