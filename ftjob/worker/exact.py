@@ -19,10 +19,11 @@ every one of those is a function of the global batch alone:
   integer all-reduce (the others add zeros).
 
 Precision kept: a tensor whose largest micro-batch gradient magnitude is below ``2**e`` is
-summed on the grid ``2**(e + ceil(log2 G) - 62)``. Every element within a factor ``2**35 / G``
-of that largest one keeps all 24 bits of its float32 value; smaller ones are rounded to the
-grid (absolute error at most half a step per micro-batch), below it to 0. The sum itself adds
-no error; it is rounded once, through float64, to float32.
+summed on the grid ``2**(e + ceil(log2 G) - 62)``. Every element of magnitude at least
+``2**(e + ceil(log2 G) - 39)`` (within about ``2**38 / G`` of that largest one) keeps all 24
+bits of its float32 value; smaller ones are rounded to the grid (absolute error at most half a
+step per micro-batch), below half a step to 0. The sum itself adds no error; it is rounded
+once, through float64, to float32.
 
 Cost on the wire, per step and rank: 8 bytes a gradient element (int64, where DDP sends
 float32's 4), 8 a buffer element, 4 a parameter tensor (the maxima).
