@@ -20,6 +20,7 @@ from the holder with a line, never loaded.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -35,9 +36,10 @@ from ftjob.storage.memory.format import Buffer, Flat, Snapshot, digest_all, pack
 from ftjob.storage.memory.ring import Arena, Ring, machine
 from ftjob.worker.nearest_copy import NearestCopy, holder_errors
 from ftjob.worker.node_holders import (
+    BUFFERS_SUFFIX,
+    PER_RANK_SUFFIX,
     bind_holders,
     merge_per_rank,
-    rank_part,
     split_buffers,
     split_per_rank,
 )
@@ -71,6 +73,8 @@ class MemoryTier:
         self.holder = self.place.local()
         self.enabled = self.holder is not None
         self.reader = NearestCopy(self.place, self.holder, rank, fetch, log, self._attach)
+        self._peers: list[tuple[str, Any]] = []  # rank 0: the holders its own part goes to
+        self._peers_at = -math.inf
         # One thread sends (or commits) the snapshots, one at a time; `_idle` while none is
         # in flight.
         self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
@@ -106,11 +110,13 @@ class MemoryTier:
         ``tensors``: file name -> state dict (model, optimizer); ``records``: the JSON files
         of the snapshot (state.json, config.json), built now. On the holder's machine the
         copy goes straight into a slot of the holder's ring, and nothing is sent."""
+        start = time.perf_counter()
+        tensors = split_buffers(tensors)  # the module's buffers: this rank's own, apart
+        files_records = split_per_rank(records(), self.rank)  # this rank's own, apart
+        self._share(step, tensors, files_records)
         if not self._idle.is_set():
             self.skipped += 1  # the previous one is still being sent: training goes on
             return
-        start = time.perf_counter()
-        tensors = split_buffers(tensors)  # the module's buffers: this rank's own, apart
         size = state_bytes(tensors)
         if size / 2**20 > self.cap_mb:
             self._turn_off(
@@ -133,7 +139,6 @@ class MemoryTier:
             self._outgrew_ring(slot)
             slot = arena = None
             copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
-        files_records = split_per_rank(records(), self.rank)  # this rank's own, apart
         self._copy_s = time.perf_counter() - start
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, self._copy_s)
         self.cadence.taken(step)
@@ -198,7 +203,6 @@ class MemoryTier:
                 self.ring.release(slot)
             return  # diverged weights are never held (nor restored)
         files = pack(states, records)
-        self._share(step, files)
         if slot is not None:
             try:
                 layout = arena.place(files)
@@ -221,16 +225,22 @@ class MemoryTier:
             return
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
 
-    def _share(self, step: int, files: dict[str, Buffer]) -> None:
-        """Rank 0: its own part of the snapshot (the module's buffers, its records: small) to
-        every peer holder, where it completes that node's copy of the step
-        (:mod:`ftjob.worker.node_holders`)."""
-        if self.rank != 0:
+    def _share(self, step: int, tensors: dict[str, Any], records: dict[str, Any]) -> None:
+        """Rank 0, at every due step (taken or skipped): its own part of the state -- the
+        module's buffers, its records: small -- to every peer holder, not waited for; there it
+        completes that node's copy of the step (:mod:`ftjob.worker.node_holders`)."""
+        if self.rank != 0 or not self.enabled:
             return
-        part = Snapshot.of(step, rank_part(files))
-        for _, peer in self.reader.holders()[1:]:
+        if time.monotonic() - self._peers_at > 10.0:  # listing them asks Ray's GCS
+            self._peers, self._peers_at = self.reader.holders()[1:], time.monotonic()
+        if not self._peers:
+            return
+        states = {n: Flat.copy_of(s) for n, s in tensors.items() if BUFFERS_SUFFIX in n}
+        own = {n: r for n, r in records.items() if n.endswith(PER_RANK_SUFFIX)}
+        part = Snapshot.of(step, pack(states, own))
+        for _, peer in self._peers:
             try:
-                self.fetch(peer.put_part.remote(part))
+                peer.put_part.remote(part)
             except holder_errors():
                 continue  # a peer gone with its node
 
