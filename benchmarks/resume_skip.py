@@ -3,8 +3,9 @@
 Compares ftjob's resumable iterator (slices the epoch order at the saved position: nothing
 skipped is read) with skip-by-iteration (the seed benchmark's method: iterate from the start and
 drop batches), on the same data, in one run, interleaved and repeated. Datasets: digits,
-synthetic, an image folder of JPEG files on local disk, and the same folder on a loopback S3
-server (moto; skipped with --no-s3).
+synthetic, an image folder of JPEG files on local disk, the same JPEGs as Parquet shards
+(ftjob's writer; ``dataset=parquet``), and the folder and the shards on a loopback S3 server
+(moto; skipped with --no-s3).
 
     python benchmarks/resume_skip.py [--repeats 3] [--no-s3]
 
@@ -35,7 +36,9 @@ from ftjob.data.datasets import (
     SyntheticDataset,
 )
 from ftjob.data.order import EpochPlan
+from ftjob.data.parquet import ParquetDataset
 from ftjob.data.streams import Batch, RayDataStream, ResumableIterator
+from ftjob.data.to_parquet import convert
 
 POSITIONS = (0.0, 0.5, 0.9)
 BATCH = 64
@@ -162,6 +165,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tree = make_jpeg_tree(Path(tmp) / "images")
+            shards = Path(tmp) / "shards"
+            convert(str(tree), str(shards), 256, rows_per_group=64)
             datasets: list[tuple[str, ImageDataset]] = [
                 ("digits", DigitsDataset()),
                 ("synthetic 64px", SyntheticDataset(num_samples=8192, image_size=64)),
@@ -169,9 +174,29 @@ def main() -> None:
                     "imagefolder local",
                     ImageFolderDataset(path=str(tree), image_size=64, resize_size=72),
                 ),
+                (
+                    "parquet local",
+                    ParquetDataset(path=str(shards), image_size=64, resize_size=72),
+                ),
             ]
             if not args.no_s3:
                 server, endpoint, url = start_s3(tree)
+                import fsspec
+
+                fsspec.filesystem("s3", endpoint_url=endpoint).put(
+                    str(shards) + "/", "bench/shards/", recursive=True
+                )
+                datasets.append(
+                    (
+                        "parquet s3",
+                        ParquetDataset(
+                            path="s3://bench/shards",
+                            image_size=64,
+                            resize_size=72,
+                            storage_options={"endpoint_url": endpoint},
+                        ),
+                    )
+                )
                 datasets.append(
                     (
                         "imagefolder s3",
