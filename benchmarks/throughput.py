@@ -32,6 +32,8 @@ decode rate of one core: what one core can feed, the bound of every method.
 
     python benchmarks/throughput.py [--repeats 5] [--datasets synthetic,digits,imagefolder]
         [--methods raytrain,ftjob]   # a subset: more repeats of the pair that matters
+        [--datasets imagefolder,parquet]  # the same JPEGs as files and as Parquet shards:
+                                          # prints parquet/folder and ftjob/raytrain parquet
         [--epochs N]                 # longer jobs: start-up weighs less
 
 The last lines are ``ftjob/raytrain = X`` (like for like, from the workers' start),
@@ -132,6 +134,15 @@ WORKLOADS = {
         epochs=2,
     ),
 }
+# The same JPEGs as Parquet shards (ftjob's writer: Ray's benchmark layout, shuffled rows,
+# 256 rows a shard, 64 a row group), read by dataset=parquet; the hand-written loop reads them
+# the way Ray's benchmark does (read_parquet + map(decode)).
+WORKLOADS["parquet"] = Workload(
+    "parquet JPEG",
+    {**WORKLOADS["imagefolder"].dataset, "_target_": "ftjob.datasets.ParquetDataset"},
+    batch_size=64,
+    epochs=2,
+)
 JPEGS = {"train": 2048, "val": 96}  # per split, over 8 classes
 MODEL = {"_target_": "ftjob.models.SmallCNN", "width": 32}
 LR = 1e-3
@@ -315,6 +326,46 @@ def dataloader(w: Workload) -> Rate:
 # -- (c) hand-written Ray Train + Ray Data ------------------------------------------------------
 
 
+class _ParquetRow:
+    """Ray's benchmark's decode (``map`` over rows of ``read_parquet``): a row's JPEG bytes
+    through the same transform as ftjob's, its label string to a class id."""
+
+    def __init__(self, dataset: Any, split: str, index: dict[str, int]) -> None:
+        self.dataset, self.train, self.index = dataset, split == TRAIN, index
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
+        rng = np.random.default_rng()
+        image = self.dataset._transform(row["image"], self.train, rng)
+        return {"image": image.transpose(2, 0, 1), "label": self.index[row["label"]]}
+
+
+def _ray_datasets(dataset: Any) -> tuple[Any, Any]:
+    """The hand-written loop's train and val datasets: Parquet shards read as Ray's benchmark
+    reads them, or the catalog's blocks through ftjob's decode (any other dataset)."""
+    import ray.data
+
+    from ftjob.data.parquet import ParquetDataset
+    from ftjob.data.streams import _Decode
+
+    if isinstance(dataset, ParquetDataset):
+        index = {name: i for i, name in enumerate(dataset.classes)}
+        return tuple(  # type: ignore[return-value]
+            ray.data.read_parquet(os.path.join(dataset.path, split)).map(
+                _ParquetRow(dataset, split, index)
+            )
+            for split in (TRAIN, VAL)
+        )
+    catalog = dataset.catalog(TRAIN)
+    blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
+    ds = ray.data.from_arrow(blocks).map_batches(
+        _Decode(dataset, TRAIN, 0, 0), batch_size=None, batch_format="numpy"
+    )
+    val_ds = ray.data.from_arrow(dataset.catalog(VAL)).map_batches(
+        _Decode(dataset, VAL, 0, 0), batch_size=None, batch_format="numpy"
+    )
+    return ds, val_ds
+
+
 def _raytrain_loop(config: dict[str, Any]) -> None:
     fn_started = time.time()
     import ray.train
@@ -364,10 +415,7 @@ def raytrain(w: Workload, bare: bool = False) -> Rate:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from ftjob.data.streams import _Decode
-
     dataset = build_dataset(w.dataset)
-    catalog = dataset.catalog(TRAIN)
     ray.init(
         address="local",
         num_cpus=(os.cpu_count() or 1) + WORKERS,
@@ -376,14 +424,7 @@ def raytrain(w: Workload, bare: bool = False) -> Rate:
         logging_level="ERROR",
     )
     try:
-        blocks = [catalog.slice(i, 128) for i in range(0, catalog.num_rows, 128)]
-        ds = ray.data.from_arrow(blocks).map_batches(
-            _Decode(dataset, TRAIN, 0, 0), batch_size=None, batch_format="numpy"
-        )
-        val = dataset.catalog(VAL)
-        val_ds = ray.data.from_arrow(val).map_batches(
-            _Decode(dataset, VAL, 0, 0), batch_size=None, batch_format="numpy"
-        )
+        ds, val_ds = _ray_datasets(dataset)
         with tempfile.TemporaryDirectory() as storage:
             result_file = os.path.join(storage, "images_per_s")
             TorchTrainer(
@@ -468,9 +509,14 @@ def main() -> None:
         for name in names:
             WORKLOADS[name] = dataclasses.replace(WORKLOADS[name], epochs=args.epochs)
     jpeg_dir = tempfile.TemporaryDirectory()
-    if "imagefolder" in names:
-        write_jpeg_tree(jpeg_dir.name)
-        WORKLOADS["imagefolder"].dataset["path"] = jpeg_dir.name
+    if "imagefolder" in names or "parquet" in names:
+        from ftjob.data.to_parquet import convert
+
+        tree, shards = os.path.join(jpeg_dir.name, "tree"), os.path.join(jpeg_dir.name, "pq")
+        write_jpeg_tree(tree)
+        convert(tree, shards, 256, rows_per_group=64)
+        WORKLOADS["imagefolder"].dataset["path"] = tree
+        WORKLOADS["parquet"].dataset["path"] = shards
     results: dict[tuple[str, str], list[Rate]] = {}
     order = list(methods)
     for r in range(args.repeats):
@@ -519,6 +565,18 @@ def main() -> None:
             f"decode, one core: {rate:.1f} images/s; {os.cpu_count()} cores: "
             f"{rate * (os.cpu_count() or 1):.1f} (the bound, before any training)"
         )
+    for kind in ("workers", "window") if {"imagefolder", "parquet"} <= set(names) else ():
+        for method in methods:
+            ratio = statistics.median(
+                getattr(x, kind) for x in results[("parquet", method)]
+            ) / statistics.median(getattr(x, kind) for x in results[("imagefolder", method)])
+            print(f"parquet/folder {method} ({kind}) = {ratio:.3f}")
+    if "parquet" in names and {"ftjob", "raytrain"} <= set(methods):
+        for kind in ("workers", "window", "job"):
+            ratio = statistics.median(
+                getattr(x, kind) for x in results[("parquet", "ftjob")]
+            ) / statistics.median(getattr(x, kind) for x in results[("parquet", "raytrain")])
+            print(f"ftjob/raytrain parquet ({kind}) = {ratio:.3f}")
     for label in ("ftjob/raytrain", "ftjob/raytrain-bare", "ftjob/ftjob-ray-data"):
         if label in headline.get("window", {}):
             print(
