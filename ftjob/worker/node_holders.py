@@ -71,8 +71,13 @@ def bind_holders(holders: Any, rank: int, node: str = "local", local_rank: int =
 
 
 def holders_for(holders: Any, ctx: Any) -> NodeHolders:
-    """The holders of the rank behind worker context ``ctx``."""
-    return bind_holders(holders, ctx.rank, ctx.where.node_id, ctx.local_rank)
+    """The holders of the rank behind worker context ``ctx``; on Ray its node's holder elects
+    the rank that writes there (one per node and attempt)."""
+    bound = bind_holders(holders, ctx.rank, ctx.where.node_id, ctx.local_rank)
+    if isinstance(holders, RunHolders):
+        elected = bound.local().elect.remote(ctx.recorder.attempt, ctx.rank)
+        bound = NodeHolders(holders, bound.node, bool(ctx.fetch(elected)))
+    return bound
 
 
 def split_per_rank(records: dict[str, Any], writer: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.ray
 def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_same_batches(
     tmp_path,
 ):
-    """digits_elastic: a worker fails at step 15 and a node (rank 0's) is killed at step 25
+    """digits_elastic: a worker fails at step 15 and a node (rank 0's) is killed at step 27
     (training steps, not times: they land while there is training left, however fast this
     machine is); training goes on at world size 1 until the node is back
     (15 s), then grows to 2 after a checkpoint of its step. Measured on 2 cores: 18 and 45
@@ -38,7 +38,10 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
             # comes before the kill (after it, it would race the grow).
             "checkpoint.memory.enabled=true",
             "chaos.target=rank0",
-            "chaos.at_steps=[25]",  # between durable checkpoints (20, 30): memory is newer
+            # Durable checkpoints every 20 steps and at epoch ends (22, 44), the kill at 27:
+            # the node goes some steps later (measured: 1-5 here), before the checkpoint of 40.
+            "trainer.checkpoint_every_n_steps=20",
+            "chaos.at_steps=[27]",
             "chaos.fail_at_steps=[15]",
         ],
         tmp_path,
@@ -63,7 +66,9 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     # Restored from the newest state, whichever tier held it: at most one step trained again --
     # after the kill, from the surviving node's holder (its copy, completed by rank 0's part).
     assert all(f["lost_steps"] <= 1 for f in s["failures"]), s["failures"]
-    assert (failure["tier"], failure["holder"]) == ("memory", "local"), failure
+    # The survivor's own holder; or storage, where a durable checkpoint is as new as the
+    # newest snapshot the survivor had complete when its worker was stopped.
+    assert (failure["tier"], failure["holder"]) in (("memory", "local"), ("storage", "storage"))
     # Step 15 fails once trained: restored from 14, or from 15 where rank 0 held its snapshot.
     assert injected["restored_step"] in (14, 15) and injected["tier"] == "memory", injected
     assert injected["lost_steps"] == 15 - injected["restored_step"]
