@@ -34,6 +34,15 @@ def run_ftjob(
     return proc, summary
 
 
+def ray_temp_dir(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """An environment that sends the temp dir of any Ray a process starts to a dir of the
+    test's own (``RAY_TMPDIR``), and the dir Ray creates there when it starts: a process that
+    refused its job before Ray started leaves none, however long the refusal took."""
+    root = tmp_path / "ray-tmp"
+    root.mkdir(parents=True, exist_ok=True)
+    return {"RAY_TMPDIR": str(root)}, root / "ray"
+
+
 def start_ftjob(args: list[str], run_dir: Path, cwd: Path) -> subprocess.Popen[str]:
     """``python -m ftjob`` in the background, its console (stdout and stderr) unbuffered on
     ``stdout``, to watch it and signal it mid-run."""
