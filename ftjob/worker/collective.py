@@ -14,3 +14,14 @@ def broadcast(obj: Any, world_size: int) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather(obj: Any, world_size: int) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (picklable objects)."""
+    if world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, obj)
+    return out

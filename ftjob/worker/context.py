@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.record import WorkerPlace
-from ftjob.worker.collective import broadcast
+from ftjob.worker.collective import all_gather, broadcast
 from ftjob.worker.recorder import RunRecorder
 
 
@@ -55,6 +55,10 @@ class WorkerContext:
     def broadcast(self, obj: Any) -> Any:
         """``obj`` from rank 0, on every rank."""
         return broadcast(obj, self.world)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        return all_gather(obj, self.world)
 
 
 def ray_context(ledger: Any) -> WorkerContext:

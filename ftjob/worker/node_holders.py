@@ -71,12 +71,16 @@ def bind_holders(holders: Any, rank: int, node: str = "local", local_rank: int =
 
 
 def holders_for(holders: Any, ctx: Any) -> NodeHolders:
-    """The holders of the rank behind worker context ``ctx``; on Ray its node's holder elects
-    the rank that writes there (one per node and attempt)."""
+    """The holders of the rank behind worker context ``ctx``. On Ray the lowest rank on each
+    node writes that node's snapshots -- so rank 0 writes its own node's, and its part of the
+    state reaches the peers with each of them -- found from every rank's node id, gathered
+    (Ray Train's local rank counts ranks by IP address, which the nodes of a simulated cluster
+    share)."""
     bound = bind_holders(holders, ctx.rank, ctx.where.node_id, ctx.local_rank)
     if isinstance(holders, RunHolders):
-        elected = bound.local().elect.remote(ctx.recorder.attempt, ctx.rank)
-        bound = NodeHolders(holders, bound.node, bool(ctx.fetch(elected)))
+        nodes = ctx.all_gather(ctx.where.node_id)
+        writer = nodes.index(ctx.where.node_id)  # the first rank on this node
+        bound = NodeHolders(holders, bound.node, writer == ctx.rank)
     return bound
 
 

@@ -59,15 +59,6 @@ class SnapshotHolder:
         self.parts: dict[int, Snapshot] = {}  # step -> rank 0's own part of a peer's snapshot
         self.orphan_timeout_s, self.clock = orphan_timeout_s, clock
         self.claimed = clock()
-        self.elected = (-1, -1)  # (attempt, rank) writing this node's snapshots
-
-    def elect(self, attempt: int, rank: int) -> bool:
-        """Is ``rank`` the one that writes this node's snapshots in ``attempt``? The first rank
-        of an attempt to ask is (Ray Train's local rank counts ranks by IP address, which the
-        nodes of a simulated cluster share)."""
-        if attempt > self.elected[0]:
-            self.elected = (attempt, rank)
-        return self.elected == (attempt, rank)
 
     def claim(self) -> None:
         """A driver of the run is alive: the holder is kept (for ``orphan_timeout_s`` more)."""

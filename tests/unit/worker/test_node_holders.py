@@ -9,15 +9,16 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.record import Holder
+from ftjob.record import Holder, WorkerPlace
 from ftjob.storage.memory import Ring, SnapshotHolder
-from ftjob.storage.memory.cluster import LocalHolders
+from ftjob.storage.memory.cluster import LocalHolders, RunHolders
 from ftjob.worker.checkpointer import (
     MODEL_FILE,
     STATE_FILE,
@@ -27,7 +28,7 @@ from ftjob.worker.checkpointer import (
     snapshot_tensors,
 )
 from ftjob.worker.context import DirectHandle
-from ftjob.worker.node_holders import NodeHolders, merge_per_rank, split_per_rank
+from ftjob.worker.node_holders import NodeHolders, holders_for, merge_per_rank, split_per_rank
 from ftjob.worker.snapshots import MemoryTier
 from tests.unit.worker.test_checkpointer import make, model_and_optimizer, weights
 
@@ -180,3 +181,23 @@ def test_per_rank_keys_travel_apart_and_come_back_whole() -> None:
     merged = merge_per_rank(files)
     assert set(merged) == {STATE_FILE, "config.json"}
     assert json.loads(merged[STATE_FILE]) == records[STATE_FILE]
+
+
+def test_on_ray_the_first_rank_of_each_node_writes_there_whoever_asks_first() -> None:
+    # Ranks 0..3 on nodes b, a, b, a, every one at one IP address (a simulated cluster: Ray
+    # Train's local ranks 0..3): rank 0 writes node b's snapshots -- and sends its own part to
+    # a's holder with each one -- rank 1 node a's; ranks 2 and 3 write none.
+    nodes = ["b", "a", "b", "a"]
+    run = RunHolders("r", cap_bytes=2**20, keep=2, orphan_timeout_s=60.0)
+    writes = []
+    for rank, node in enumerate(nodes):
+        ctx = SimpleNamespace(
+            rank=rank,
+            local_rank=rank,
+            where=WorkerPlace(node, pid=100 + rank),
+            all_gather=lambda node_id, nodes=nodes: list(nodes),
+        )
+        bound = holders_for(run, ctx)
+        assert bound.node == node
+        writes.append(bound.writes)
+    assert writes == [True, True, False, False]
