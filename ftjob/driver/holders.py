@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 from ftjob.config import MemoryConfig
 from ftjob.storage.memory.cluster import RunHolders
+from ftjob.storage.memory.traffic import RunTraffic
 
 logger = logging.getLogger("ftjob")
 
@@ -70,9 +71,20 @@ def held_snapshots(
         stop.set()
         thread.join(timeout=5.0)
         try:
+            traffic = run_traffic(holders)
+            if traffic.snapshots:
+                echo(traffic.line())
             holders.release()
         except Exception as exc:  # the cluster is going down: the holders go with it
             logger.debug("memory tier: releasing the holders failed: %s", exc)
 
 
-__all__ = ["claim_interval", "held_snapshots", "training_nodes"]
+def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
+    """What reached the run's live holders: snapshots in place, and bytes through Ray."""
+    import ray
+
+    handles = list(holders.held().values())
+    return RunTraffic.of(ray.get([h.traffic.remote() for h in handles], timeout=timeout_s))
+
+
+__all__ = ["claim_interval", "held_snapshots", "run_traffic", "training_nodes"]

@@ -22,6 +22,7 @@ from typing import Any
 from ftjob.placement import start_pinned_actor
 from ftjob.storage.memory.format import Snapshot
 from ftjob.storage.memory.ring import Ring, machine
+from ftjob.storage.memory.traffic import HolderTraffic
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class SnapshotHolder:
         self.parts: dict[int, Snapshot] = {}  # step -> rank 0's own part of a peer's snapshot
         self.orphan_timeout_s, self.clock = orphan_timeout_s, clock
         self.claimed = clock()
+        self.received = HolderTraffic()  # what came through calls (the ring's: traffic())
 
     def claim(self) -> None:
         """A driver of the run is alive: the holder is kept (for ``orphan_timeout_s`` more)."""
@@ -103,6 +105,7 @@ class SnapshotHolder:
         it keeps its copy in Ray's object store, owned by itself: a reader on this node maps
         it without a copy. A step already held is kept as it is (a copy from a peer that
         another rank of this node put first)."""
+        self.received = self.received.add_sent(snapshot.nbytes)
         if snapshot.step in self._held():
             return {"kept": True, "dropped": []}
         room = self.cap_bytes - self._ring_bytes()
@@ -133,6 +136,7 @@ class SnapshotHolder:
         """Rank 0's own part of its snapshot of ``part.step`` (its module's buffers, its
         records: small), which completes this node's copy of that step, written by another
         rank. The newest ``keep + 1`` are kept."""
+        self.received = self.received.add_part(part.nbytes)
         self.parts[part.step] = part.own()
         for step in sorted(self.parts)[: -(self.keep + 1)]:
             del self.parts[step]
@@ -204,6 +208,15 @@ class SnapshotHolder:
             "taken": self.taken + taken,
             "dropped": self.dropped + dropped,
         }
+
+    def traffic(self) -> HolderTraffic:
+        """What reached the holder over its life: the ring's snapshots (their count, at the
+        size of the newest held: a run's snapshots are one size), and what came by call."""
+        if self.ring is None:
+            return self.received
+        count, held = self.ring.counts()[0], self.ring.committed()
+        newest = self.ring.read(max(held)) if held else None
+        return self.received.with_in_place(count, count * newest.nbytes if newest else 0)
 
 
 class NodeHolder(SnapshotHolder):

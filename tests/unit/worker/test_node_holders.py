@@ -19,6 +19,7 @@ from ftjob.config import MemoryConfig
 from ftjob.record import Holder, WorkerPlace
 from ftjob.storage.memory import Ring, SnapshotHolder
 from ftjob.storage.memory.cluster import LocalHolders, RunHolders
+from ftjob.storage.memory.traffic import HolderTraffic, RunTraffic
 from ftjob.worker.checkpointer import (
     MODEL_FILE,
     STATE_FILE,
@@ -103,6 +104,32 @@ def test_each_node_writes_its_own_ring_and_rank_0s_nodes_loss_leaves_a_whole_cop
     load_state(snapshot_state(files, torch.device("cpu")), fresh, fresh_optimizer)
     expected = model.state_dict()
     assert all(torch.equal(t, expected[k]) for k, t in fresh.state_dict().items())
+
+
+def test_the_holders_count_what_reached_them_in_place_and_through_calls() -> None:
+    # Three nodes, one writer each: every snapshot is written in place on each node; through
+    # calls came only rank 0's part, to each of its two peers -- the bytes that cross nodes.
+    directory, held = cluster("node0", "node1", "node2")
+    model, optimizer = with_buffers(0)
+    writers = [tier(directory, f"node{rank}", rank) for rank in (0, 1, 2)]
+    for step in (1, 2, 3, 4):
+        for rank, memory in enumerate(writers):
+            snap(memory, step, rank_view(model, rank), optimizer, rank)
+    counts = {node: holder.traffic() for node, holder in held.items()}
+    size = held["node0"].ring.read(4).nbytes
+    assert counts["node0"] == HolderTraffic(in_place=4, in_place_bytes=4 * size)
+    part = held["node1"].parts[4].nbytes
+    for peer in ("node1", "node2"):
+        assert (counts[peer].parts, counts[peer].part_bytes) == (4, 4 * part)
+        assert counts[peer].in_place == 4 and counts[peer].sent == 0
+    traffic = RunTraffic.of(list(counts.values()))
+    assert (traffic.snapshots, traffic.snapshot_bytes) == (4, size)
+    assert traffic.between_nodes_per_snapshot == 2 * part and traffic.part_bytes == part
+    assert 0 < part < size
+    # A whole snapshot sent (a writer elsewhere; a peer's copy after a restore) is counted.
+    held["node2"].put(held["node0"].ring.read(4).own())
+    assert held["node2"].traffic().sent_bytes == size
+    assert f"between nodes {2 * part} B per snapshot" in traffic.line()
 
 
 def test_a_step_rank_0_did_not_take_is_passed_over_for_the_newest_it_did() -> None:
