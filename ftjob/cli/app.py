@@ -14,9 +14,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ftjob.config import ConfigError, load_job
+from ftjob.config import ConfigError, JobConfig, load_job
 from ftjob.config.secrets import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.driver.ledger import empty_snapshot
+from ftjob.reporting.outputs import (
+    TRACEBACK_FILE,
+    append_console,
+    close_open_mirror,
+    finished_run_outputs,
+)
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
 
@@ -48,6 +54,8 @@ def _job(cfg: DictConfig) -> str:
         if multirun:
             return _record_failed_sweep_job(exc, bad_input, cfg, run_dir, redactor)
         _stop_on_error(exc, bad_input, cfg, run_dir, redactor)
+    if result.summary.get("already_finished") and job.checkpoint.storage_path:
+        _copy_finished_run(job, result.name, run_dir, redactor)
     if not result.ok:
         _failed_jobs.append(run_dir)
         if not multirun:
@@ -66,6 +74,7 @@ def _stop_on_ctrl_c(cfg: DictConfig, run_dir: str, redactor: Redactor) -> NoRetu
         with open(written) as f:
             status = json.load(f).get("status")
         print(f"ftjob: Ctrl-C after the run ended ({status}); its summary stands", file=sys.stderr)
+        _close_mirror(run_dir, None)
         sys.exit(EXIT_CODES.get(status, 0))
     error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
     write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")
@@ -80,15 +89,43 @@ def _stop_on_error(
     record (summary.json with the error) and its traceback in the run dir, one line on the
     console, and exits 1."""
     if bad_input:
-        print(f"{ERROR_PREFIX}{redactor.text(str(exc))}", file=sys.stderr)
+        line = f"{ERROR_PREFIX}{redactor.text(str(exc))}"
+        print(line, file=sys.stderr)
+        _close_mirror(run_dir, line)  # refused after its copy started (a logger's run id)
         sys.exit(2)
-    trace = os.path.join(run_dir, "traceback.txt")
+    trace = os.path.join(run_dir, TRACEBACK_FILE)
+    text = redactor.text(traceback.format_exc())
     with open(trace, "w") as f:
-        f.write(redactor.text(traceback.format_exc()))
+        f.write(text)
     error = redactor.text(f"{type(exc).__name__}: {exc}")
     write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
-    print(f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})", file=sys.stderr)
+    line = f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})"
+    print(line, file=sys.stderr)
+    _close_mirror(run_dir, f"{line}\n{text.rstrip()}")
     sys.exit(1)
+
+
+def _copy_finished_run(job: JobConfig, name: str, run_dir: str, redactor: Redactor) -> None:
+    """``resume=auto`` found the run finished: its outputs in storage, kept or completed."""
+
+    def say(line: str) -> None:
+        line = redactor.text(line)
+        print(f"[ftjob] {line}", flush=True)
+        append_console(run_dir, line)
+
+    storage = job.checkpoint
+    assert storage.storage_path is not None
+    finished_run_outputs(
+        storage.storage_path, storage.storage_options, storage.retry, name, run_dir, redactor, say
+    )
+
+
+def _close_mirror(run_dir: str, last_line: str | None) -> None:
+    """The run's copy in its storage, when the runner started one and could not close it: its
+    console log ends as the console did, with the traceback of an unexpected error."""
+    said = close_open_mirror(run_dir, last_line)
+    if said is not None:
+        print(f"ftjob: {said}", file=sys.stderr)
 
 
 def _record_failed_sweep_job(
@@ -100,6 +137,7 @@ def _record_failed_sweep_job(
         logging.getLogger("ftjob").exception("sweep job failed: %s", run_dir)
     error = redactor.text(f"{type(exc).__name__}: {exc}")
     write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor)
+    _close_mirror(run_dir, None)  # the job's log (a *.log: copied) holds the traceback
     _failed_jobs.append(run_dir)
     return "failed"
 

@@ -62,7 +62,23 @@ def from_storage(url: str) -> str | None:
     local = tempfile.mkdtemp(prefix=f"ftjob-report-{name}-")
     fetch_outputs(fs, root, local)
     print(f"outputs of {fs.unstrip_protocol(root)}, copied to {local}")
+    for line in logger_hints(local):
+        print(line)
     return local
+
+
+def logger_hints(local: str) -> list[str]:
+    """How to open the loggers' files copied with a run's outputs."""
+    hints = []
+    if os.path.isdir(os.path.join(local, "logs", "tensorboard")):
+        hints.append(f"TensorBoard: tensorboard --logdir {os.path.join(local, 'logs')}")
+    if os.path.isdir(os.path.join(local, "mlruns")):
+        hints.append(f"MLflow: mlflow ui --backend-store-uri {os.path.join(local, 'mlruns')}")
+    wandb = os.path.join(local, "wandb")
+    if os.path.isdir(wandb):
+        for run in sorted(os.listdir(wandb)):
+            hints.append(f"W&B (offline run): wandb sync {os.path.join(wandb, run)}")
+    return hints
 
 
 def main(argv: list[str] | None = None) -> int:

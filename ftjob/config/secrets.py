@@ -267,6 +267,17 @@ class Redactor:
             text = self._tokens[value].sub(REDACTED, text)
         return redact_url(redact_pairs(text))
 
+    def binary(self, data: bytes) -> bytes:
+        """A binary file's bytes without any secret value seen (its UTF-8 bytes), for files
+        that cannot be scrubbed as text (TensorBoard's events): a secret never leaves, at the
+        price of the record that held it."""
+        for value in sorted(self.values, key=len, reverse=True):
+            data = data.replace(value.encode(), REDACTED.encode())
+        for value in sorted(self._tokens, key=len, reverse=True):
+            token = rb"(?<![A-Za-z0-9])" + re.escape(value.encode()) + rb"(?![A-Za-z0-9])"
+            data = re.sub(token, REDACTED.encode(), data)
+        return data
+
     def strings(self, node: Any) -> Any:
         """A copy of a JSON-like record (summary.json) with every string scrubbed as text."""
         if isinstance(node, dict):

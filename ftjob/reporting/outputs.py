@@ -8,11 +8,16 @@ training, never waits for it) and at the end. Only files that changed since they
 copied are sent; text is scrubbed of the run's secrets again on the way. Each write goes
 through the retrying filesystem; a file that still fails is said once at the end and copied
 again at the next sync -- the run's outcome and its local copy never depend on the mirror.
-``python -m ftjob.report`` reads a run back from there (:func:`fetch_outputs`).
+The loggers' own files kept in the run dir -- CSV and TensorBoard's under ``logs/``, MLflow's
+file store ``mlruns/``, W&B's offline runs ``wandb/offline-run-*`` -- go with them, so the
+charts outlive the driver's machine too. A driver that stops on an unexpected error copies its
+traceback and the line it ended with (:func:`close_open_mirror`). ``python -m ftjob.report``
+reads a run back from there (:func:`fetch_outputs`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import re
@@ -28,19 +33,25 @@ from ftjob.storage.wrapper import innermost
 OUTPUTS_DIR = "outputs"  # under the run's directory in its storage
 CONSOLE_LOG = "console.log"
 HYDRA_DIR = ".hydra"
+TRACEBACK_FILE = "traceback.txt"
 # What is mirrored from the run dir: these files, every top-level ``*.log`` (the console log,
-# Hydra's job log) and what ``.hydra/`` holds. Loggers' files (logs/, mlruns/, wandb/) stay:
-# they have their own places (logger.dir, logger.mlflow_tracking_uri, ``wandb sync``).
+# Hydra's job log), what ``.hydra/`` holds and the loggers' trees below (where logger.dir and
+# logger.mlflow_tracking_uri keep their defaults in the run dir).
 MIRRORED_FILES = (
     SUMMARY_FILE,
     "timeline.png",
-    "traceback.txt",
+    TRACEBACK_FILE,
     "sweep_summary.csv",  # a sweep dir's report (ftjob.reporting.sweep)
     "sweep_summary.md",
     "sweep_summary.png",
     "sweep_goodput.png",
     "multirun.yaml",
 )
+# The loggers' trees under the run dir: CSV and TensorBoard files (logger.dir's default), MLflow's
+# file store (logger.mlflow_tracking_uri's default) and W&B's offline runs (for ``wandb sync``;
+# an online run is in W&B already). Their files are copied as they are, scrubbed like the rest.
+LOGGER_TREES = {"logs": "", "mlruns": "", "wandb": "offline-run-"}  # dir -> its parts' prefix
+MAX_DEPTH = 8  # path parts below the run dir (MLflow's metric keys make folders: train/loss)
 SWEEPS_DIR = "sweeps"  # under checkpoint.storage_path: a sweep's report, by its sweep dir
 TEXT_SUFFIXES = (".json", ".log", ".yaml", ".txt", ".csv", ".md")
 # The ledger's line for a committed checkpoint: the moment the mirror is brought up to date.
@@ -64,6 +75,38 @@ def mirrored_files(run_dir: str) -> Iterator[str]:
         for name in sorted(os.listdir(hydra)):
             if os.path.isfile(os.path.join(hydra, name)):
                 yield f"{HYDRA_DIR}/{name}"
+    for tree, prefix in LOGGER_TREES.items():
+        yield from _tree_files(run_dir, tree, prefix)
+
+
+def _tree_files(run_dir: str, tree: str, prefix: str) -> Iterator[str]:
+    """A logger's files under ``run_dir/tree`` (only below children named ``prefix*``): plain
+    names only (no hidden ``.trash``, no odd characters), no symbolic links followed, at most
+    :data:`MAX_DEPTH` parts deep."""
+    top = os.path.join(run_dir, tree)
+    if os.path.islink(top) or not os.path.isdir(top):
+        return
+    for here, dirs, files in os.walk(top):
+        rel = os.path.relpath(here, run_dir).split(os.sep)
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if plain_name(d)
+            and d.startswith(prefix if len(rel) == 1 else "")
+            and len(rel) < MAX_DEPTH - 1
+            and not os.path.islink(os.path.join(here, d))
+        )
+        if prefix and len(rel) == 1:
+            continue  # the files beside those folders (W&B's debug.log links) stay
+        for name in sorted(files):
+            if plain_name(name) and not os.path.islink(os.path.join(here, name)):
+                yield "/".join([*rel, name])
+
+
+def plain_name(name: str) -> bool:
+    """A path part the mirror writes and the report reads back: letters, digits and ``._-``,
+    not starting with a dot."""
+    return bool(_PLAIN_NAME.match(name))
 
 
 class OutputsMirror:
@@ -88,6 +131,8 @@ class OutputsMirror:
     def start(self) -> OutputsMirror:
         self._thread = threading.Thread(target=self._serve, name="ftjob-outputs", daemon=True)
         self._thread.start()
+        with _OPEN_LOCK:
+            _OPEN[os.path.abspath(self.run_dir)] = self
         return self
 
     def request(self) -> None:
@@ -125,8 +170,7 @@ class OutputsMirror:
     def _copy(self, rel: str, local: str) -> None:
         with open(local, "rb") as f:
             data = f.read()
-        if rel.endswith(TEXT_SUFFIXES):
-            data = self.redactor.text(data.decode("utf-8", "replace")).encode()
+        data = scrubbed(data, rel, self.redactor)
         path = posixpath.join(self.target, rel)
         if self.local:  # an object store has no directories (and s3fs's would make a bucket)
             self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
@@ -135,6 +179,9 @@ class OutputsMirror:
     def close(self, final: bool = True) -> str | None:
         """The last sync (``final``: not for a driver that lost the run to another), on this
         thread; a line that says what could not be copied, if any."""
+        with _OPEN_LOCK:
+            if _OPEN.get(os.path.abspath(self.run_dir)) is self:
+                del _OPEN[os.path.abspath(self.run_dir)]
         self._closing = True
         self._wake.set()
         if self._thread is not None:
@@ -149,6 +196,77 @@ class OutputsMirror:
             f"warning: {len(self.failed)} output file(s) could not be copied to {self.url} "
             f"({rel}: {first}); the run dir keeps them"
         )
+
+
+# Started mirrors not closed yet, by run dir: a driver that stops on an error its runner did
+# not catch (a bug) is closed by the command line after it wrote the traceback.
+_OPEN: dict[str, OutputsMirror] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def close_open_mirror(run_dir: str, last_line: str | None = None) -> str | None:
+    """The run in ``run_dir`` stopped without closing its mirror (an unexpected error): append
+    ``last_line`` (the error the command ends with) to its console log, then the mirror's last
+    sync -- the traceback, the summary, the console log. A line to say: where the copy is, or
+    what could not be copied; None when no mirror was started for ``run_dir``."""
+    with _OPEN_LOCK:
+        mirror = _OPEN.get(os.path.abspath(run_dir))
+    if mirror is None:
+        return None
+    if last_line is not None:
+        append_console(run_dir, mirror.redactor.text(last_line))
+    return mirror.close() or f"outputs: {mirror.url} (a copy, traceback included)"
+
+
+def finished_run_outputs(
+    storage_path: str,
+    options: dict[str, Any],
+    retry: Any,
+    name: str,
+    run_dir: str,
+    redactor: Redactor,
+    say: Callable[[str], None],
+) -> None:
+    """``resume=auto`` of a run that is finished: the run's outputs in its storage are those of
+    the driver that finished it, kept when they say it succeeded; where that driver left none
+    (it died after its last checkpoint, before its final copy) or an outcome it did not see to
+    the end, this driver's run dir (its summary: succeeded, ``already_finished``) is copied
+    there. ``say`` prints a line and appends it to the console log."""
+    from ftjob.storage.fs import build_filesystem
+
+    url = posixpath.join(storage_path.rstrip("/"), name, OUTPUTS_DIR)
+    fs, target = build_filesystem(url, options, retry)
+    mirror = OutputsMirror(fs, target, run_dir, redactor)
+    if _succeeded_there(fs, target):
+        say(f"outputs: {mirror.url} (the run's own, from the driver that finished it: kept)")
+        return
+    say(f"outputs: {mirror.url} (a copy of this run dir: the finished run's driver left none)")
+    warning = mirror.close()
+    if warning:
+        say(warning)
+
+
+def _succeeded_there(fs: Any, target: str) -> bool:
+    try:
+        summary = json.loads(fs.cat_file(posixpath.join(target, SUMMARY_FILE)))
+    except (OSError, RuntimeError, ValueError):  # none there, or unreadable: write ours
+        return False
+    return isinstance(summary, dict) and summary.get("status") == "succeeded"
+
+
+def scrubbed(data: bytes, rel: str, redactor: Redactor) -> bytes:
+    """A file's bytes without the run's secrets: text (by its suffix, or a file without one
+    that reads as UTF-8: MLflow's params, tags and metrics) scrubbed as text; anything else
+    (TensorBoard's events, W&B's run file, a PNG) only where a secret value's bytes appear."""
+    name = rel.rsplit("/", 1)[-1]
+    if rel.endswith(TEXT_SUFFIXES):
+        return redactor.text(data.decode("utf-8", "replace")).encode()
+    if "." not in name:
+        try:
+            return redactor.text(data.decode("utf-8")).encode()
+        except UnicodeDecodeError:
+            pass
+    return redactor.binary(data)
 
 
 def _protocols(fs: Any) -> set[str]:
@@ -169,13 +287,18 @@ def tee_console(run_dir: str, say: Callable[[str], None]) -> Callable[[str], Non
 
     def echo(line: str) -> None:
         say(line)
-        try:
-            with open(path, "a") as f:
-                f.write(line + "\n")
-        except OSError:  # the console still has it
-            pass
+        append_console(run_dir, line)
 
     return echo
+
+
+def append_console(run_dir: str, line: str) -> None:
+    """``line`` at the end of the run dir's console log (what the console showed)."""
+    try:
+        with open(os.path.join(run_dir, CONSOLE_LOG), "a") as f:
+            f.write(line + "\n")
+    except OSError:  # the console still has it
+        pass
 
 
 # -- reading a run back -------------------------------------------------------------------------
@@ -200,12 +323,13 @@ def outputs_root(fs: Any, path: str) -> str | None:
 
 def fetch_outputs(fs: Any, root: str, local_dir: str) -> list[str]:
     """Copy the outputs under ``root`` into ``local_dir``; the paths copied. A name that is
-    not a plain file name (``..``, a separator) is never followed out of ``local_dir``."""
+    not a plain file name (``..``, a separator) is never followed out of ``local_dir``; only
+    ``.hydra/`` and the loggers' trees have folders."""
     copied = []
     for found in sorted(fs.find(root)):
         rel = posixpath.relpath(str(found), root.rstrip("/"))
         parts = rel.split("/")
-        if len(parts) > 2 or not all(_PLAIN_NAME.match(p) or p == HYDRA_DIR for p in parts):
+        if not _fetched(parts):
             continue
         target = os.path.join(local_dir, *parts)
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -213,3 +337,11 @@ def fetch_outputs(fs: Any, root: str, local_dir: str) -> list[str]:
             f.write(fs.cat_file(found))
         copied.append(rel)
     return copied
+
+
+def _fetched(parts: list[str]) -> bool:
+    if len(parts) == 1:
+        return plain_name(parts[0])
+    if parts[0] == HYDRA_DIR:
+        return len(parts) == 2 and plain_name(parts[1])
+    return parts[0] in LOGGER_TREES and len(parts) <= MAX_DEPTH and all(map(plain_name, parts))

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from ftjob.cli.report import logger_hints
 from ftjob.cli.report import main as report
-from ftjob.config import RetryConfig
+from ftjob.config import LoggerConfig, RetryConfig
 from ftjob.config.secrets import Redactor
 from ftjob.driver.ledger import RunLedger
 from ftjob.record import CheckpointRecord, Progress, RunPlan
-from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
+from ftjob.reporting.loggers import LogFeed, build_loggers
+from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, fetch_outputs, tee_console
 from ftjob.reporting.summary import build_summary, write_summary
 from ftjob.reporting.sweep import mirror_sweep_report
 from ftjob.storage.fs import build_filesystem
@@ -149,3 +151,63 @@ def test_the_console_log_is_not_written_twice_when_stdout_already_goes_there(tmp
     monkeypatch.undo()
     tee_console(str(tmp_path), say)("a line")
     assert said == ["a line"] and (tmp_path / "console.log").read_text() == "a line\n"
+
+
+def test_the_loggers_files_are_mirrored_and_read_back_by_their_own_readers(
+    s3_endpoint, s3_bucket, tmp_path, monkeypatch, capsys
+):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = tmp_path / "run_dir"
+    a_run_dir(run_dir, draw=False)
+    config = LoggerConfig(backends=["csv", "tensorboard", "mlflow"])
+    feed = LogFeed(build_loggers(config, str(run_dir), "run"))  # logs/ and mlruns/ of run_dir
+    feed.params({"trainer": {"epochs": 1}})
+    ledger = RunLedger(RunPlan(steps_per_epoch=20, epochs=1))
+    attempt = ledger.begin_attempt(0.0)
+    for step in (10, 20):
+        ledger.progress_update(attempt, Progress(step, 0, 1, 20, 1.0 / step, 9.0, 0.01), {})
+    ledger.finish(3.0)
+    feed.records(ledger.log_feed(feed.cursor))
+    feed.finish({"status": "succeeded", "metrics": {}})
+    (run_dir / "mlruns" / ".trash").mkdir(exist_ok=True)
+    (run_dir / "mlruns" / ".trash" / "gone").write_text("deleted runs stay")
+    (run_dir / "logs" / "blob").write_bytes(b"\xff\xfe" + SECRET.encode() + b"\x00")
+    offline = run_dir / "wandb" / "offline-run-20261204_131500-abc123" / "files"
+    offline.mkdir(parents=True)  # a W&B offline run: copied for `wandb sync`; W&B's logs not
+    (offline / "config.yaml").write_text(f"key: {SECRET}\n")
+    (run_dir / "wandb" / "debug.log").write_text("W&B's own log")
+    (run_dir / "logs" / "elsewhere").symlink_to(tmp_path)  # never followed
+    storage = tmp_path / "storage"  # the run's storage (S3 above: the same mirror)
+    fs, target = build_filesystem(str(storage / "run" / OUTPUTS_DIR), {}, FAST_RETRY)
+    redactor = Redactor()
+    redactor.add(SECRET)
+    assert OutputsMirror(fs, target, str(run_dir), redactor).close() is None
+    keys = sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.is_file())
+    assert "run/outputs/logs/metrics.csv" in keys
+    assert any(k.startswith("run/outputs/logs/tensorboard/run/events.") for k in keys)
+    assert any(k.endswith("/metrics/train/loss") for k in keys), keys  # MLflow's, 6 deep
+    assert f"run/outputs/{offline.relative_to(run_dir)}/config.yaml" in keys
+    assert not [k for k in keys if ".trash" in k or "debug.log" in k or "elsewhere" in k]
+    stored = [(storage / k).read_bytes() for k in keys]
+    assert not any(SECRET.encode() in blob for blob in stored)
+
+    # Read back as the report reads a run from storage, then by TensorBoard's and MLflow's own
+    # readers, as the hints the report prints open them.
+    local = tmp_path / "fetched"
+    fetch_outputs(fs, target, str(local))
+    assert logger_hints(str(local)) == [
+        f"TensorBoard: tensorboard --logdir {local / 'logs'}",
+        f"MLflow: mlflow ui --backend-store-uri {local / 'mlruns'}",
+        f"W&B (offline run): wandb sync {local / 'wandb' / offline.parent.name}",
+    ]
+    [events] = (local / "logs" / "tensorboard" / "run").glob("events.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("train/loss")] == [10, 20]
+    client = MlflowClient(tracking_uri=f"file:{local / 'mlruns'}")
+    [run] = client.search_runs([client.get_experiment_by_name("ftjob").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [10, 20] and run.info.status == "FINISHED"
