@@ -51,6 +51,9 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     first, second = s["failures"]
     assert (first["kind"], first["restored_step"], first["lost_steps"]) == ("injected", 22, 3)
     assert (second["restored_step"], second["lost_steps"]) == (40, 1)
+    # Each progress line counts the whole job's steps, so its ETA is the job's, from epoch 1 on.
+    progress = [line for line in run.lines if re.match(r"epoch \d/2 step \d+/", line)]
+    assert progress and all(re.search(r" step \d+/44 .*\| ETA \d+:\d\d", p) for p in progress)
     for f in s["failures"]:  # each restore measured in its parts; skipping reads no data
         assert f["recovered"] and f["time_to_recover_s"] > 0
         assert f["download_s"] > 0 and f["load_s"] > 0 and 0 <= f["skip_s"] < 1.0

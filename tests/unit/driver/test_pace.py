@@ -58,3 +58,14 @@ def test_the_clock_reads_minutes_below_an_hour_and_hours_from_one() -> None:
         "1:00:00",
         "25:01:01",
     ]
+
+
+def test_the_eta_is_for_the_whole_job_not_the_epoch() -> None:
+    # 3 epochs of 20 steps: at step 25 (epoch 2) 35 steps are left, at 2 s each -- the ETA
+    # counts the epochs still to come (15 steps left in the epoch would say 0:30).
+    lines: list[str] = []
+    log = StepLog(lines.append)
+    at = [Progress(s, s // 20, 3, 60, 0.5, 64.0, 0.1, time=t) for s, t in ((20, 0.0), (25, 10.0))]
+    log.progress_update(0, at[0], timers(20, 20.0, 0.0), 1)
+    log.progress_update(0, at[1], timers(25, 25.0, 5.0), 1)
+    assert "epoch 2/3 step 25/60" in lines[-1] and lines[-1].endswith("| ETA 1:10 | data wait 50%")
