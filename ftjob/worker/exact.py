@@ -123,7 +123,7 @@ class ExactBackward:
                 before_backward()
             flat = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             torch.cat([g.reshape(-1) for g in flat], out=grads[i])
-            torch.stack(torch._foreach_norm(flat, math.inf), out=maxima[i])
+            largest_magnitudes(grads[i].split(lengths), out=maxima[i])
         self.ready()
         # Rank 0's buffers ride in the gradients' integer all-reduce as their bit patterns;
         # the other ranks add zeros.
@@ -159,6 +159,19 @@ class Workspace:
         """A flat gradient row per micro-batch, and each row's largest magnitude per tensor."""
         grads = self.get("grads", (count, sum(lengths)), torch.float32, device)
         return grads, self.get("maxima", (count, len(lengths)), torch.float32, device)
+
+
+def largest_magnitudes(
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], out: torch.Tensor
+) -> None:
+    """Each tensor's largest magnitude (NaN where it holds a NaN) into ``out``: from its
+    minimum and maximum in one pass (on CPU a twentieth of ``_foreach_norm(.., inf)``'s time)."""
+    for t, o in zip(tensors, out, strict=True):
+        if t.numel() == 0:
+            o.fill_(0.0)
+            continue
+        low, high = torch.aminmax(t)
+        torch.maximum(high, low.neg(), out=o)
 
 
 def exact_sum(
@@ -210,10 +223,13 @@ def exact_sum(
         acc[width:] = rider
     if world > 1:
         dist.all_reduce(acc, op=dist.ReduceOp.SUM)
-    # Back through float64: the integer to 53 bits, scaled exactly, divided, then to float32.
+    # Back through float64: the integer to 53 bits, divided by total * 2**shift (exact in
+    # float64) -- the same bits as scaling back by 2**-shift (exact) and dividing by total, for
+    # IEEE division rounds the same quotient once -- then to float32.
     wide = work.get("wide", (width,), torch.float64, grads.device).copy_(summed)
-    torch._foreach_mul_(list(wide.split(lengths)), [math.ldexp(1.0, -s) for s in shifts])
-    mean = grads[0].copy_(wide.div_(total))
+    denominators = [math.ldexp(float(total), s) for s in shifts]
+    torch._foreach_div_(list(wide.split(lengths)), denominators)
+    mean = grads[0].copy_(wide)
     for part, ok, m in zip(mean.split(lengths), usable, peaks, strict=True):
         if not ok and m != 0:
             part.fill_(math.nan)

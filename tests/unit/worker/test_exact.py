@@ -10,7 +10,13 @@ import torch
 
 from ftjob.config import ConfigError, TrainerConfig
 from ftjob.policy.elastic import fixed_micro_batches
-from ftjob.worker.exact import HEADROOM_BITS, buffer_bits, exact_sum, set_from_bits
+from ftjob.worker.exact import (
+    HEADROOM_BITS,
+    buffer_bits,
+    exact_sum,
+    largest_magnitudes,
+    set_from_bits,
+)
 
 
 def summed(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -50,6 +56,17 @@ def test_a_tensor_with_a_non_finite_gradient_is_nan_and_a_zero_one_stays_zero():
     assert bool(mean[:2].isnan().all())
     assert mean[2:4].tolist() == [1.0, 1.0]
     assert mean[4:].tolist() == [0.0, 0.0]
+
+
+def test_each_tensor_largest_magnitude_is_its_infinity_norm_nan_included():
+    torch.manual_seed(0)
+    tensors = [torch.randn(50) * 1e-30, -torch.rand(7) - 3.0, torch.zeros(3), torch.ones(0)]
+    tensors += [torch.tensor([1.0, math.nan, -2.0]), torch.tensor([-math.inf, 1.0])]
+    out = torch.empty(len(tensors))
+    largest_magnitudes(tensors, out=out)
+    expected = torch.stack([t.abs().amax() if t.numel() else torch.tensor(0.0) for t in tensors])
+    assert torch.equal(out[:4], expected[:4])
+    assert math.isnan(out[4]) and out[5] == math.inf
 
 
 def test_buffers_travel_as_their_bit_patterns():
