@@ -128,6 +128,54 @@ def _explain(
     return ConfigError(key, given[key] if key in given else getattr(cause, "value", None), rule)
 
 
+# Groups a bare word on the command line may be an option of, in the order they are offered.
+_WORD_GROUPS = ("experiment", "model", "dataset", "optimizer", "chaos", "logger", "sweep")
+
+
+def _unparsable(
+    exc: HydraException, overrides: list[str], options: Callable[[str], list[str]]
+) -> ConfigError:
+    """One line for an argument Hydra cannot parse as an override: which one, Hydra's reason,
+    and -- for a bare word that names a group's option -- the override it likely meant."""
+    text = str(exc)
+    quoted = re.search(r"Error parsing override '(.*)'", text)
+    bad = (
+        quoted.group(1)
+        if quoted
+        else next((o for o in overrides if not _parses(o)), " ".join(overrides))
+    )
+    reason = next(
+        (
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and not line.startswith("Error parsing") and "hydra.cc" not in line
+        ),
+        "unreadable",
+    )
+    rule = f"not an override (Hydra: {reason}); write name=value (trainer.epochs=10)"
+    if "=" not in bad:
+        for group in _WORD_GROUPS:
+            try:
+                found = bad in options(group)
+            except (HydraException, OmegaConfBaseException, OSError):  # a courtesy
+                found = False
+            if found:
+                spelled = f"+{group}={bad}" if group == "sweep" else f"{group}={bad}"
+                rule = rule.replace("(trainer.epochs=10)", f"(here: {spelled})")
+                break
+    return ConfigError("argument", bad, rule)
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except HydraException:
+        return False
+    return True
+
+
 def _command_target(flags: dict[str, Any]) -> tuple[Composer, Target]:
     """The composer and the primary config a command composes (``--config-dir``/``-cn``)."""
     config_dir = flags.get("--config-dir") or flags.get("-cd")
@@ -164,7 +212,10 @@ def precheck(argv: list[str]) -> None:
     if any(flag in _NO_RUN_FLAGS for flag in flags) or "--config-path" in flags or "-cp" in flags:
         return
     composer, target = _command_target(flags)
-    given = sweep_values(None, overrides)
+    try:
+        given = sweep_values(None, overrides)
+    except HydraException as exc:  # an argument that is no override (``imagenet_ft``, ``k=[1``)
+        raise _unparsable(exc, overrides, lambda g: composer.group_options(g, target)) from None
     first = [values[0] for values in given.values.values()] + list(given.unlisted.values())
 
     def check(combo: list[str], hydra: bool = False) -> DictConfig:

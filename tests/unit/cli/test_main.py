@@ -46,3 +46,14 @@ def test_help_is_ftjobs_and_lists_every_group(capsys, monkeypatch) -> None:
     assert "experiment: digits_elastic, digits_ft, imagenet_ft, imagenet_resnet50" in out
     assert out.count("  ftjob experiment=") == 3  # three example commands
     assert "outputs/DATE/TIME/" in out and "--cfg,-c" in out  # where outputs go; Hydra's flags
+
+
+def test_an_argument_that_is_no_override_stops_with_one_line_naming_it(capsys) -> None:
+    # A bare experiment name: the line names it and the override it likely meant; exit 2.
+    assert main(["imagenet_ft"]) == 2
+    assert capsys.readouterr().err == (
+        "ftjob: config error: argument='imagenet_ft': not an override (Hydra: missing EQUAL at "
+        "'<EOF>'); write name=value (here: experiment=imagenet_ft)\n"
+    )
+    with pytest.raises(ConfigError, match=r"^argument='trainer.epochs=\[1': not an override "):
+        precheck(["experiment=digits_ft", "trainer.epochs=[1"])
