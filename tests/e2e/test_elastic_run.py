@@ -1,16 +1,27 @@
 """Chaos on real Ray: a node killed on a simulated 3-node cluster, the elastic group shrinking
-and growing back. (A fixed-size group restarted after a worker process is SIGKILLed is the hang's
+and growing back, in exact mode (``trainer.exact=true``): through the resizes, a worker failure,
+rank 0's node killed and restores from the memory tier, the run ends with the weights and
+buffers, bit for bit, of the same job run unkilled at world 2 (computed in this process, while
+the Ray run trains). (A fixed-size group restarted after a worker process is SIGKILLed is the hang's
 in test_ray_jobs.py; a drained node the S3 run's, test_s3_run.py; the killer's choice of
 target is unit-tested in tests/unit/chaos/test_schedule.py; the failure budget and restores
 after failures are tested in-process: tests/worker/test_worker_local.py.)"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
-from tests.support.processes import run_ftjob
+from tests.support.exact import differing, final_weights, unkilled_reference
 
 pytestmark = pytest.mark.ray
 
@@ -26,11 +37,14 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     machine 2.5x as fast grows back by step ~135, and 12 epochs (264 steps) leave it world 1
     work for about twice as long.
     The kill's recovery is measured in its parts; with the memory tier on, every failure
-    restores from the newest state whichever tier holds it."""
-    proc, s = run_ftjob(
+    restores from the newest state whichever tier holds it. Exact mode on: the final weights
+    and buffers are those of the unkilled world-2 run, bit for bit."""
+    # What trains the weights, shared with the reference; the reference validates and
+    # checkpoints at epoch ends only (neither changes the weights), to cost less.
+    job = ["+experiment=digits_elastic", "trainer.exact=true", "trainer.epochs=12"]
+    ray_run = start_ftjob(
         [
-            "+experiment=digits_elastic",
-            "trainer.epochs=12",
+            *job,
             "trainer.audit_samples=true",
             "ray.replace_delay=15",
             # The memory tier on: a snapshot after every step into each node's own holder;
@@ -46,7 +60,26 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
         ],
         tmp_path,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    # Trained once the Ray run trains (its cluster up), through its restarts and its wait for
+    # the node to come back: most of the reference's cost hides there.
+    try:
+        wait_for_line(ray_run, tmp_path / "console.txt", "step 10/")
+        reference = (
+            unkilled_reference(
+                tmp_path / "reference",
+                *job[2:],
+                "trainer.validate_every_n_steps=0",
+                "trainer.checkpoint_every_n_steps=0",
+            )
+            if ray_run.poll() is None
+            else {}  # the Ray run has ended early: its return code says why, below
+        )
+        proc, s = finished(ray_run, tmp_path)
+    finally:
+        if ray_run.poll() is None:  # the reference failed: stop the Ray run (SIGTERM)
+            ray_run.terminate()
+            ray_run.wait(timeout=120)
+    assert proc.returncode == 0 and s is not None, proc.stdout[-4000:] + proc.stderr[-3000:]
     assert s["status"] == "succeeded"
     sizes = s["world_sizes"]
     assert sizes[0] == 2 and 1 in sizes and 2 in sizes[sizes.index(1) :], sizes
@@ -87,3 +120,42 @@ def test_an_elastic_run_continues_on_fewer_workers_and_grows_back_training_the_s
     # each sample once; and the model learned as an unresized run does.
     assert len(s["audit"]) == 12 and all(exactly_once(a) for a in s["audit"])
     assert m[M.VALIDATION_ACCURACY] >= 0.9
+    # Exact mode: resized 2 -> 1 -> 2, a worker failed, rank 0's node killed, restored from
+    # the memory tier -- and the same weights and buffers as the unkilled world-2 run.
+    assert differing(reference, final_weights(s)) == []
+
+
+def start_ftjob(args: list[str], tmp_path: Path) -> subprocess.Popen[str]:
+    """``python -m ftjob`` in the background, its console into ``console.txt`` (a file, not a
+    pipe: nothing has to read it while this process trains the reference)."""
+    with (tmp_path / "console.txt").open("w") as console:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+            cwd=tmp_path,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+
+def wait_for_line(
+    proc: subprocess.Popen[str], console: Path, pattern: str, timeout: float = 600
+) -> None:
+    """Until ``console`` holds ``pattern``, or the process has ended."""
+    deadline = time.monotonic() + timeout
+    while pattern not in console.read_text() and proc.poll() is None:
+        assert time.monotonic() < deadline, f"{pattern!r} never came"
+        time.sleep(0.5)
+
+
+def finished(
+    proc: subprocess.Popen[str], tmp_path: Path, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    """The ended process (its console as ``stdout``, ``stderr`` empty) and its summary.json
+    (None if it wrote none)."""
+    proc.wait(timeout=timeout)
+    console = (tmp_path / "console.txt").read_text()
+    path = tmp_path / "run" / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, console, ""), summary
