@@ -124,6 +124,11 @@ class RunPlan(Record):
     seed: int = 0
     epochs: int = 0
     num_workers: int | None = None  # the most (elastic: min_workers the fewest)
+    # Row-grouped data (dataset.shuffle_window > 0): the epoch order's row groups, as runs of
+    # group_sizes[i] rows repeated group_counts[i] times, and the samples shuffled together.
+    group_sizes: tuple[int, ...] = ()
+    group_counts: tuple[int, ...] = ()
+    shuffle_window: int = 0
 
 
 # -- an attempt: one worker group, from its start to its end ---------------------------------

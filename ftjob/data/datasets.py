@@ -30,6 +30,7 @@ from ftjob.data.folders import (
     list_split,
     names,
 )
+from ftjob.data.order import EpochPlan, ShuffleWindows
 
 TRAIN, VAL = "train", "val"
 BAD_FILES = ("fail", "skip")  # dataset.bad_files: what a file that does not decode does
@@ -171,6 +172,11 @@ class ImageDataset(ABC):
         samples, and why); empty when there is nothing to say."""
         return []
 
+    def shuffle_windows(self, catalog: pa.Table) -> ShuffleWindows | None:
+        """How the epoch order shuffles the samples of ``catalog`` (the training split):
+        None -- any sample anywhere; row-grouped data -- within windows of row groups."""
+        return None
+
     @classmethod
     def check_args(cls, **kwargs: Any) -> None:
         """Refuse constructor arguments that could only fail later, inside decode tasks on the
@@ -178,6 +184,13 @@ class ImageDataset(ABC):
         every argument, defaults included, by config validation and ``python -m ftjob.check``:
         it must not read any data."""
         return None
+
+
+def epoch_plan(dataset: ImageDataset, catalog: pa.Table, trainer: Any) -> EpochPlan:
+    """The data order of the training split ``catalog`` (``trainer``: its global batch size
+    and seed), the same on the driver and every worker."""
+    windows = dataset.shuffle_windows(catalog)
+    return EpochPlan(catalog.num_rows, trainer.global_batch_size, trainer.seed, windows)
 
 
 def _draft(img: Any, shrink: float) -> tuple[Any, float]:

@@ -38,7 +38,10 @@ from ftjob.data.datasets import (
     sample_rng,
 )
 from ftjob.data.folders import is_local, names
+from ftjob.data.order import ShuffleWindows
+from ftjob.data.row_groups import catalog_windows, group_images
 from ftjob.data.shards import (
+    SHUFFLE_WINDOW,
     Shard,
     ShardLabels,
     cached_footer,
@@ -87,6 +90,7 @@ class ParquetDataset(ImageFolderDataset):
         label_column: str = "label",
         label_kind: str = "auto",
         classes: list[str] | None = None,
+        shuffle_window: int = SHUFFLE_WINDOW,
     ) -> None:
         self.check_args(
             image_size=image_size,
@@ -100,6 +104,7 @@ class ParquetDataset(ImageFolderDataset):
             label_column=label_column,
             label_kind=label_kind,
             classes=classes,
+            shuffle_window=shuffle_window,
         )
         super().__init__(
             path,
@@ -118,6 +123,7 @@ class ParquetDataset(ImageFolderDataset):
         self.image_column, self.label_column = image_column, label_column
         self.label_kind = label_kind
         self.class_list = list(classes) if classes is not None else None
+        self.shuffle_window = shuffle_window
         self._shards: dict[str, list[Shard]] = {}
         self._read: dict[str, list[ShardLabels]] = {}
         self._sizes: dict[str, int] = {}  # shard path -> size, as listed: kept when pickled
@@ -241,22 +247,11 @@ class ParquetDataset(ImageFolderDataset):
         if missing.any():
             columns[NO_LABEL] = missing
         table = pa.table(columns)
-        stated = json.dumps(self._sources(table, shards, read)).encode()
+        stated = json.dumps(shard_sources(table, shards, read)).encode()
         return table.replace_schema_metadata({SOURCES: stated})
 
-    def _sources(
-        self, table: pa.Table, shards: list[Shard], read: list[ShardLabels]
-    ) -> dict[str, Any]:
-        """The split as a checkpoint remembers it (the train fingerprint): a hash of the labels
-        and positions, and every shard's name, row count and size -- a resume diffs shard by
-        shard. Names are under the split folder: a copy elsewhere is the same data."""
-        digest = hashlib.sha256()
-        for name in ("label", GROUP, ROW):
-            digest.update(name.encode() + np.ascontiguousarray(table.column(name)).tobytes())
-        out: dict[str, Any] = {"train_sha256": digest.hexdigest()[:32], "shards": len(shards)}
-        for shard, got in zip(shards, read, strict=True):
-            out[f"shard {shard.name}"] = f"{int(got.groups.sum())} rows, {shard.size} bytes"
-        return out
+    def shuffle_windows(self, catalog: pa.Table) -> ShuffleWindows | None:
+        return catalog_windows(catalog, self.shuffle_window)
 
     def catalog_notes(self) -> list[str]:
         notes: list[str] = []
@@ -280,6 +275,10 @@ class ParquetDataset(ImageFolderDataset):
         if self._image_field is None:
             self._image_field = image_field(meta, self.image_column)
         return read_group_images(self.fs, path, self._size(path), meta, group, self._image_field)
+
+    def _group_key(self, key: tuple[str, int]) -> tuple[tuple[str, int, int], int]:
+        """A row group as a cache holds it (a shard rewritten in place is another), and its rows."""
+        return (*key, self._size(key[0])), self._footer(key[0]).row_group(key[1]).num_rows
 
     def _where(self, path: str, row: int, group: int) -> str:
         return f"dataset shard {self._url(path)} row {row} (row group {group})"
@@ -312,9 +311,15 @@ class ParquetDataset(ImageFolderDataset):
         no_label = rows.get(NO_LABEL)
         skipped = np.zeros(len(paths), bool) if no_label is None else np.asarray(no_label, bool)
         skipped = skipped.copy()
-        # Each row group this block needs is read once (its image column only).
-        wanted = {(str(p), int(g)) for p, g, s in zip(paths, groups, skipped, strict=True) if not s}
-        images_of = {key: self._group_images(*key) for key in sorted(wanted)}
+        # Each row group this block needs is read once (its image column only), in the order
+        # the block first needs them; within a shuffle window, once for all its blocks.
+        wanted = dict.fromkeys(
+            (str(p), int(g)) for p, g, s in zip(paths, groups, skipped, strict=True) if not s
+        )
+        held = (self.path, self._split_dir(split), self.image_column, epoch)
+        images_of = group_images(
+            wanted, self._group_images, self._group_key, held, self.shuffle_window
+        )
         starts = {key: self._group_start(*key) for key in wanted}
         size = self.image_size
         images = np.zeros((len(paths), size, size, 3), dtype=np.uint8)
@@ -352,3 +357,16 @@ class ParquetDataset(ImageFolderDataset):
 
     def describe(self) -> str:
         return f"ParquetDataset({self.path})"
+
+
+def shard_sources(table: pa.Table, shards: list[Shard], read: list[ShardLabels]) -> dict[str, Any]:
+    """The split as a checkpoint remembers it (the train fingerprint): a hash of the labels
+    and positions, and every shard's name, row count and size -- a resume diffs shard by
+    shard. Names are under the split folder: a copy elsewhere is the same data."""
+    digest = hashlib.sha256()
+    for name in ("label", GROUP, ROW):
+        digest.update(name.encode() + np.ascontiguousarray(table.column(name)).tobytes())
+    out: dict[str, Any] = {"train_sha256": digest.hexdigest()[:32], "shards": len(shards)}
+    for shard, got in zip(shards, read, strict=True):
+        out[f"shard {shard.name}"] = f"{int(got.groups.sum())} rows, {shard.size} bytes"
+    return out

@@ -22,6 +22,9 @@ from ftjob.data.datasets import _dataset_rule, _reason
 from ftjob.data.folders import is_local, names
 
 LABEL_KINDS = ("auto", "int", "classes", "sorted")
+# dataset.shuffle_window: samples shuffled together, in whole row groups; a decoder holds about
+# this many encoded images (ImageNet's JPEGs: ~110 KB each, ~450 MB).
+SHUFFLE_WINDOW = 4096
 SHARD_SUFFIXES = (".parquet", ".pq")
 
 
@@ -71,6 +74,15 @@ def check_parquet_args(kwargs: dict[str, Any]) -> None:
         "label_kind",
         kwargs,
         "classes needs dataset.classes: the label strings in class-id order",
+    )
+    window = kwargs.setdefault("shuffle_window", SHUFFLE_WINDOW)
+    _dataset_rule(
+        isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+        "shuffle_window",
+        kwargs,
+        "must be a whole number of samples >= 0: the samples shuffled together (whole row "
+        f"groups; e.g. {SHUFFLE_WINDOW}), or 0 to shuffle every sample of the split (a row "
+        "group read per sample)",
     )
 
 

@@ -113,7 +113,7 @@ def decode_in_worker(
     if setting != "auto":
         return setting == "worker", f"trainer.decode_in={setting}"
     if use_gpu:
-        return False, "GPU training: Ray Data decodes on the cluster's CPUs"
+        return gpu_decode_place(cores, local_workers, worker_cpus, one_machine)
     if not one_machine:
         return False, "the cluster has other machines for Ray Data's decode tasks"
     spare = cores - local_workers * worker_cpus
@@ -123,6 +123,37 @@ def decode_in_worker(
             f"on this one-machine cluster: none to spare for a decode task of {decode_cpus:g}"
         )
     return False, f"{spare:g} of {cores:g} cores on this machine to spare beside the training"
+
+
+def decode_threads(use_gpu: bool, worker_cpus: float) -> int:
+    """Decode threads in a training process that decodes its own batches: a GPU worker's
+    reserved CPUs but the one its training loop runs on (``resources_per_worker.CPU - 1``); a
+    CPU worker's one, beside the step that trains on its cores."""
+    return max(1, int(worker_cpus) - 1) if use_gpu else 1
+
+
+def gpu_decode_place(
+    cores: float, local_workers: int, worker_cpus: float, one_machine: bool
+) -> tuple[bool, str]:
+    """``decode_in=auto`` for GPU workers: a pool of the worker's reserved CPUs but one
+    (:func:`decode_threads`) where it has any, unless this one-machine cluster leaves Ray
+    Data more cores per worker beside the workers' reservations."""
+    threads = decode_threads(True, worker_cpus)
+    if int(worker_cpus) < 2:
+        return False, (
+            f"GPU training, {worker_cpus:g} CPU reserved a worker (resources_per_worker.CPU): "
+            "Ray Data decodes on the cluster's CPUs"
+        )
+    spare = (cores - local_workers * worker_cpus) / max(1, local_workers)
+    if one_machine and spare > threads:
+        return False, (
+            f"GPU training: {spare:g} unreserved cores a worker on this machine for Ray Data, "
+            f"more than the {threads} a worker's own pool would have"
+        )
+    return True, (
+        f"GPU training: each worker decodes with {threads} thread(s), the "
+        f"{worker_cpus:g} CPUs it reserves but the one its training loop runs on"
+    )
 
 
 class DecodedStream:
@@ -277,10 +308,21 @@ class RayDataStream(DecodedStream):
 class InProcessStream(DecodedStream):
     """Every window decoded in the training process (:class:`LocalWindow`), no Ray Data task:
     ``trainer.decode_in=worker``, ``auto`` where Ray Data could gain nothing
-    (:func:`decode_in_worker`), and a worker run without Ray (tests)."""
+    (:func:`decode_in_worker`), and a worker run without Ray (tests). A window's blocks are
+    decoded by ``threads`` threads (:func:`decode_threads`; image decoding and resizing run
+    outside the GIL), in order."""
+
+    def __init__(self, *args: Any, threads: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.threads = threads
 
     def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
-        return LocalWindow.decode(blocks, decode)
+        if self.threads < 2 or len(blocks) < 2:
+            return LocalWindow.decode(blocks, decode)
+        with concurrent.futures.ThreadPoolExecutor(
+            min(self.threads, len(blocks)), thread_name_prefix="ftjob-decode-pool"
+        ) as pool:
+            return LocalWindow.decode(blocks, decode, pool.map)
 
 
 class LocalWindow:
@@ -296,10 +338,16 @@ class LocalWindow:
         self.columns = columns
 
     @classmethod
-    def decode(cls, blocks: list[pa.Table], decode: _Decode) -> LocalWindow:
+    def decode(
+        cls, blocks: list[pa.Table], decode: _Decode, each: Callable[..., Any] = map
+    ) -> LocalWindow:
+        """``blocks`` decoded, in order; ``each``: ``map``, or a thread pool's."""
         from ray.data.block import BlockAccessor
 
-        parts = [decode(BlockAccessor.for_block(b).to_batch_format("numpy")) for b in blocks]
+        def one(block: pa.Table) -> dict[str, np.ndarray]:
+            return decode(BlockAccessor.for_block(block).to_batch_format("numpy"))
+
+        parts = list(each(one, blocks))
         return cls({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
     def size_bytes(self) -> int:
@@ -601,6 +649,7 @@ __all__ = [
     "SkipLog",
     "ValidationSet",
     "WindowSizer",
+    "decode_threads",
     "epoch_order",
     "validation_ids",
 ]

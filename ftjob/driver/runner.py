@@ -28,8 +28,8 @@ from ftjob.chaos.killer import node_chaos_targets
 from ftjob.config import NODE_KINDS, RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
-from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
-from ftjob.data.order import EpochPlan
+from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset, epoch_plan
+from ftjob.data.order import EpochPlan, ShuffleWindows
 from ftjob.driver.cluster import (
     check_local_gpus,
     check_machine,
@@ -148,7 +148,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     )
     data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
     stated, finished = _continue_checks(job, store, url, data, public, resumption.continues)
-    plan = EpochPlan(catalogs[TRAIN].num_rows, job.trainer.global_batch_size, job.trainer.seed)
+    plan = epoch_plan(dataset, catalogs[TRAIN], job.trainer)
     if job.trainer.num_workers > catalogs[VAL].num_rows:
         raise JobError(
             f"trainer.num_workers={job.trainer.num_workers}: more workers than validation samples"
@@ -548,7 +548,19 @@ def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:
         seed=prep.plan.seed,
         epochs=job.trainer.epochs,
         num_workers=job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
+        **shuffle_record(prep.plan.windows),
     )
+
+
+def shuffle_record(windows: ShuffleWindows | None) -> dict[str, Any]:
+    """The order's shuffle windows as the run plan keeps them (the audit replays the order)."""
+    if windows is None:
+        return {}
+    return {
+        "group_sizes": windows.sizes,
+        "group_counts": windows.counts,
+        "shuffle_window": windows.window,
+    }
 
 
 def worker_spec(

@@ -20,7 +20,7 @@ import numpy as np
 
 from ftjob import metrics as M
 from ftjob.config import ENDS_ATTEMPT
-from ftjob.data.order import epoch_order
+from ftjob.data.order import ShuffleWindows, epoch_order
 from ftjob.metrics import finite, fmt
 from ftjob.record import AuditStep, RunSnapshot, RunStatus, Tier
 from ftjob.reporting.failures import PREEMPTION, failure_records, hang_metrics, preemption_metrics
@@ -146,6 +146,11 @@ def audit_report(snap: RunSnapshot) -> list[dict[str, Any]]:
     first = snap.attempts[0].restored if snap.attempts else None
     resumed_epoch, resumed_at = (first.epoch, first.position) if first else (None, 0)
     B, per_epoch_steps = plan.global_batch_size, plan.steps_per_epoch
+    windows = (
+        ShuffleWindows(plan.group_sizes, plan.group_counts, plan.shuffle_window)
+        if plan.shuffle_window
+        else None
+    )
     per_epoch: dict[int, list[int]] = {}
     skipped: dict[int, int] = {}
     misplaced: dict[int, int] = {}
@@ -155,7 +160,7 @@ def audit_report(snap: RunSnapshot) -> list[dict[str, Any]]:
         per_epoch.setdefault(epoch, []).extend(entry.ids)
         skipped[epoch] = skipped.get(epoch, 0) + len(entry.skipped or ())
         if epoch not in orders:
-            orders[epoch] = epoch_order(plan.num_samples, plan.seed, epoch)
+            orders[epoch] = epoch_order(plan.num_samples, plan.seed, epoch, windows)
         k = (entry.step - 1) % per_epoch_steps
         planned = orders[epoch][k * B : (k + 1) * B]
         if batch_digest(entry.ids) != batch_digest(planned.tolist()):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ftjob import metrics as M
 from ftjob.config import JobConfig, to_plain
 from ftjob.config.secrets import Redactor, guard_logging
-from ftjob.data.datasets import TRAIN, VAL, ImageDataset, data_error_of
+from ftjob.data.datasets import TRAIN, VAL, ImageDataset, data_error_of, epoch_plan
 from ftjob.data.order import EpochPlan, validation_ids
 from ftjob.data.streams import (
     EPOCH_END,
@@ -45,6 +45,7 @@ from ftjob.data.streams import (
     SkipLog,
     ValidationSet,
     decode_in_worker,
+    decode_threads,
 )
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import Progress
@@ -149,9 +150,7 @@ class Worker:
         self.rank = ctx.rank
         self.world = ctx.world
         self.catalogs = {split: ctx.fetch(ref) for split, ref in spec.catalogs.items()}
-        self.plan = EpochPlan(
-            self.catalogs[TRAIN].num_rows, self.trainer.global_batch_size, self.trainer.seed
-        )
+        self.plan = epoch_plan(spec.dataset, self.catalogs[TRAIN], self.trainer)
         self.total_steps = self.plan.steps_per_epoch * self.trainer.epochs
         self.state = TrainState()
         self.metrics = M.MetricSet()
@@ -455,9 +454,8 @@ def decodes_here(trainer: Any, ctx: WorkerContext, note: Callable[[str], None] |
         one_machine,
     )
     if note is not None:
-        note(
-            f"data: rank 0 decodes {'in the training processes' if here else 'in Ray Data'} ({why})"
-        )
+        where = "in the training processes" if here else "in Ray Data"
+        note(f"data: rank 0 decodes {where} ({why})")
     return here
 
 
@@ -488,6 +486,7 @@ def open_streams(
         "on_skip": SkipLog(dataset, catalogs, ctx.recorder.skipped_files),
     }
     if in_process:
+        common["threads"] = decode_threads(trainer.use_gpu, trainer.worker_cpus)
         train_stream = InProcessStream(dataset, catalogs[TRAIN], TRAIN, **common)
         val_stream = InProcessStream(dataset, catalogs[VAL], VAL, **common)
     else:
