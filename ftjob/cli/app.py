@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -25,6 +25,9 @@ from ftjob.reporting.outputs import (
 )
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
+
+if TYPE_CHECKING:
+    from ftjob.driver.runner import RunResult
 
 _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
@@ -54,8 +57,7 @@ def _job(cfg: DictConfig) -> str:
         if multirun:
             return _record_failed_sweep_job(exc, bad_input, cfg, run_dir, redactor)
         _stop_on_error(exc, bad_input, cfg, run_dir, redactor)
-    if result.summary.get("already_finished") and job.checkpoint.storage_path:
-        _copy_finished_run(job, result.name, run_dir, redactor)
+    after_run(job, result, run_dir, redactor)
     if not result.ok:
         _failed_jobs.append(run_dir)
         if not multirun:
@@ -103,6 +105,13 @@ def _stop_on_error(
     print(line, file=sys.stderr)
     _close_mirror(run_dir, f"{line}\n{text.rstrip()}")
     sys.exit(1)
+
+
+def after_run(job: JobConfig, result: RunResult, run_dir: str, redactor: Redactor) -> None:
+    """What the runner leaves to the command line once a run returned: ``resume=auto`` found
+    the run finished, so its outputs in storage are kept or completed."""
+    if result.summary.get("already_finished") and job.checkpoint.storage_path:
+        _copy_finished_run(job, result.name, run_dir, redactor)
 
 
 def _copy_finished_run(job: JobConfig, name: str, run_dir: str, redactor: Redactor) -> None:

@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from ftjob.config import RetryConfig
-from ftjob.reporting.outputs import fetch_outputs, outputs_root
+from ftjob.reporting.outputs import TRACEBACK_FILE, fetch_outputs, outputs_root
 from ftjob.reporting.summary import SUMMARY_FILE, format_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
@@ -45,6 +45,9 @@ def summarise_run(run_dir: str) -> int:
         print("overrides: " + " ".join(overrides))
     print(format_summary(summary))
     print(draw_timeline(summary, run_dir))
+    trace = os.path.join(run_dir, TRACEBACK_FILE)
+    if os.path.isfile(trace):  # a driver stopped by a bug
+        print(f"traceback: {trace}")
     return 0
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftjob.cli import app
-from ftjob.cli.main import main
+from ftjob.cli.report import main as report
 from ftjob.config import RetryConfig, to_plain
 from ftjob.config.secrets import Redactor
 from ftjob.driver import runner
@@ -46,6 +46,11 @@ def test_a_driver_stopped_by_a_bug_copies_its_traceback_and_last_line_to_storage
     assert "(unexpected: traceback in " in ended and "Traceback (most recent call last)" in ended
     assert "in a_bug" in (outputs / "traceback.txt").read_text()
     assert json.loads((outputs / "summary.json").read_text())["status"] == "failed"
+    # Read back from the run's storage: the report points at the traceback copied with it.
+    assert report([str(storage / "crash")]) == 0
+    printed = capsys.readouterr().out
+    local = printed.split("copied to ")[1].split()[0]
+    assert f"traceback: {local}/traceback.txt" in printed and "failed" in printed
 
 
 def test_resume_auto_of_a_finished_run_copies_its_outputs_only_where_none_say_it_succeeded(
@@ -53,33 +58,25 @@ def test_resume_auto_of_a_finished_run_copies_its_outputs_only_where_none_say_it
 ) -> None:
     # The driver that trained the last step died before its final copy: the rerun (a
     # scheduler's) finds the run finished, exits 0, and its outputs say so in storage.
-    finished_digits_run(tmp_path, "resume=auto")
     storage, outputs = tmp_path / "storage", tmp_path / "storage" / "done" / "outputs"
-    command = [  # as the scheduler reruns it
-        "+experiment=digits_ft",
-        "name=done",
-        f"checkpoint.storage_path={storage}",
-        "trainer.num_workers=1",
-        "trainer.batch_size=64",
-        "trainer.epochs=2",
-        "resume=auto",
-        f"hydra.run.dir={tmp_path / 'rerun'}",
-    ]
-    assert main(command) == 0
+    rerun = finished_digits_run(tmp_path, "resume=auto")
+    run_dir, redactor = tmp_path / "rerun", Redactor(resolved=to_plain(rerun))
+    result = runner.run(rerun, str(run_dir), echo=lambda line: None, redactor=redactor)
+    assert result.ok
+    app.after_run(rerun, result, str(run_dir), redactor)  # what the Hydra task does next
     said = (
         f"outputs: file://{outputs} (a copy of this run dir: the finished run's driver left none)"
     )
-    assert said in capsys.readouterr().out
+    assert f"[ftjob] {said}" in capsys.readouterr().out
     summary = json.loads((outputs / "summary.json").read_text())
     assert summary["status"] == "succeeded" and summary["already_finished"]["step"] == 44
     assert said in (outputs / "console.log").read_text()
-    assert (outputs / ".hydra" / "overrides.yaml").is_file()
     # A copy that says the run succeeded is the finishing driver's own record: kept as it is.
     (outputs / "summary.json").write_text(json.dumps({"status": "succeeded", "metrics": {"a": 1}}))
     lines: list[str] = []
     retry = RetryConfig(max_attempts=2)
-    rerun = str(tmp_path / "rerun")
-    finished_run_outputs(str(storage), {}, retry, "done", rerun, Redactor(), lines.append)
+    again = str(tmp_path / "again")
+    finished_run_outputs(str(storage), {}, retry, "done", again, Redactor(), lines.append)
     assert lines == [
         f"outputs: file://{outputs} (the run's own, from the driver that finished it: kept)"
     ]
