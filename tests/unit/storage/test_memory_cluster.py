@@ -74,8 +74,3 @@ def test_a_node_without_a_holder_gets_one_and_peers_are_the_others():
     assert LocalHolders({}).local("x") is None  # no way to make one: none
 
 
-def test_one_rank_a_node_and_attempt_is_elected_to_write_its_snapshots():
-    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
-    assert holder.elect(1, 3) and not holder.elect(1, 0) and holder.elect(1, 3)
-    assert holder.elect(2, 0) and not holder.elect(2, 3)  # a new attempt: its first asker
-    assert not holder.elect(1, 3)  # an attempt that ended writes no more
