@@ -61,7 +61,11 @@ class ShuffleWindows:
     def order(self, rng: np.random.Generator) -> np.ndarray:
         """One epoch's order: groups permuted, samples shuffled within each window."""
         ids, window = self._grouped(rng)
-        return ids[np.lexsort((rng.random(len(ids)), window))]
+        # Windows are runs of ``ids``: each shuffled in place, one permutation a window.
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(window)) + 1, [len(ids)]])
+        for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            ids[start:end] = ids[start:end][rng.permutation(end - start)]
+        return ids
 
     def _grouped(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Every id in the order of a random permutation of the groups, and its window."""
