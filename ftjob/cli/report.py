@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 from ftjob.config import RetryConfig
-from ftjob.reporting.outputs import TRACEBACK_FILE, fetch_outputs, outputs_root
+from ftjob.reporting.outputs import EARLIER_DIR, TRACEBACK_FILE, fetch_outputs, outputs_root
 from ftjob.reporting.summary import SUMMARY_FILE, format_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
@@ -65,9 +65,18 @@ def from_storage(url: str) -> str | None:
     local = tempfile.mkdtemp(prefix=f"ftjob-report-{name}-")
     fetch_outputs(fs, root, local)
     print(f"outputs of {fs.unstrip_protocol(root)}, copied to {local}")
-    for line in logger_hints(local):
+    for line in logger_hints(local) + earlier_copies(local):
         print(line)
     return local
+
+
+def earlier_copies(local: str) -> list[str]:
+    """Where the copies of earlier drivers of a continued run are, if any."""
+    earlier = os.path.join(local, EARLIER_DIR)
+    if not os.path.isdir(earlier):
+        return []
+    found = sorted(os.listdir(earlier), key=lambda n: (len(n), n))
+    return [f"earlier drivers' outputs: {', '.join(os.path.join(earlier, n) for n in found)}"]
 
 
 def logger_hints(local: str) -> list[str]:

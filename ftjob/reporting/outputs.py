@@ -52,6 +52,7 @@ MIRRORED_FILES = (
 # an online run is in W&B already). Their files are copied as they are, scrubbed like the rest.
 LOGGER_TREES = {"logs": "", "mlruns": "", "wandb": "offline-run-"}  # dir -> its parts' prefix
 MAX_DEPTH = 8  # path parts below the run dir (MLflow's metric keys make folders: train/loss)
+EARLIER_DIR = "earlier"  # under outputs/: earlier drivers' copies of a continued run, 1, 2, ...
 SWEEPS_DIR = "sweeps"  # under checkpoint.storage_path: a sweep's report, by its sweep dir
 TEXT_SUFFIXES = (".json", ".log", ".yaml", ".txt", ".csv", ".md")
 # The ledger's line for a committed checkpoint: the moment the mirror is brought up to date.
@@ -118,6 +119,8 @@ class OutputsMirror:
         self.fs, self.target, self.run_dir, self.redactor = fs, target, run_dir, redactor
         self.local = "file" in _protocols(innermost(fs))
         self.sent: dict[str, tuple[int, int]] = {}  # path -> (mtime_ns, size) last copied
+        self.kept_earlier: str | None = None  # where another driver's copy was set aside
+        self._looked = False  # for another driver's copy, before the first write
         self.failed: dict[str, str] = {}  # path -> its last error, while it stays unsent
         self._lock = threading.Lock()  # one sync at a time
         self._wake = threading.Event()
@@ -150,6 +153,9 @@ class OutputsMirror:
     def sync(self) -> int:
         """Copy what changed; returns how many files were copied. Never raises for storage."""
         with self._lock:
+            if not self._looked:
+                self._looked = True
+                self._keep_earlier()
             copied = 0
             for rel in list(mirrored_files(self.run_dir)):
                 local = os.path.join(self.run_dir, rel)
@@ -166,6 +172,35 @@ class OutputsMirror:
                 self.failed.pop(rel, None)
                 copied += 1
             return copied
+
+    def _keep_earlier(self) -> None:
+        """Another driver's copy is here (the run continued after that driver stopped or
+        died): its top-level files are copied to ``earlier/N/`` before this driver's replace
+        them, and its traceback, which would stand beside this driver's record, is moved
+        there. Best effort: a failure leaves the copy as it is."""
+        try:
+            names = {posixpath.basename(str(p).rstrip("/")) for p in self.fs.ls(self.target)}
+        except (OSError, RuntimeError, ValueError):  # nothing there yet: a new run
+            return
+        top = sorted(n for n in names if n in MIRRORED_FILES or n.endswith(".log"))
+        if CONSOLE_LOG not in top and SUMMARY_FILE not in top:
+            return
+        earlier = posixpath.join(self.target, EARLIER_DIR)
+        try:
+            count = len(self.fs.ls(earlier)) if EARLIER_DIR in names else 0
+            dest = posixpath.join(earlier, str(count + 1))
+            if self.local:
+                self.fs.makedirs(dest, exist_ok=True)
+            for name in top:
+                self.fs.pipe_file(
+                    posixpath.join(dest, name), self.fs.cat_file(posixpath.join(self.target, name))
+                )
+            if TRACEBACK_FILE in top:
+                self.fs.rm_file(posixpath.join(self.target, TRACEBACK_FILE))
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.failed[EARLIER_DIR] = f"{type(exc).__name__}: {exc}"
+            return
+        self.kept_earlier = str(self.fs.unstrip_protocol(dest))
 
     def _copy(self, rel: str, local: str) -> None:
         with open(local, "rb") as f:
@@ -242,6 +277,8 @@ def finished_run_outputs(
         return
     say(f"outputs: {mirror.url} (a copy of this run dir: the finished run's driver left none)")
     warning = mirror.close()
+    if mirror.kept_earlier:
+        say(f"the earlier driver's copy there: {mirror.kept_earlier}")
     if warning:
         say(warning)
 
@@ -344,4 +381,6 @@ def _fetched(parts: list[str]) -> bool:
         return plain_name(parts[0])
     if parts[0] == HYDRA_DIR:
         return len(parts) == 2 and plain_name(parts[1])
+    if parts[0] == EARLIER_DIR:
+        return len(parts) == 3 and all(map(plain_name, parts))
     return parts[0] in LOGGER_TREES and len(parts) <= MAX_DEPTH and all(map(plain_name, parts))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from ftjob.cli.report import logger_hints
+from ftjob.cli.report import earlier_copies, logger_hints
 from ftjob.cli.report import main as report
 from ftjob.config import LoggerConfig, RetryConfig
 from ftjob.config.secrets import Redactor
@@ -211,3 +211,33 @@ def test_the_loggers_files_are_mirrored_and_read_back_by_their_own_readers(
     [run] = client.search_runs([client.get_experiment_by_name("ftjob").experiment_id])
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == [10, 20] and run.info.status == "FINISHED"
+
+
+def test_a_continued_runs_driver_keeps_the_earlier_drivers_copy_aside(tmp_path):
+    # Driver 1 died of a bug; a scheduler's rerun continues the run in a run dir of its own,
+    # then a third driver: each earlier copy is kept under earlier/N/, never overwritten.
+    storage = tmp_path / "storage" / "run" / OUTPUTS_DIR
+    fs, target = build_filesystem(str(storage), {}, FAST_RETRY)
+    for driver in (1, 2, 3):
+        run_dir = tmp_path / f"driver{driver}"
+        run_dir.mkdir()
+        (run_dir / "console.log").write_text(f"driver {driver}\n")
+        if driver == 1:
+            (run_dir / "traceback.txt").write_text("Traceback (most recent call last): ...\n")
+        mirror = OutputsMirror(fs, target, str(run_dir), Redactor())
+        assert mirror.close() is None
+        if driver > 1:
+            assert mirror.kept_earlier == f"file://{storage}/earlier/{driver - 1}"
+    assert (storage / "console.log").read_text() == "driver 3\n"
+    assert not (storage / "traceback.txt").exists()  # driver 1's: not beside driver 3's record
+    assert (storage / "earlier" / "1" / "traceback.txt").is_file()
+    assert [(storage / "earlier" / n / "console.log").read_text() for n in ("1", "2")] == [
+        "driver 1\n",
+        "driver 2\n",
+    ]
+    local = tmp_path / "fetched"
+    fetched = fetch_outputs(fs, target, str(local))
+    assert "earlier/1/traceback.txt" in fetched and "earlier/2/console.log" in fetched
+    assert earlier_copies(str(local)) == [
+        f"earlier drivers' outputs: {local / 'earlier' / '1'}, {local / 'earlier' / '2'}"
+    ]
