@@ -359,18 +359,28 @@ def driver_killed_with_the_cluster_kept(
     """A scheduler's rerun after its driver died (``resume=auto``, the memory tier on): one
     more epoch of the finished run, durable checkpoints only at its end, so once the first
     driver prints a step past the run's last checkpoint its holder has snapshots newer than
-    storage's. That driver is SIGKILLed (its process only: the cluster and the holder, a
-    detached actor, live on); the same command again restores the newest held snapshot --
-    at most one step behind the step the killed driver last printed -- says which resume
-    happened and why, and trains every remaining sample once."""
+    storage's, and no preemption notices (a SIGTERMed worker leaves at once, with no
+    just-in-time checkpoint). That driver is SIGKILLed (its process only: the cluster and the
+    holder, a detached actor, live on); the same command again restores the newest held
+    snapshot -- at most one step behind the step the killed driver last printed -- says which
+    resume happened and why, and trains every remaining sample once."""
     started = time.monotonic()
     per_epoch, last = 22, epochs * 22  # the finished run's last step: its newest checkpoint
     command = [
-        *(a for a in resume if not a.startswith(("resume=", "trainer.epochs=", "trainer.check"))),
+        *(
+            a
+            for a in resume
+            if not a.startswith(("resume=", "trainer.epochs=", "trainer.check", "failure.pre"))
+        ),
         "resume=auto",
         f"trainer.epochs={epochs + 1}",
         "trainer.checkpoint_every_n_steps=100",  # none within the epoch: its end commits
         "checkpoint.memory.enabled=true",
+        # Ray ends a dead driver's workers with SIGTERM, which would be a notice: with a grace
+        # long enough for a just-in-time checkpoint of this small state, storage would hold the
+        # newest step and the rerun would rightly restore that. Without notices the workers
+        # leave at once, as they do where the grace is shorter than the state's upload.
+        "failure.preemption=false",
     ]
     killed = start_ftjob(command, tmp_path / "killed", tmp_path)
     lines: list[str] = []
