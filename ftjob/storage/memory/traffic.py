@@ -74,7 +74,7 @@ class RunTraffic:
         """The run's memory-tier traffic as the driver says it at the end."""
         nodes = len(self.holders)
         return (
-            f"memory tier: {self.snapshots} snapshot(s) of {self.snapshot_bytes / 2**20:.2f} MB "
+            f"memory tier: {self.snapshots} snapshot(s) of {self.snapshot_bytes / 2**20:.4f} MB "
             f"written in place on each of {nodes} node(s); between nodes "
             f"{self.between_nodes_per_snapshot:.0f} B per snapshot (rank 0's part: "
             f"{self.part_bytes:.0f} B to each peer)"
