@@ -23,3 +23,13 @@ def _schema() -> None:
     from ftjob.config import register_schema
 
     register_schema()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # The README's test command runs the suite on two pytest-xdist workers with
+    # ``--dist loadgroup``: every test that starts a Ray (marked ``ray``) goes to one group, so
+    # one Ray runs at a time (its dashboard agent and client server take fixed ports), beside
+    # the in-process tests on the other worker. (Marked as each item is collected: xdist reads
+    # the groups in its own pytest_collection_modifyitems.)
+    if item.get_closest_marker("ray"):
+        item.add_marker(pytest.mark.xdist_group("ray"))

@@ -62,6 +62,7 @@ def test_raylet_death_reports_fold_into_one_line_and_retried_tasks_into_none():
     ]
 
 
+@pytest.mark.ray
 def test_a_simulated_cluster_gets_the_configured_pull_timeout_and_node_health_checks():
     # A restarted worker would otherwise wait Ray's 10 s on a copy held by a just-killed node,
     # and Ray would mark a killed node dead only after 3 s x 5 failed health checks.
@@ -99,6 +100,7 @@ def test_the_trainer_leaves_out_ray_trains_dataset_integration_and_keeps_the_res
     assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= names
 
 
+@pytest.mark.ray
 def test_decode_tasks_are_asked_for_only_where_batches_decode_in_ray_data() -> None:
     import ray
 
