@@ -29,8 +29,11 @@ class Precision(Choice):
 class DecodePlace(Choice):
     """``trainer.decode_in``: where training and validation batches are decoded."""
 
-    auto = "auto"  # the worker where CPU training holds the cores of one machine, else ray
-    worker = "worker"  # in the training process, a thread ahead of the step
+    # auto: the worker where CPU training holds a machine's cores, or a GPU worker reserves
+    # CPUs to decode with; else ray. worker: in the training process, a thread ahead of the
+    # step (GPU training: a pool of the worker's reserved CPUs but one).
+    auto = "auto"
+    worker = "worker"
     ray = "ray"  # Ray Data tasks
 
 
