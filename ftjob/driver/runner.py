@@ -322,7 +322,9 @@ def _train(
         )
         echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
         out.outputs = outputs_mirror(job, prep, run_dir)
-        echo(f"outputs: {out.outputs.url} (summary, console log, timeline, config: a copy)")
+        echo(
+            f"outputs: {out.outputs.url} (summary, console log, timeline, config, loggers' files: a copy)"
+        )
         for note in prep.notes:
             echo(note)
         out.feed = logger_feed(job, prep, run_dir, echo)

@@ -72,5 +72,3 @@ def test_a_node_without_a_holder_gets_one_and_peers_are_the_others():
     directory.lose("a")
     assert [node for node, _ in directory.peers("b")] == ["c"]
     assert LocalHolders({}).local("x") is None  # no way to make one: none
-
-
