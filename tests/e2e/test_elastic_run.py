@@ -150,7 +150,7 @@ def wait_for_line(
 
 
 def finished(
-    proc: subprocess.Popen[str], tmp_path: Path, timeout: float = 600
+    proc: subprocess.Popen[str], tmp_path: Path, timeout: float = 900
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
     """The ended process (its console as ``stdout``, ``stderr`` empty) and its summary.json
     (None if it wrote none)."""
