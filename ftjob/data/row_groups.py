@@ -58,8 +58,8 @@ class RowGroupCache:
         if mine:
             try:
                 future.set_result(read())
-            except BaseException as exc:
-                future.set_exception(exc)
+            except BaseException as exc:  # not handled: handed to the threads waiting on it,
+                future.set_exception(exc)  # dropped from the cache, and raised here
                 with self._lock:
                     if self._held.get(key, (0, None))[1] is future:
                         self._rows -= self._held.pop(key)[0]
