@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -170,9 +169,7 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_t
     past it (quarantined, never deleted) while a second driver for the run is refused, naming
     the holder; a SIGTERM to one of its training workers (a pod stopping it) saves that step; a
     worker stopped later (SIGSTOP) is found hung within 30 s by the learned timeouts; every
-    sample is trained once. Then a driver of the run with the memory tier on is SIGKILLed
-    while the cluster lives on, and the unchanged command continues from the snapshots its
-    holder kept (:func:`driver_killed_with_the_cluster_kept`)."""
+    sample is trained once."""
     port, dashboard = _free_port(), _free_port()
     address = f"http://127.0.0.1:{dashboard}"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
@@ -346,96 +343,7 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_t
         assert "hang: rank" in console and "stack captured (py-spy)" in console
         assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs
 
-        driver_killed_with_the_cluster_kept(resume, epochs, tmp_path, head.pid)
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
         head.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def driver_killed_with_the_cluster_kept(
-    resume: list[str], epochs: int, tmp_path: Path, head_pid: int
-) -> None:
-    """A scheduler's rerun after its driver died (``resume=auto``, the memory tier on): one
-    more epoch of the finished run, durable checkpoints only at its end, so once the first
-    driver prints a step past the run's last checkpoint its holder has snapshots newer than
-    storage's, and no preemption notices (a SIGTERMed worker leaves at once, with no
-    just-in-time checkpoint). That driver is SIGKILLed (its process only: the cluster and the
-    holder, a detached actor, live on); the same command again restores the newest held
-    snapshot -- at most one step behind the step the killed driver last printed -- says which
-    resume happened and why, and trains every remaining sample once."""
-    started = time.monotonic()
-    per_epoch, last = 22, epochs * 22  # the finished run's last step: its newest checkpoint
-    command = [
-        *(
-            a
-            for a in resume
-            if not a.startswith(("resume=", "trainer.epochs=", "trainer.check", "failure.pre"))
-        ),
-        "resume=auto",
-        f"trainer.epochs={epochs + 1}",
-        "trainer.checkpoint_every_n_steps=100",  # none within the epoch: its end commits
-        "checkpoint.memory.enabled=true",
-        # Ray ends a dead driver's workers with SIGTERM, which would be a notice: with a grace
-        # long enough for a just-in-time checkpoint of this small state, storage would hold the
-        # newest step and the rerun would rightly restore that. Without notices the workers
-        # leave at once, as they do where the grace is shorter than the state's upload.
-        "failure.preemption=false",
-    ]
-    killed = start_ftjob(command, tmp_path / "killed", tmp_path)
-    lines: list[str] = []
-    try:
-        printed = last
-        while printed <= last:  # a progress line past the run's newest checkpoint
-            read_until(killed, " loss ", lines, timeout=300)
-            progress = re.search(r" step (\d+)/\d+ loss ", lines[-1])
-            printed = int(progress[1]) if progress else last
-        os.kill(killed.pid, signal.SIGKILL)
-        killed.wait(timeout=60)
-    finally:
-        if killed.poll() is None:
-            killed.kill()
-    first = "".join(lines)
-    assert f"has a committed checkpoint at step {last}" in first, first[-3000:]
-    assert not (tmp_path / "killed" / "summary.json").exists()  # it died: no summary
-    deadline = time.monotonic() + 60
-    while ray_train_workers(head_pid):  # Ray ends a dead driver's workers
-        assert time.monotonic() < deadline, "training workers outlived their killed driver"
-        time.sleep(0.5)
-
-    again = start_ftjob(command, tmp_path / "requeued", tmp_path)
-    try:
-        console, _ = again.communicate(timeout=480)
-    finally:
-        if again.poll() is None:
-            again.kill()
-    assert again.returncode == 0, console[-4000:]
-    # Which resume, and why: the run's committed checkpoint, its held snapshots, and the
-    # lease of a driver that is gone.
-    assert f"resume=auto: run 'stopped' has a committed checkpoint at step {last}" in console, (
-        console[-4000:]
-    )
-    assert "snapshot holder(s) of this run outlived its last driver" in console, console[-4000:]
-    assert "that process is gone" in console, console[-4000:]
-    [restore] = [line for line in console.splitlines() if " from memory:" in line]
-    restored = int(restore.split("restored step ", 1)[1].split(" ", 1)[0])
-    assert last < restored and printed - restored <= 1, restore  # newer than storage's
-    s = json.loads((tmp_path / "requeued" / "summary.json").read_text())
-    assert s["status"] == "succeeded" and s["failures"] == []
-    assert s["metrics"][M.CHECKPOINT_MEMORY_RESTORES] == 1
-    assert s["metrics"][M.TRAIN_STEPS_COMPLETED] == (epochs + 1) * per_epoch
-    [audit] = s["audit"]  # the one epoch, from the snapshot's position on, each sample once
-    assert audit["epoch"] == epochs and audit["resumed_at"] == (restored - last) * 64
-    assert exactly_once(audit)
-    # Figures for benchmarks/RESULTS.md (printed, never asserted): the rerun's driver start to
-    # its first step, restored from the held snapshots; from storage it would also train the
-    # steps between the checkpoint and the snapshot again, at the rerun's own step time.
-    timing, points = s["timing"], s["history"]
-    back = timing["first_step"] - timing["run_started"]
-    span = (points[-1]["step"] - points[0]["step"]) if points else 0
-    per_step = (points[-1]["time"] - points[0]["time"]) / span if span else float("nan")
-    print(
-        f"driver kill with the cluster kept: {time.monotonic() - started:.1f} s; the rerun "
-        f"back to step {restored} in {back:.1f} s from memory, from storage {back:.1f} + "
-        f"{restored - last} steps x {per_step:.2f} s = {back + (restored - last) * per_step:.1f} s"
-    )
