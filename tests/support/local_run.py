@@ -1,10 +1,10 @@
 """A whole run in this process: the driver's preparation, a real run ledger, and real training
 workers, restarted after a failure the way Ray Train restarts them -- without Ray.
 
-World 1 runs the worker in this process; world 2 runs two processes joined in a gloo process
-group, the ledger served to them from a manager process. What only Ray can show (kills, node
-loss, drains, elastic resizes, hangs the driver finds) stays in the Ray end-to-end tests;
-what the workers decide is tested here, in seconds.
+World 1 runs the worker in this process; world 2 or more runs a process a rank, joined in a
+gloo process group, the ledger served to them from a manager process. What only Ray can show
+(kills, node loss, drains, elastic resizes, hangs the driver finds) stays in the Ray
+end-to-end tests; what the workers decide is tested here, in seconds.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _error(exc: BaseException) -> str:
 def _rank_main(
     spec: WorkerSpec, rank: int, world: int, port: int, out: Any, node_per_rank: bool = False
 ) -> None:
-    """One rank of a world-2 attempt, in a process of its own."""
+    """One rank of an attempt at world 2 or more, in a process of its own."""
     import torch.distributed as dist
 
     dist.init_process_group(
@@ -121,7 +121,7 @@ def _rank_context() -> Any:
     (a fresh interpreter per rank and attempt spends seconds importing them, most of a short
     attempt); the server never runs a torch op or a thread of this process, so its forks are
     as clean as spawned ones. They inherit the server's environment, as it was when the
-    session's first world-2 attempt started it: a test's ``monkeypatch.setenv`` does not
+    session's first attempt at world 2 or more started it: a test's ``monkeypatch.setenv`` does not
     reach them."""
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo (the first optimizer or DDP a rank builds imports it) and ray.data.block
@@ -194,11 +194,12 @@ def run_locally(
     node_per_rank: bool = False,
 ) -> LocalRun:
     """Run ``job`` to its end in this process (``trainer.num_workers`` is the local world
-    size, 1 or 2), restarting failed attempts up to ``failure.max_failures`` and preempted
-    ones up to ``failure.max_preemptions``, as Ray Train would. ``during(ledger)`` runs on a
-    thread while the attempts train (a test's stop request, say); the ledger is watched for
-    hangs and stragglers as the driver watches it. ``node_per_rank`` (world 2): each rank on a
-    node of its own, with its own snapshot holder (``node0``, ``node1``)."""
+    size: 1 in this process, 2 or more in a process a rank), restarting failed attempts up to
+    ``failure.max_failures`` and preempted ones up to ``failure.max_preemptions``, as Ray
+    Train would. ``during(ledger)`` runs on a thread while the attempts train (a test's stop
+    request, say); the ledger is watched for hangs and stragglers as the driver watches it.
+    ``node_per_rank`` (world 2 or more): each rank on a node of its own, with its own snapshot
+    holder (``node0``, ``node1``, ...)."""
     world = job.trainer.num_workers
     started = time.time()
     prep = prepare(job, str(run_dir))
