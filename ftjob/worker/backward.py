@@ -14,13 +14,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ftjob.data.streams import Batch
 from ftjob.policy.elastic import micro_batches
 from ftjob.worker.exact import ExactBackward
+
+if TYPE_CHECKING:  # the step itself needs torch alone (benchmarks/gpu_exact.py runs it so)
+    from ftjob.data.streams import Batch
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -61,14 +61,48 @@ def micro_seed(seed: int, step: int, index: int) -> int:
 
 def pin_kernels(trainer: Any, device: torch.device) -> None:
     """Intra-op threads fixed to ``trainer.resources_per_worker.CPU`` (in every mode); in
-    exact mode on a GPU, deterministic cuDNN and cuBLAS kernels (a non-deterministic op
-    warns)."""
+    exact mode on a GPU, deterministic kernels only (:func:`deterministic_kernels`)."""
     torch.set_num_threads(max(1, int(trainer.worker_cpus)))
     if trainer.exact and device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_kernels()
+
+
+# The two cuBLAS workspace configurations under which cuBLAS gives the same bits run to run
+# (NVIDIA's cuBLAS docs, "Results reproducibility"; torch checks for exactly these).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+NO_DETERMINISTIC_KERNEL = (
+    "does not have a deterministic implementation",  # torch's alert for an op
+    "Deterministic behavior was enabled",  # cuBLAS without a deterministic workspace
+)
+
+
+def deterministic_kernels() -> None:
+    """What a CUDA process needs for the same bits from the same inputs, set before its
+    first cuBLAS call: cuBLAS with a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, kept where
+    already one of the deterministic two), cuDNN's deterministic algorithms and no
+    benchmarking (which may pick another algorithm per process), and torch's deterministic
+    implementations -- an op that has none raises (:func:`refused_op`) rather than warn, for
+    a run that trained through it would not be bit-identical. TF32 is left as it is: it
+    rounds the inputs of float32 convolutions and matrix products, the same way every time."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS[0]
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def refused_op(exc: BaseException) -> str | None:
+    """Exact mode's fatal error for ``exc`` when it is torch refusing an op that has no
+    deterministic kernel (every attempt would meet it again), else None."""
+    said = str(exc)
+    if not isinstance(exc, RuntimeError) or not any(m in said for m in NO_DETERMINISTIC_KERNEL):
+        return None
+    op = said.splitlines()[0].split(", but you set")[0][:200]
+    return (
+        "trainer.exact=true on a GPU runs deterministic kernels only, and the model uses an "
+        f"op that has none: {op} -- leave that op out of the model, or train without "
+        "trainer.exact (the weights then depend on the world size)"
+    )
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from ftjob.storage.lease import LeaseFence
 from ftjob.worker.backward import Backward, data_parallel
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, Restored, TrainState
 from ftjob.worker.context import WorkerContext, ray_context
-from ftjob.worker.exact import pin_kernels
+from ftjob.worker.exact import pin_kernels, refused_op
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
 from ftjob.worker.node_holders import holders_for
@@ -573,10 +573,12 @@ class LossWindow:
 
 
 def end_on_data_error(exc: Exception, record: RunRecorder, world: int) -> None:
-    """A file that cannot be decoded fails again on every attempt: it is the run's fatal
-    error, not a failure for failure.max_failures to absorb. Any other error is raised again
-    (a failure: Ray Train's to retry)."""
-    error = data_error_of(exc)
+    """A file that cannot be decoded, or an op exact mode cannot run deterministically, fails
+    again on every attempt: it is the run's fatal error, not a failure for
+    failure.max_failures to absorb. Any other error is raised again (a failure: Ray Train's
+    to retry)."""
+    refused = refused_op(exc)
+    error: Exception | None = RuntimeError(refused) if refused else data_error_of(exc)
     if error is None:
         raise exc
     record.data_error(str(error))

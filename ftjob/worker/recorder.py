@@ -115,7 +115,8 @@ class RunRecorder:
         self._tell(WorkerLedger.storage_stats, source, stats)
 
     def data_error(self, error: str) -> None:
-        """Any rank that met a file that cannot be decoded: the run's fatal error."""
+        """Any rank that met an error every attempt would meet again (a file that cannot be
+        decoded, an op exact mode cannot run): the run's fatal error."""
         self._ask(WorkerLedger.set_fatal, 60, error)
 
     # -- recorded by rank 0 ------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Exact mode's parts: the fixed-point sum (the same bits in any order, within its stated
-precision), buffers carried as bit patterns, and the micro-batch split it refuses."""
+precision), buffers carried as bit patterns, the micro-batch split it refuses, and the
+deterministic kernels it asks of a GPU."""
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ from ftjob.worker.exact import (
     buffer_bits,
     exact_sum,
     largest_magnitudes,
+    pin_kernels,
+    refused_op,
     set_from_bits,
 )
 
@@ -107,3 +112,66 @@ def test_exact_mode_refuses_a_micro_batch_some_world_size_cannot_split_before_ra
     assert err.value.key == "trainer.micro_batch_size"
     # Data parallel mode: a remainder micro-batch is allowed, as before.
     assert not TrainerConfig(num_workers=2, batch_size=32, micro_batch_size=24).exact
+
+
+@pytest.fixture
+def kernel_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """torch's process-wide kernel settings, put back as they were after the test."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.deterministic, cudnn.benchmark, torch.get_num_threads())
+    algorithms = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        yield
+    finally:
+        cudnn.deterministic, cudnn.benchmark, threads = saved
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
+
+
+def deterministic() -> tuple[bool, bool, bool, bool, str | None]:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+
+
+@pytest.mark.usefixtures("kernel_settings")
+def test_exact_mode_on_a_gpu_asks_for_deterministic_kernels_and_nothing_else_does(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    untouched = deterministic()
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    pin_kernels(TrainerConfig(exact=True), cpu)  # the CPU's kernels are deterministic already
+    pin_kernels(TrainerConfig(use_gpu=True), gpu)  # data parallel mode keeps the fast ones
+    assert deterministic() == untouched
+    pin_kernels(TrainerConfig(exact=True, use_gpu=True), gpu)
+    # Strict: an op without a deterministic kernel raises (a warning would let the run go on
+    # to weights that depend on the world size); cuBLAS with a fixed workspace; cuDNN's
+    # deterministic algorithms, none chosen by benchmarking.
+    assert deterministic() == (True, False, True, False, ":4096:8")
+    assert torch.get_num_threads() == 1  # trainer.resources_per_worker.CPU
+    # A user's workspace setting is kept where cuBLAS is deterministic with it, else replaced.
+    for preset, kept in [(":16:8", ":16:8"), (":4096:8", ":4096:8"), (":0:0", ":4096:8")]:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", preset)
+        pin_kernels(TrainerConfig(exact=True, use_gpu=True), gpu)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == kept
+
+
+@pytest.mark.usefixtures("kernel_settings")
+def test_an_op_without_a_deterministic_kernel_is_exact_modes_fatal_error_naming_it():
+    torch.use_deterministic_algorithms(True)
+    with pytest.raises(RuntimeError) as err:  # put_ has none, on CPU too
+        torch.zeros(3).put_(torch.tensor([0]), torch.tensor([1.0]))
+    said = refused_op(err.value)
+    assert said is not None
+    assert "trainer.exact" in said and "put_ does not have a deterministic implementation" in said
+    assert "\n" not in said and "warn_only" not in said  # torch's advice to turn it off: not ours
+    assert refused_op(RuntimeError("CUDA out of memory")) is None  # a failure to retry
+    assert refused_op(ValueError(str(err.value))) is None
