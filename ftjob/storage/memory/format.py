@@ -172,8 +172,7 @@ class Flat:
         if all(t.device.type == "cpu" for t in sources):
             torch._foreach_copy_(views, sources)  # one call, not one per tensor
         else:
-            for view, source in zip(views, sources, strict=True):
-                view.copy_(source)
+            copy_from_devices(buffer, offsets, sources)
 
         placed = iter(zip(offsets, tensors, strict=True))  # the same order, walked again
 
@@ -205,6 +204,44 @@ class Flat:
                 if not bool(total.isfinite()) and not bool(torch.isfinite(run).all()):
                     return False
         return True
+
+
+STAGE_BYTES = 64 * 2**20  # a device-side gather's size: a copy to the host that long runs at
+# the link's speed, and a bounded extra on a full device
+
+
+def copy_from_devices(buffer: Any, offsets: list[int], tensors: list[Any]) -> None:
+    """``tensors`` (some on a GPU) to their ``offsets`` in the host ``buffer``: consecutive
+    tensors of one dtype on one device gathered there (``torch.cat``, at the device memory's
+    speed) into runs of up to :data:`STAGE_BYTES`, each run then copied to the host at once. A
+    copy per tensor waits for the device once per tensor: a ResNet-50 state with momentum is
+    ~480 tensors, and its 181 MB took 47 ms per snapshot that way on an H200. Tensors of one
+    dtype lie back to back in the buffer in the state's order (:meth:`Flat.copy_of`), so a run
+    of them is one contiguous range of it; each is copied in its logical order (as
+    ``copy_`` into a contiguous view does), whatever its memory format."""
+    import torch
+
+    def copy(run: list[int]) -> None:
+        if len(run) == 1:
+            i = run[0]
+            _view(buffer, offsets[i], tensors[i].dtype, tensors[i].shape).copy_(tensors[i])
+        elif run:
+            gathered = torch.cat([tensors[i].reshape(-1) for i in run])
+            _view(buffer, offsets[run[0]], gathered.dtype, gathered.shape).copy_(gathered)
+
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        run: list[int] = []
+        size = 0
+        for i, tensor in enumerate(tensors):
+            if tensor.dtype != dtype:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if run and (tensor.device != tensors[run[0]].device or size + nbytes > STAGE_BYTES):
+                copy(run)
+                run, size = [], 0
+            run.append(i)
+            size += nbytes
+        copy(run)
 
 
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:

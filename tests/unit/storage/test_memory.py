@@ -28,6 +28,7 @@ from ftjob.storage.memory import (
     pack,
     unpack,
 )
+from ftjob.storage.memory import format as memory_format
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = machine()
@@ -137,6 +138,32 @@ def test_a_packed_state_comes_back_exactly_and_travels_as_arrays() -> None:
     back["state"][0]["momentum_buffer"].add_(1.0)  # writable: its own memory
     view = unpack(files, "optimizer.pt")["weight"]
     assert torch.equal(view, state["weight"])
+
+
+def test_a_gpu_states_copy_gathered_in_runs_lands_where_one_copy_a_tensor_puts_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A state on a GPU is gathered on the device in runs of one dtype and copied to the host a
+    run at a time; the path is the device's, the layout logic is tested here on CPU tensors:
+    runs broken by size (a tiny stage), by dtype (interleaved), each tensor in its logical
+    order whatever its memory format -- the same bytes as a copy per tensor."""
+    monkeypatch.setattr(memory_format, "STAGE_BYTES", 40)
+    tensors = [
+        torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last),
+        torch.tensor(3),  # 0-dim, int64, between float32 tensors
+        torch.randn(4, 3).t(),  # not contiguous
+        torch.randn(5, dtype=torch.bfloat16),
+        torch.randn(6),
+        torch.tensor([True, False]),
+        torch.randn(1),
+        torch.randn(30),  # alone bigger than a stage
+    ]
+    expected = Flat.copy_of({"t": tensors})  # CPU: one copy a tensor, in place
+    got = torch.full_like(expected.buffer, 0xAB)
+    offsets = [marker[1] for marker in expected.skeleton["t"]]
+    memory_format.copy_from_devices(got, offsets, tensors)
+    for start, end in expected.regions.values():  # each dtype's run (padding between them)
+        assert torch.equal(got[start:end], expected.buffer[start:end])
 
 
 def test_the_holder_keeps_its_own_copy_of_a_snapshots_arrays() -> None:
