@@ -1,7 +1,7 @@
 """End-to-end runs on a real Ray: jobs submitted to, stopped on and shown by an existing
 cluster started with `ray start --head` (the cluster extra: dashboard and job server); the
 stopped job resumed on that cluster by its printed command, past a damaged checkpoint, through a
-worker SIGTERM and a hang. (Restores, mid-epoch resumption, exact-once and resume=true are tested
+worker SIGTERM and a hang; a driver of that run SIGKILLed and its command submitted again. (Restores, mid-epoch resumption, exact-once and resume=true are tested
 in-process too: tests/worker/test_worker_local.py; a node drained with notice, Ray's drain API,
 in the S3 run: test_s3_run.py; a slow rank named as a straggler, a slow upload that is no hang
 and the restart-loop guard in-process: tests/worker/test_worker_local.py; the hang and straggler
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -29,7 +30,7 @@ import pytest
 from ftjob import metrics as M
 from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import manifest_of
-from tests.support.images import make_image_tree
+from tests.support.images import digits_tree
 from tests.support.processes import read_until, start_ftjob
 
 pytestmark = pytest.mark.ray
@@ -159,17 +160,19 @@ def ray_train_workers(root: int) -> list[int]:
 def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_the_dashboard(
     tmp_path, monkeypatch
 ):
-    """As on a user's cluster: `ray start --head` with its dashboard and job server;
-    `ray job submit --working-dir` runs a job on real image files, decoded by Ray Data on the
-    cluster, that succeeds and leaves the cluster up; the dashboard's Train view lists the run,
-    its attempt and its workers; `ray job stop` on a second job is a preemption notice: a
-    just-in-time checkpoint, status preempted, the resume command (printed, and in the
-    summary), no training worker left. That command, rerun on the cluster by a driver of its
-    own (as a scheduler reruns a job) once the just-in-time checkpoint was damaged, falls back
-    past it (quarantined, never deleted) while a second driver for the run is refused, naming
-    the holder; a SIGTERM to one of its training workers (a pod stopping it) saves that step; a
+    """As on a user's cluster: `ray start --head` with its dashboard and job server; a job
+    on real image files (the digits as PNGs), submitted with `ray job submit --working-dir`,
+    stopped with `ray job stop` once it committed a checkpoint: a preemption notice, a
+    just-in-time checkpoint, status preempted, the resume command (printed, and in the summary),
+    no training worker left. That command, rerun on the cluster by a driver of its own (as a
+    scheduler reruns a job) once the just-in-time checkpoint was damaged, falls back past it
+    (quarantined, never deleted) while a second driver for the run is refused, naming the
+    holder; a SIGTERM to one of its training workers (a pod stopping it) saves that step; a
     worker stopped later (SIGSTOP) is found hung within 30 s by the learned timeouts; every
-    sample is trained once."""
+    sample is trained once. Then a driver of the run with the memory tier on is SIGKILLed while
+    the cluster lives on, and the unchanged command, submitted and waited for, continues from
+    the snapshots its holders kept, decoding on Ray Data, succeeds and leaves the cluster up;
+    the dashboard's Train view lists it (:func:`driver_killed_with_the_cluster_kept`)."""
     port, dashboard = _free_port(), _free_port()
     address = f"http://127.0.0.1:{dashboard}"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths
@@ -178,50 +181,25 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_t
         working_dir = tmp_path / "wd"
         working_dir.mkdir()
         (working_dir / "NOTES").write_text("the job's working dir, shipped by ray job submit\n")
-        images = make_image_tree(tmp_path / "images")
         storage = [
             f"checkpoint.storage_path={tmp_path / 'ckpt'}",
             "checkpoint.shared_filesystem=true",
         ]
-        job = [
-            "dataset=imagefolder",
-            f"dataset.path={images}",
-            "dataset.image_size=16",
-            "dataset.resize_size=18",
-            "trainer.epochs=3",
-            "trainer.decode_in=ray",  # auto would decode in the workers on a 2-core machine
-            "trainer.batch_size=8",
-            "trainer.lr=0.01",
-            "ray.address=auto",  # the cluster the job's driver runs on
-            *storage,  # one machine: every node of this cluster mounts the same disk
-            "name=images",
-        ]
-        entry = [sys.executable, "-m", "ftjob", *job, f"hydra.run.dir={tmp_path / 'run1'}"]
         where = ["--address", address, "--working-dir", str(working_dir)]
-        done = submit(*where, "--submission-id", "ftjob-images", "--", *entry)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        s = json.loads((tmp_path / "run1" / "summary.json").read_text())
-        assert s["status"] == "succeeded"
-        assert s["metrics"][M.TRAIN_STEPS_COMPLETED] == 3 * (72 // 16)
-        assert s["metrics"][M.VALIDATION_ACCURACY] >= 0.9  # three colours: easy, if decoded right
-        assert head.poll() is None  # the driver only disconnected: the cluster is still up
-        # The dashboard's Train view (Ray Train's state tracking, on for ftjob's runs).
-        [run] = [
-            r
-            for r in dashboard_get(dashboard, "/api/train/v2/runs/v1")["train_runs"]
-            if r["name"] == "images"
+        # Real image files: the digits run's images as PNGs (its 22 steps of 64 an epoch).
+        images = [
+            "dataset=imagefolder",
+            f"dataset.path={digits_tree(tmp_path / 'digits')}",
+            "dataset.image_size=32",  # as dataset=digits renders them
+            "dataset.resize_size=32",
+            "dataset.augment=false",
+            "dataset.num_classes=10",
         ]
-        assert run["status"] == "FINISHED" and run["job_id"]
-        # Its attempts (one, unless a loaded machine made Ray Train restart the group: then as
-        # many as the summary counts), each with its two workers.
-        assert len(run["attempts"]) == s["attempts"] >= 1
-        for attempt in run["attempts"]:
-            assert len(attempt["workers"]) == 2 and all(w["pid"] for w in attempt["workers"])
-        assert run["run_settings"]["train_loop_config"]["trainer"]["epochs"] == 3
 
         # A second job, stopped with `ray job stop` once it committed a checkpoint.
         long = [
             "+experiment=digits_ft",
+            *images,
             "trainer.epochs=30",
             "trainer.audit_samples=true",
             "ray.address=auto",
@@ -343,7 +321,143 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_t
         assert "hang: rank" in console and "stack captured (py-spy)" in console
         assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs
 
+        driver_killed_with_the_cluster_kept(resume, epochs, tmp_path, head, where, dashboard)
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
         head.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def driver_killed_with_the_cluster_kept(
+    resume: list[str],
+    epochs: int,
+    tmp_path: Path,
+    head: subprocess.Popen[bytes],
+    where: list[str],
+    dashboard: int,
+) -> None:
+    """A scheduler's rerun after its driver died (``resume=auto``, the memory tier on): two
+    more epochs of the finished run on Ray Data's decode tasks, durable checkpoints only at
+    their ends, a progress line every step, no preemption notices (a worker SIGTERMed by Ray
+    leaves at once, with no just-in-time checkpoint). The first driver is SIGKILLed at its
+    first progress line past the run's newest checkpoint (its process only: the cluster and the
+    holders, detached actors, live on). Its workers train on until Ray ends them (the job of a
+    dead driver is marked finished and its workers are made to exit): the kill leaves nearly
+    two epochs, which they cannot finish first, and whatever step they reached, the holders
+    hold it. The
+    same command again, submitted with ``ray job submit --working-dir`` and waited for, takes
+    the dead driver's lease at once, restores the newest held snapshot -- newer than
+    storage's, and no older than the step the killed driver last printed -- says which resume
+    happened and why, trains every remaining sample once and succeeds, leaving the cluster
+    up; the dashboard's Train view lists that run, its attempt and its workers."""
+    started = time.monotonic()
+    per_epoch, last = 22, epochs * 22  # the finished run's last step: its newest checkpoint
+    final = (epochs + 2) * per_epoch
+    command = [
+        *(
+            a
+            for a in resume
+            if not a.startswith(("resume=", "trainer.epochs=", "trainer.check", "failure.pre"))
+        ),
+        "resume=auto",
+        f"trainer.epochs={epochs + 2}",
+        "trainer.checkpoint_every_n_steps=100",  # none within an epoch: their ends commit
+        "trainer.log_every_n_steps=1",  # the kill lands at the first step past the checkpoint
+        "trainer.validate_every_n_steps=0",  # at the epoch ends only: nothing here needs more
+        "trainer.decode_in=ray",  # the image files decoded by Ray Data's tasks on the cluster
+        "checkpoint.memory.enabled=true",
+        # Ray ends a dead driver's workers with SIGTERM, which would be a notice: with a grace
+        # long enough for a just-in-time checkpoint of this small state, storage would hold the
+        # newest step and the rerun would rightly restore that. Without notices the workers
+        # leave at once, as they do where the grace is shorter than the state's upload.
+        "failure.preemption=false",
+    ]
+    killed = start_ftjob(command, tmp_path / "killed", tmp_path)
+    lines: list[str] = []
+    try:
+        printed = last
+        while printed <= last:  # a progress line past the run's newest checkpoint
+            read_until(killed, " loss ", lines, timeout=300)
+            progress = re.search(r" step (\d+)/\d+ loss ", lines[-1])
+            printed = int(progress[1]) if progress else last
+        os.kill(killed.pid, signal.SIGKILL)
+        killed.wait(timeout=60)
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+    killed_at = time.monotonic()
+    first = "".join(lines)
+    assert f"has a committed checkpoint at step {last}" in first, first[-3000:]
+    assert not (tmp_path / "killed" / "summary.json").exists()  # it died: no summary
+    deadline = time.monotonic() + 120
+    while ray_train_workers(head.pid):  # Ray ends a dead driver's workers
+        assert time.monotonic() < deadline, "training workers outlived their killed driver"
+        time.sleep(0.5)
+    workers_gone = time.monotonic() - killed_at
+    # What the rest relies on: the dead driver's workers, ended by Ray, did not finish the run.
+    checkpoints = tmp_path / "ckpt" / "stopped" / "checkpoints"
+    committed = sorted(
+        int(d.name.removeprefix("step_"))
+        for d in checkpoints.glob("step_*")
+        if manifest_of(os.listdir(d))
+    )
+    assert committed[-1] < final, (
+        f"the killed driver's workers committed step {committed[-1]} of {final} in the "
+        f"{workers_gone:.1f} s Ray took to end them"
+    )
+
+    run_dir = tmp_path / "requeued"
+    entry = [sys.executable, "-m", "ftjob", *command, f"hydra.run.dir={run_dir}"]
+    done = submit(*where, "--submission-id", "ftjob-requeued", "--", *entry)
+    console = complete_logs(dashboard, "ftjob-requeued")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + console[-3000:]
+    assert dashboard_get(dashboard, "/api/jobs/ftjob-requeued")["status"] == "SUCCEEDED"
+    assert head.poll() is None  # the driver only disconnected: the cluster is still up
+    # Which resume, and why: the run's committed checkpoint, its held snapshots, and the
+    # lease of a driver that is gone.
+    assert f"resume=auto: run 'stopped' has a committed checkpoint at step {committed[-1]}" in (
+        console
+    ), console[-4000:]
+    assert "snapshot holder(s) of this run outlived its last driver" in console, console[-4000:]
+    assert "that process is gone" in console, console[-4000:]
+    [restore] = [line for line in console.splitlines() if " from memory:" in line]
+    restored = int(restore.split("restored step ", 1)[1].split(" ", 1)[0])
+    # Newer than storage's newest, no older than the killed driver's last line, and short of
+    # the run's end: the held snapshots were restored and there was training left to do.
+    assert committed[-1] < restored < final and printed - restored <= 1, restore
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "succeeded" and s["failures"] == []
+    assert s["metrics"][M.CHECKPOINT_MEMORY_RESTORES] == 1
+    assert s["metrics"][M.TRAIN_STEPS_COMPLETED] == final
+    # Every sample from the snapshot's position on, once: the restored epoch and the last.
+    audits = s["audit"]
+    assert audits[0]["epoch"] == restored // per_epoch
+    assert audits[0]["resumed_at"] == (restored % per_epoch) * 64
+    assert audits[-1]["epoch"] == epochs + 1 and all(exactly_once(a) for a in audits)
+    # Decoded right by Ray Data's tasks (ten digits: chance is 0.1).
+    assert s["metrics"][M.VALIDATION_ACCURACY] >= 0.8, s["metrics"][M.VALIDATION_ACCURACY]
+    assert "data: rank 0 decodes in Ray Data (trainer.decode_in=ray)" in console
+
+    # The dashboard's Train view (Ray Train's state tracking, on for ftjob's runs): the run of
+    # the submitted job, its attempts (one, unless a loaded machine made Ray Train restart the
+    # group: then as many as the summary counts), each with its two workers.
+    job_id = dashboard_get(dashboard, "/api/jobs/ftjob-requeued")["job_id"]
+    [run] = [
+        r
+        for r in dashboard_get(dashboard, "/api/train/v2/runs/v1")["train_runs"]
+        if r["name"] == "stopped" and r["job_id"] == job_id
+    ]
+    assert run["status"] == "FINISHED"
+    assert len(run["attempts"]) == s["attempts"] >= 1
+    for attempt in run["attempts"]:
+        assert len(attempt["workers"]) == 2 and all(w["pid"] for w in attempt["workers"])
+    assert run["run_settings"]["train_loop_config"]["trainer"]["epochs"] == epochs + 2
+    # Figures (printed, never asserted): how long Ray took to end the dead driver's workers
+    # and how far they trained meanwhile; the rerun's driver start to its first step.
+    timing = s["timing"]
+    print(
+        f"driver kill with the cluster kept: {time.monotonic() - started:.1f} s; killed at "
+        f"printed step {printed}, its workers gone {workers_gone:.1f} s later; the rerun "
+        f"restored step {restored} from memory and was back to step in "
+        f"{timing['first_step'] - timing['run_started']:.1f} s"
+    )
