@@ -4,9 +4,10 @@ memory file, mapped), side by side in one run:
 
   per tensor   one ``copy_`` a tensor (the tier's copy before it gathered on the device);
   gathered     :func:`ftjob.storage.memory.format.copy_from_devices`: runs of one dtype gathered
-               on the device, one copy to the host a run (what the tier does);
+               on the device, one copy to the host a run, into pageable memory (the tier where
+               the driver refuses to page-lock the ring);
   registered   the same into the mapping page-locked with ``cudaHostRegister`` (the copy engine
-               writes it directly), where the driver allows it;
+               writes it directly): what the tier does on a GPU (``Ring.page_lock``);
   pinned       the same into memory from torch's pinned allocator: the bound.
 
 Milliseconds per snapshot (median of ``--repeats`` after two warm-ups) and the ratios to the

@@ -170,7 +170,8 @@ class MemoryTier:
             return False
         ring = self._attach(address) if address else None
         self.log(
-            "memory tier: snapshots go into the holder's shared memory (this machine)"
+            "memory tier: snapshots go into the holder's shared memory (this machine"
+            + (", page-locked for the GPU's copies)" if ring and ring.page_lock() else ")")
             if ring is not None
             else "memory tier: snapshots are sent to the holder through Ray"
         )

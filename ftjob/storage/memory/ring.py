@@ -116,6 +116,29 @@ class Ring:
             return None
         return cls(memory, address)
 
+    def page_lock(self) -> bool:
+        """In a process that trains on a GPU (CUDA initialised), this mapping page-locked
+        (``cudaHostRegister``) for as long as the process lives, so the copy engine writes
+        snapshots straight into it: a copy into pageable memory goes through the driver's
+        staging buffers (on an H200, a ResNet-50 state's 195 MB took 19.4 ms into pageable
+        memory and 6.9 ms into this mapping locked: benchmarks/gpu_snapshot_copy.py). False
+        elsewhere, or where the driver refuses (the copies then go as before): its refusal is
+        read back at once by a kernel's launch check, which clears it, so that no later launch
+        raises it."""
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return False
+        cudart = torch.cuda.cudart()
+        view = np.frombuffer(self.memory, np.uint8)
+        if cudart.cudaHostRegister(view.ctypes.data, view.nbytes, 0) == cudart.cudaError.success:
+            return True
+        try:
+            torch.zeros(1, device="cuda").add_(1)  # reads the refusal (and clears it)
+        except RuntimeError:
+            pass
+        return False
+
     def close(self) -> None:
         """The holder lets its ring go (its memory goes once no process maps it)."""
         if self.fd is not None:
