@@ -322,10 +322,25 @@ def test_ray_jobs_on_a_head_started_with_ray_start_run_stop_resume_and_show_on_t
         assert "A worker died or was killed" not in console  # Ray's paragraph stays in its logs
 
         driver_killed_with_the_cluster_kept(resume, epochs, tmp_path, head, where, dashboard)
+    except BaseException:
+        kept = keep_ray_logs(temp_dir, tmp_path / "ray-logs")
+        print(f"Ray's logs of the failed test: {kept}")
+        raise
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # `ray start --block` and everything it started
         head.wait(timeout=30)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def keep_ray_logs(temp_dir: str, to: Path) -> str:
+    """The head's logs (the raylet's, GCS's, every worker's and the controllers') copied
+    beside the run dirs, before the head's temp dir goes: what a failure that Ray decided
+    (a placement group removed, a worker ended) is read from afterwards."""
+    try:
+        shutil.copytree(Path(temp_dir, "session_latest", "logs"), to, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        return f"not kept ({exc})"
+    return str(to)
 
 
 def driver_killed_with_the_cluster_kept(
