@@ -18,6 +18,9 @@ class RayConfig:
     node_cpus: int = 2
     replace_delay: float = 5.0
     replace_nodes: bool = True  # simulated cluster: killed nodes come back after replace_delay
+    # Simulated cluster: and not before the group that went on without the node trained this
+    # many steps (a return tied to the run's progress, not to the machine's speed).
+    replace_after_steps: int | None = None
     log_to_driver: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
     # Existing cluster: seconds to wait for nodes the job needs (an autoscaler may add them).
@@ -69,6 +72,13 @@ class RayConfig:
         at_least(self, "resources_timeout", 0, " seconds (0 = refuse at once what does not fit)")
         require(
             self.replace_delay >= 0, g, "replace_delay", self.replace_delay, "must be >= 0 seconds"
+        )
+        require(
+            self.replace_after_steps is None or self.replace_after_steps >= 1,
+            g,
+            "replace_after_steps",
+            self.replace_after_steps,
+            "must be >= 1 step, or null to replace a killed node after replace_delay seconds alone",
         )
         require(
             self.address is None or self.local_nodes == 1,

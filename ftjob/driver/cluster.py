@@ -17,7 +17,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +188,12 @@ def cluster(job: JobConfig) -> Iterator[Any]:
                 ray.init(address=r.address, **common)
             elif r.local_nodes > 1:
                 local = LocalCluster(
-                    r.local_nodes, r.node_cpus, r.replace_delay, r.replace_nodes, system_config(r)
+                    r.local_nodes,
+                    r.node_cpus,
+                    r.replace_delay,
+                    r.replace_nodes,
+                    system_config(r),
+                    r.replace_after_steps,
                 )
                 ray.init(address=local.address, **common)
             else:
@@ -437,11 +442,30 @@ def _check_gpus_on(job: JobConfig, nodes: list[dict[str, float]]) -> None:
         )
 
 
+def replacement_due(
+    kill: Kill, now: float, trained: Sequence[int], delay: float, after_steps: int | None
+) -> bool:
+    """A simulated cluster's killed node comes back: ``delay`` seconds after it went
+    (``ray.replace_delay``) and, with ``after_steps`` (``ray.replace_after_steps``), once the
+    group that went on without it -- the attempts after the one the kill hit -- trained that
+    many steps (``trained``: each attempt's steps since its restore, by attempt index). The
+    steps tie the return to the run's progress: the smaller group has trained, whatever the
+    machine's speed or the restart's length."""
+    gone = kill.deadline or kill.time  # a preempted node goes at its deadline
+    if kill.kind not in NODE_KINDS or now - gone < delay:
+        return False
+    if after_steps is None:
+        return True
+    after = 0 if kill.attempt is None else kill.attempt + 1
+    return sum(trained[after:]) >= after_steps
+
+
 class LocalCluster:
     """A simulated multi-node cluster on this machine (``ray.local_nodes=N``): a head node with
     no CPUs (so training never lands on it) and N-1 worker nodes. Killed nodes are replaced
-    after ``replace_delay`` seconds, as an autoscaler would. ``Cluster.add_node`` must run on
-    the driver's main thread, so the runner calls :meth:`service` from there."""
+    after ``replace_delay`` seconds (and ``replace_after_steps`` steps), as an autoscaler
+    would. ``Cluster.add_node`` must run on the driver's main thread, so the runner calls
+    :meth:`service` from there."""
 
     def __init__(
         self,
@@ -450,11 +474,13 @@ class LocalCluster:
         replace_delay: float,
         replace_nodes: bool = True,
         system_config: dict[str, Any] | None = None,
+        replace_after_steps: int | None = None,
     ) -> None:
         from ray.cluster_utils import Cluster
 
         self.node_cpus, self.replace_delay = node_cpus, replace_delay
         self.replace_nodes = replace_nodes
+        self.replace_after_steps = replace_after_steps
         head: dict[str, Any] = {"num_cpus": 0, "_system_config": system_config or {}}
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(nodes - 1):
@@ -466,17 +492,15 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
-    def service(self, kills: list[Kill], now: float) -> None:
-        """Add a node for every node kill older than replace_delay that was not replaced yet
-        (none with ray.replace_nodes=false: a cluster without spare capacity)."""
+    def service(self, kills: list[Kill], now: float, trained: Sequence[int] = ()) -> None:
+        """Add a node for every node kill whose replacement is due (:func:`replacement_due`;
+        ``trained`` from the ledger) and not done yet -- none with ray.replace_nodes=false: a
+        cluster without spare capacity."""
         if not self.replace_nodes:
             return
         for i, kill in enumerate(kills):
-            gone = kill.deadline or kill.time  # a preempted node goes at its deadline
-            if (
-                kill.kind in NODE_KINDS
-                and i not in self.replaced
-                and now - gone >= self.replace_delay
+            if i not in self.replaced and replacement_due(
+                kill, now, trained, self.replace_delay, self.replace_after_steps
             ):
                 self.replaced.add(i)
                 self.cluster.add_node(num_cpus=self.node_cpus)

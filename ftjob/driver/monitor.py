@@ -152,11 +152,16 @@ class Monitor:
         for action in actions or []:
             self._end_stalled(action)
         if self.local is not None:
-            kills = self.ask(
-                "node replacement", lambda: ray.get(self.ledger.snapshot_kills.remote(), timeout=10)
+            answer = self.ask(
+                "node replacement",
+                lambda: ray.get(
+                    [self.ledger.snapshot_kills.remote(), self.ledger.steps_trained.remote()],
+                    timeout=10,
+                ),
             )
-            if kills is not None:
-                self.local.service(kills, time.time())
+            if answer is not None:
+                kills, trained = answer
+                self.local.service(kills, time.time(), trained)
         return True
 
     def final_snapshot(self) -> RunSnapshot:

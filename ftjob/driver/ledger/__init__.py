@@ -209,6 +209,13 @@ class RunLedger:
     def snapshot_kills(self) -> list[Kill]:
         return self.chaos.all_kills()
 
+    def steps_trained(self) -> tuple[int, ...]:
+        """Each attempt's steps trained since its restore, by attempt index (a simulated
+        cluster's node comes back after ``ray.replace_after_steps`` of them)."""
+        return tuple(
+            a.max_step - (a.restored.step if a.restored else 0) for a in self.attempts.records
+        )
+
     # -- notices: preemption and planned resizes ----------------------------------------------
 
     def request_stop(self, reason: str, now: float) -> None:

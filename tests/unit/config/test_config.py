@@ -155,6 +155,7 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("ray.object_pull_timeout_ms=0", "ray.object_pull_timeout_ms"),
         ("ray.health_check_period_ms=50", "ray.health_check_period_ms"),
         ("ray.health_check_failure_threshold=0", "ray.health_check_failure_threshold"),
+        ("ray.replace_after_steps=0", "ray.replace_after_steps"),
         ("name=..", "name"),
         ("name=.", "name"),
         ("name=.hidden", "name"),
