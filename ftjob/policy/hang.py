@@ -145,6 +145,14 @@ class RankState:
     io: int = -1  # storage requests completed, as of the latest heartbeat
 
 
+def _timed_as(rank: RankState) -> str:
+    """The section whose timeout applies. A validation before the attempt's first step -- one
+    a notice cut short, owed since the restore -- decodes its set cold (the validation cache
+    fills once training flows; on a node that just joined, its decode processes start first):
+    a stream's first window, timed as a data wait, not as the warm validations learned."""
+    return "data" if rank.section == "validation" and rank.step == 0 else rank.section
+
+
 class HangDetector:
     """The ranks of the current attempt and their progress; one hang at most per attempt."""
 
@@ -184,7 +192,7 @@ class HangDetector:
             # Every rank restores from storage; rank 0 alone writes checkpoints, the others
             # wait for it (and are not blamed while it moves: the group rule below).
             io = s.section == "restore" or (s.section == "checkpoint" and rank == 0)
-            timeout = self.times.timeout(s.section, io)
+            timeout = self.times.timeout(_timed_as(s), io)
             if timeout is None:
                 continue
             if now - s.beat > silent:

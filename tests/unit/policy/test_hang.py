@@ -260,3 +260,23 @@ def test_a_stopped_rank_is_found_at_the_floor_while_the_other_waits_for_its_data
     assert t == 14  # the 10 s floor past the last progress (2.9), not the data wait's 120 s
     assert hang.rank == 1 and hang.heartbeats_stopped and hang.timeout_s == 10.0
     assert hang.others == {0: "data"}
+
+
+def test_a_validation_owed_before_the_attempts_first_step_is_timed_as_a_first_data_window():
+    # A grow's notice cut the epoch-end validation short; the grown group runs it before its
+    # first step, its set decoded cold on the node that just joined: 25 s, not the 0.2 s the
+    # warm validations took (learned: 10 s).
+    d = detector(HangPolicy(min_timeout=10.0, data_min_timeout=120.0, max_timeout=300.0))
+    d.times.observe("validation", [0.2] * 5)
+    for t in range(1, 27):
+        d.beat(0, 0, beat("validation", t - 1.0, step=0), now=float(t))
+        d.beat(0, 1, beat("validation", t - 1.0, step=0), now=float(t))
+    assert d.check(26.0) is None
+    # The same wait in a validation after training steps is a hang at the learned 10 s.
+    d.register(1, 0, "nodeA", 200, now=30.0)
+    d.register(1, 1, "nodeB", 201, now=30.0)
+    for t in range(31, 43):
+        d.beat(1, 0, beat("validation", t - 31.0, step=66), now=float(t))
+        d.beat(1, 1, beat("validation", t - 31.0, step=66), now=float(t))
+    hang = d.check(42.0)
+    assert hang is not None and hang.section == "validation" and hang.timeout_s == 10.0
