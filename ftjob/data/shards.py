@@ -1,6 +1,7 @@
 """Parquet shards as :class:`ftjob.data.parquet.ParquetDataset` reads them: listed by exact name,
-their footers and label columns read without a byte of the image column (the catalog), one row
-group's image column read for a decode, and labels turned into class ids."""
+their footers and label columns read for the catalog (on local disk without a byte of the image
+column; on an object store in few requests), one row group's image column read for a decode, and
+labels turned into class ids."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pyarrow.parquet as pq
 from ftjob.config import ConfigError
 from ftjob.data.datasets import _dataset_rule, _reason
 from ftjob.data.folders import is_local, names
+from ftjob.data.ranged_reads import read_column_ranged
 
 LABEL_KINDS = ("auto", "int", "classes", "sorted")
 # dataset.shuffle_window: samples shuffled together, in whole row groups; a decoder holds about
@@ -159,22 +161,32 @@ def hf_names(meta: pq.FileMetaData, label_column: str) -> list[str] | None:
 
 
 def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> ShardLabels:
-    """One shard's footer and label column (its column chunks only: no image bytes).
+    """One shard's footer and label column: on local disk its column chunks only (no image
+    bytes); on an object store in few requests (:mod:`ftjob.data.ranged_reads`).
     ``columns``: ``{"image_column": name, "label_column": name}``; ``url``: the shard as
     messages name it."""
     label_column = columns["label_column"]
+
+    def check(meta: pq.FileMetaData) -> None:
+        have = meta.schema.to_arrow_schema().names
+        for key, column in columns.items():
+            if column not in have:
+                raise ConfigError(
+                    f"dataset.{key}",
+                    column,
+                    f"is not a column of shard {url} (its columns: {names(have)})",
+                )
+
     try:
-        with fs.open(shard.path, "rb", **no_readahead(fs, shard.size)) as f:
-            meta = read_footer(f, shard.size)
-            have = meta.schema.to_arrow_schema().names
-            for key, column in columns.items():
-                if column not in have:
-                    raise ConfigError(
-                        f"dataset.{key}",
-                        column,
-                        f"is not a column of shard {url} (its columns: {names(have)})",
-                    )
-            table = pq.ParquetFile(f, metadata=meta, pre_buffer=False).read(columns=[label_column])
+        if not is_local(fs):  # an object store: few requests, all at once
+            meta, table = read_column_ranged(fs, shard.path, shard.size, label_column, check)
+        else:
+            with fs.open(shard.path, "rb") as f:
+                meta = read_footer(f, shard.size)
+                check(meta)
+                table = pq.ParquetFile(f, metadata=meta, pre_buffer=False).read(
+                    columns=[label_column]
+                )
     except (ConfigError, FileNotFoundError, PermissionError):
         raise
     except (OSError, ValueError, pa.ArrowException) as exc:
