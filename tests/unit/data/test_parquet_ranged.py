@@ -72,6 +72,25 @@ def test_a_small_shard_is_one_request_and_the_catalog_is_the_local_one(shards: P
         wrong.catalog(TRAIN)
 
 
+def test_a_truncated_shard_on_an_object_store_is_named_as_on_local_disk(
+    shards: Path, tmp_path: Path
+):
+    """A shard of a few bytes (a truncated upload) is refused naming the shard, as on local
+    disk, not with the footer parser's own error."""
+    broken = tmp_path / "shards"
+    for split in (TRAIN, VAL):
+        (broken / split).mkdir(parents=True)
+        for shard in (shards / split).glob("*.parquet"):
+            (broken / split / shard.name).write_bytes(shard.read_bytes())
+    truncated = sorted((broken / TRAIN).glob("*.parquet"))[0]
+    truncated.write_bytes(b"PAR1")
+    for fs in (LocalFileSystem(), RequestLog()):
+        ds = ParquetDataset(str(broken))
+        ds._fs = fs
+        with pytest.raises(ValueError, match=f"{truncated.name} cannot be read as Parquet"):
+            ds.catalog(TRAIN)
+
+
 def test_label_chunks_far_apart_are_a_request_each_and_no_image_byte_is_read(
     shards: Path, monkeypatch: pytest.MonkeyPatch
 ):
