@@ -169,9 +169,10 @@ class MemoryTier:
         except holder_errors():
             return False
         ring = self._attach(address) if address else None
+        locked = ring is not None and (ring.locked is not None or ring.page_lock())
         self.log(
             "memory tier: snapshots go into the holder's shared memory (this machine"
-            + (", page-locked for the GPU's copies)" if ring and ring.page_lock() else ")")
+            + (", page-locked for the GPU's copies)" if locked else ")")
             if ring is not None
             else "memory tier: snapshots are sent to the holder through Ray"
         )

@@ -162,9 +162,12 @@ class Flat:
         offsets, regions, end = [0] * len(tensors), {}, 0
         for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
             start = end = -(-end // ALIGN) * ALIGN
-            for i, tensor in enumerate(tensors):
-                if tensor.dtype == dtype:
-                    offsets[i], end = end, end + tensor.numel() * tensor.element_size()
+            # Within a dtype each device's tensors back to back (in the state's order): one
+            # gathered run a device (AdamW keeps its step counts on the CPU, each between a
+            # GPU parameter's moments). A CPU state keeps the state's order.
+            same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            for i in sorted(same, key=lambda i: str(tensors[i].device)):
+                offsets[i], end = end, end + tensors[i].numel() * tensors[i].element_size()
             regions[dtype] = (start, end)
         buffer = torch.empty(end, dtype=torch.uint8) if alloc is None else alloc(end)
         views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
@@ -211,37 +214,49 @@ STAGE_BYTES = 64 * 2**20  # a device-side gather's size: a copy to the host that
 
 
 def copy_from_devices(buffer: Any, offsets: list[int], tensors: list[Any]) -> None:
-    """``tensors`` (some on a GPU) to their ``offsets`` in the host ``buffer``: consecutive
-    tensors of one dtype on one device gathered there (``torch.cat``, at the device memory's
-    speed) into runs of up to :data:`STAGE_BYTES`, each run then copied to the host at once. A
-    copy per tensor waits for the device once per tensor: a ResNet-50 state with momentum is
-    ~480 tensors, and its 181 MB took 47 ms per snapshot that way on an H200. Tensors of one
-    dtype lie back to back in the buffer in the state's order (:meth:`Flat.copy_of`), so a run
-    of them is one contiguous range of it; each is copied in its logical order (as
-    ``copy_`` into a contiguous view does), whatever its memory format."""
+    """``tensors`` (some on a GPU) to their ``offsets`` in the host ``buffer``: tensors lying
+    back to back there, of one dtype on one device, gathered on the device (``torch.cat``, at
+    its memory's speed) into runs of up to :data:`STAGE_BYTES`, each run then copied to the
+    host at once. A copy per tensor waits for the device once per tensor: a ResNet-50 state
+    with momentum is ~480 tensors, and its 181 MB took 47 ms per snapshot that way on an H200.
+    Each tensor is copied in its logical order (as ``copy_`` into a contiguous view does),
+    whatever its memory format. A device without room for a run's gather copies it a tensor
+    at a time."""
     import torch
 
-    def copy(run: list[int]) -> None:
-        if len(run) == 1:
-            i = run[0]
-            _view(buffer, offsets[i], tensors[i].dtype, tensors[i].shape).copy_(tensors[i])
-        elif run:
-            gathered = torch.cat([tensors[i].reshape(-1) for i in run])
-            _view(buffer, offsets[run[0]], gathered.dtype, gathered.shape).copy_(gathered)
+    def nbytes(i: int) -> int:
+        return int(tensors[i].numel() * tensors[i].element_size())
 
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        run: list[int] = []
-        size = 0
-        for i, tensor in enumerate(tensors):
-            if tensor.dtype != dtype:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if run and (tensor.device != tensors[run[0]].device or size + nbytes > STAGE_BYTES):
-                copy(run)
-                run, size = [], 0
-            run.append(i)
-            size += nbytes
-        copy(run)
+    def copy_each(run: list[int]) -> None:
+        for i in run:
+            _view(buffer, offsets[i], tensors[i].dtype, tensors[i].shape).copy_(tensors[i])
+
+    def copy(run: list[int]) -> None:
+        if len(run) < 2:
+            copy_each(run)
+            return
+        try:
+            gathered = torch.cat([tensors[i].reshape(-1) for i in run])
+        except torch.cuda.OutOfMemoryError:
+            copy_each(run)
+            return
+        _view(buffer, offsets[run[0]], gathered.dtype, gathered.shape).copy_(gathered)
+
+    run: list[int] = []
+    size = 0
+    for i in sorted(range(len(tensors)), key=offsets.__getitem__):  # the buffer's order
+        first = tensors[run[0]] if run else None
+        if first is not None and (
+            tensors[i].dtype != first.dtype
+            or tensors[i].device != first.device
+            or offsets[i] != offsets[run[-1]] + nbytes(run[-1])
+            or size + nbytes(i) > STAGE_BYTES
+        ):
+            copy(run)
+            run, size = [], 0
+        run.append(i)
+        size += nbytes(i)
+    copy(run)
 
 
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:

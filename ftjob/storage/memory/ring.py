@@ -31,6 +31,9 @@ def machine() -> str:
         return ""
 
 
+_PAGE_LOCKED: list[mmap.mmap] = []  # mappings page-locked for a GPU, kept mapped until unlocked
+
+
 class Ring:
     """Snapshot slots in one block of shared memory: the channel from a rank to the holder on
     its machine that costs no call per snapshot (the Ray path costs an actor call carrying the
@@ -57,6 +60,7 @@ class Ring:
 
     def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int | None = None) -> None:
         self.memory, self.address, self.fd = memory, address, fd  # fd: the holder's, kept open
+        self.locked: int | None = None  # where the mapping is page-locked (:meth:`page_lock`)
         self.slots, self.slot_bytes = address["slots"], address["slot_bytes"]
 
     @classmethod
@@ -132,6 +136,10 @@ class Ring:
         cudart = torch.cuda.cudart()
         view = np.frombuffer(self.memory, np.uint8)
         if cudart.cudaHostRegister(view.ctypes.data, view.nbytes, 0) == cudart.cudaError.success:
+            # Never unmapped while registered, whatever becomes of this object: pages unmapped
+            # under a registration would stay the device's target at that address.
+            self.locked = view.ctypes.data
+            _PAGE_LOCKED.append(self.memory)
             return True
         try:
             torch.zeros(1, device="cuda").add_(1)  # reads the refusal (and clears it)
@@ -140,7 +148,14 @@ class Ring:
         return False
 
     def close(self) -> None:
-        """The holder lets its ring go (its memory goes once no process maps it)."""
+        """The holder lets its ring go (its memory goes once no process maps it); a process
+        that page-locked it unlocks it first."""
+        if self.locked is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.locked)
+            self.locked = None
+            _PAGE_LOCKED.remove(self.memory)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
