@@ -97,6 +97,13 @@ def refused_op(exc: BaseException) -> str | None:
     said = str(exc)
     if not isinstance(exc, RuntimeError) or not any(m in said for m in NO_DETERMINISTIC_KERNEL):
         return None
+    if NO_DETERMINISTIC_KERNEL[1] in said:  # cuBLAS: the workspace setting, not an op
+        return (
+            "trainer.exact=true on a GPU needs cuBLAS's deterministic workspace, and cuBLAS "
+            "started in the worker before CUBLAS_WORKSPACE_CONFIG was one (now "
+            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')!r}): set it to ':4096:8' where the "
+            "workers start, e.g. ray.runtime_env={env_vars: {CUBLAS_WORKSPACE_CONFIG: ':4096:8'}}"
+        )
     op = said.splitlines()[0].split(", but you set")[0][:200]
     return (
         "trainer.exact=true on a GPU runs deterministic kernels only, and the model uses an "

@@ -173,5 +173,12 @@ def test_an_op_without_a_deterministic_kernel_is_exact_modes_fatal_error_naming_
     assert said is not None
     assert "trainer.exact" in said and "put_ does not have a deterministic implementation" in said
     assert "\n" not in said and "warn_only" not in said  # torch's advice to turn it off: not ours
+    cublas = RuntimeError(
+        "Deterministic behavior was enabled with either `torch.use_deterministic_algorithms"
+        "(True)` or `at::Context::setDeterministicAlgorithms(true)`, but this operation is not "
+        "deterministic because it uses CuBLAS and you have CUDA >= 10.2."
+    )
+    said = refused_op(cublas)  # not an op to leave out: the workspace setting, named
+    assert said and "CUBLAS_WORKSPACE_CONFIG" in said and "leave that op out" not in said
     assert refused_op(RuntimeError("CUDA out of memory")) is None  # a failure to retry
     assert refused_op(ValueError(str(err.value))) is None
