@@ -108,6 +108,15 @@ class JobConfig:
                 "ray.local_nodes=3 (simulated) or ray.address",
             )
         require(
+            self.ray.replace_after_steps is None or self.trainer.elastic,
+            "ray",
+            "replace_after_steps",
+            self.ray.replace_after_steps,
+            "a killed node comes back once the workers left without it trained that many "
+            "steps, and a fixed-size group trains none without it (it waits for the node): "
+            "set trainer.min_workers below trainer.num_workers, or ray.replace_after_steps=null",
+        )
+        require(
             chaos.kind != ChaosKind.hang or not chaos.enabled or self.failure.hang.enabled,
             "failure.hang",
             "enabled",

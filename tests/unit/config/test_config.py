@@ -156,6 +156,7 @@ def test_imagenet_ft_without_path_names_dataset_path():
         ("ray.health_check_period_ms=50", "ray.health_check_period_ms"),
         ("ray.health_check_failure_threshold=0", "ray.health_check_failure_threshold"),
         ("ray.replace_after_steps=0", "ray.replace_after_steps"),
+        ("ray.replace_after_steps=3", "ray.replace_after_steps"),  # a fixed-size group
         ("name=..", "name"),
         ("name=.", "name"),
         ("name=.hidden", "name"),
