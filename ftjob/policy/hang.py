@@ -208,7 +208,7 @@ class HangDetector:
             return None  # some rank still moves: the others are waiting for it
         stopped = any(now - self.ranks[r].beat > silent for r in overdue)
         if not stopped and any(
-            s.section == "data" and r not in overdue for r, s in self.ranks.items()
+            _timed_as(s) == "data" and r not in overdue for r, s in self.ranks.items()
         ):
             # A rank waits for its data within the time waits take: not a hang -- unless an
             # overdue rank's heartbeats stopped: a stopped process is one, and the data split
@@ -219,7 +219,7 @@ class HangDetector:
             s = self.ranks[rank]
             # Stopped heartbeats first, then a rank stuck waiting for its data (the others
             # wait for it in the all-reduce), then the one that stopped progressing first.
-            return (now - s.beat <= silent, s.section != "data", s.progress)
+            return (now - s.beat <= silent, _timed_as(s) != "data", s.progress)
 
         rank = min(overdue, key=suspicion)
         s = self.ranks[rank]
@@ -236,7 +236,7 @@ class HangDetector:
             stalled_for_s=now - s.progress,
             timeout_s=overdue[rank],
             detection_latency_s=now - s.progress - overdue[rank],  # past the timeout
-            learned=self.policy.timeout is None and self.times.learned(s.section),
+            learned=self.policy.timeout is None and self.times.learned(_timed_as(s)),
             heartbeats_stopped=now - s.beat > silent,
             others={r: o.section for r, o in sorted(self.ranks.items()) if r != rank},
         )
