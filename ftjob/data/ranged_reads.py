@@ -30,8 +30,8 @@ MAX_RANGE_BYTES = 32 * 1024 * 1024  # merged ranges stay below this (arrow's ran
 
 def footer_from_tail(tail: bytes, size: int) -> int:
     """The footer's length, from a shard's last bytes (``..., length, PAR1``)."""
-    if len(tail) < 12:  # PAR1, a footer, its length, PAR1: a truncated upload is shorter
-        raise ValueError(f"not a Parquet file ({len(tail)} bytes)")
+    if size < 12 or len(tail) < 8:  # PAR1, a footer, its length, PAR1: a truncated upload
+        raise ValueError(f"not a Parquet file ({size} bytes)")
     length, magic = struct.unpack("<i4s", tail[-8:])
     if magic != b"PAR1" or not 0 < length <= size - 12:
         raise ValueError("not a Parquet file (no PAR1 footer)")
