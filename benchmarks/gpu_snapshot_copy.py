@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torchvision
 
-from ftjob.storage.memory.format import copy_from_devices
+from ftjob.storage.memory.format import Flat, copy_from_devices
 
 
 def state() -> list[torch.Tensor]:
@@ -42,15 +42,9 @@ def state() -> list[torch.Tensor]:
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        end = -(-end // 64) * 64
-        for i, t in enumerate(tensors):
-            if t.dtype == dtype:
-                offsets.append((i, end))
-                end += t.numel() * t.element_size()
-    by_index = dict(offsets)
-    return [by_index[i] for i in range(len(tensors))], end
+    """Each tensor's offset in the tier's flat buffer, and its size: Flat.copy_of's own."""
+    flat = Flat.copy_of({"t": tensors})
+    return [marker[1] for marker in flat.skeleton["t"]], flat.buffer.numel()
 
 
 def timed(fn: Callable[[], None], repeats: int) -> float:

@@ -31,19 +31,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import io
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from storage_bench import moto_server  # noqa: E402
 
 CLASSES = 1000
 BUCKET = "ftjob-scale"
@@ -200,29 +202,6 @@ def _child(kind: str, path: str, options: dict[str, Any] | None = None) -> dict[
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
-    """moto's S3 server on a free loopback port, answering."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
-            return server, endpoint
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                raise RuntimeError(f"moto's server at {endpoint} did not start") from None
-            time.sleep(0.2)
-
-
 def upload(local: Path, endpoint: str) -> str:
     """``local``'s train and val shards in s3://BUCKET/<its name>, uploaded once: the URL."""
     import fsspec
@@ -260,11 +239,8 @@ def print_parquet(label: str, shards: int, pq_: dict[str, Any]) -> None:
 def main_s3(args: argparse.Namespace, local: Path) -> None:
     for key, value in S3_ENV.items():
         os.environ.setdefault(key, value)
-    server = None
-    try:
-        endpoint = args.s3_endpoint
-        if endpoint is None:
-            server, endpoint = start_moto()
+    with contextlib.ExitStack() as stack:
+        endpoint = args.s3_endpoint or stack.enter_context(moto_server())
         t = time.perf_counter()
         url = _child("upload", str(local), {"endpoint_url": endpoint})["url"]
         print(f"shards uploaded to {url} in {time.perf_counter() - t:.0f} s (or found)")
@@ -280,14 +256,6 @@ def main_s3(args: argparse.Namespace, local: Path) -> None:
             one = _child("parquet", url, options)
             print(f"load after: {os.getloadavg()[0]:.1f} (1-min average)")
             print_parquet("parquet s3, a request per label chunk", args.shards, one)
-    finally:
-        if server is not None:
-            server.terminate()
-            try:
-                server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(timeout=10)
 
 
 def main() -> None:
