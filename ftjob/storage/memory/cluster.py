@@ -12,7 +12,10 @@ The holders are detached actors named by the run -- namespace ``ftjob.<run>``, n
 or ``resume=auto`` on a cluster that lived on) finds them by name and restores from them. The
 driver claims them while it runs and releases them when the run ends; a holder no driver claimed
 for ``checkpoint.memory.orphan_timeout_s`` releases itself. A holder on a node that joins later
-(an elastic grow, a replaced node) is created by the first rank that runs there.
+(an elastic grow, a replaced node) is created by the first rank that runs there. A driver fences
+every holder it finds with its lease generation before its workers start
+(:mod:`ftjob.storage.memory.fence`): the previous driver's workers, should they outlive it,
+write nothing the run restores from after that.
 
 :class:`RunHolders` finds them on Ray; :class:`LocalHolders` is the same directory of plain
 holders (the in-process harness, tests).
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ftjob.storage.memory.fence import Refused
 from ftjob.storage.memory.holder import NodeHolder
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a run name, as ftjob.config checks it
@@ -106,6 +110,32 @@ class RunHolders:
         for node_id in node_ids:
             self.local(node_id)
 
+    def fence(self, generation: int, timeout_s: float = 30.0) -> dict[str, str]:
+        """Every holder of the run told that lease ``generation`` holds it (before the
+        workers start). Node id -> what happened, for each holder that refused (a newer
+        generation holds the run: this driver is deposed) or could not be fenced -- gone,
+        silent, or of an older ftjob without a fence -- which is released: a holder that might
+        take a deposed driver's snapshots is never read."""
+        import ray
+
+        asked, problems = {}, {}
+        for node, handle in self.held().items():
+            try:
+                asked[node] = (handle, handle.fence.remote(generation))
+            except AttributeError:  # a holder of an older ftjob: no fence
+                asked[node], problems[node] = (handle, None), "it has no fence (an older ftjob)"
+        for node, (handle, ref) in asked.items():
+            try:
+                answer = ray.get(ref, timeout=timeout_s) if ref is not None else None
+            except Exception as exc:  # the holder's boundary: whatever it was, it is not read
+                problems[node], answer = f"{type(exc).__name__}: {exc}", None
+            if isinstance(answer, Refused):
+                problems[node] = answer.reason
+            elif node in problems:
+                ray.kill(handle)
+                problems[node] += ": released, its snapshots are not read"
+        return problems
+
     def claim(self) -> int:
         """The driver is alive: every holder of the run is kept. How many there are."""
         held = self.held()
@@ -113,11 +143,22 @@ class RunHolders:
             handle.claim.remote()
         return len(held)
 
-    def release(self) -> int:
-        """The run ended (or a new run of this name starts): every holder goes. How many."""
+    def release(self, generation: int | None = None) -> int:
+        """The run ended (or a new run of this name starts): every holder goes -- with
+        ``generation`` (the ending driver's lease), every holder but those fenced by a newer
+        one, which another driver of the run holds now. How many went."""
         import ray
 
         held = self.held()
+        if generation is not None:
+            fences = {n: h.stats.remote() for n, h in held.items()}
+            for node, ref in fences.items():
+                try:
+                    newer = (ray.get(ref, timeout=30.0).get("generation") or 0) > generation
+                except Exception:  # gone, or silent: released all the same
+                    newer = False
+                if newer:
+                    del held[node]
         for handle in held.values():
             ray.kill(handle)
         return len(held)

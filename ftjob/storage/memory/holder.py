@@ -8,7 +8,9 @@ worker's death leaves it, the loss of a node leaves the other nodes', and a driv
 them all where the cluster lives on. A rank on the holder's machine writes its snapshots into the
 holder's shared-memory :class:`~ftjob.storage.memory.ring.Ring` (no call per snapshot); a rank
 elsewhere sends each one through Ray. (:func:`start_holder`: one holder owned by this process,
-on its node, for measurements.)
+on its node, for measurements.) Every write carries the lease generation of the driver whose
+worker makes it, and a holder offers nothing a deposed driver's workers wrote after the next
+driver fenced it (:mod:`ftjob.storage.memory.fence`).
 """
 
 from __future__ import annotations
@@ -20,18 +22,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.placement import start_pinned_actor
+from ftjob.storage.memory.fence import GenerationFence, Refused
 from ftjob.storage.memory.format import Snapshot
-from ftjob.storage.memory.ring import Ring, machine
+from ftjob.storage.memory.ring import Ring, SlotEntry, machine
 from ftjob.storage.memory.traffic import HolderTraffic
 
 
 @dataclass(frozen=True)
 class RingRef:
     """The holder's answer for a snapshot that lies in its ring: where to map it. A reader
-    that cannot (another machine) asks the holder for a copy (``SnapshotHolder.copy``)."""
+    that cannot (another machine) asks the holder for a copy (``SnapshotHolder.copy``).
+    ``nonce``: the commit of the slot the holder offers (a reader reads that one, or none)."""
 
     address: dict[str, Any]
     step: int
+    nonce: int | None = None
 
 
 class SnapshotHolder:
@@ -42,7 +47,8 @@ class SnapshotHolder:
     Snapshots arrive two ways. A rank on the holder's machine writes them into the holder's
     :class:`Ring` (:meth:`channel` creates it once, ``keep + 1`` slots within the cap) with no
     call per snapshot; any other rank sends each one (:meth:`put`). Both are listed, offered
-    and dropped alike."""
+    and dropped alike, as far as the run's fence admits them (:meth:`fence`; a write's
+    ``generation``: its driver's lease generation, None where the run has no lease)."""
 
     def __init__(
         self,
@@ -55,6 +61,9 @@ class SnapshotHolder:
         self.cap_bytes, self.keep, self.object_store = cap_bytes, keep, object_store
         self.snapshots: dict[int, Any] = {}  # step -> its Snapshot, or its ObjectRef
         self.sizes: dict[int, int] = {}
+        self.gate = GenerationFence()  # the run's lease generation, as the holder was told
+        self.born: dict[int, int | None] = {}  # step -> the generation of its snapshot's writer
+        self.part_born: dict[int, int | None] = {}  # of its part's
         self.taken = self.dropped = 0
         self.ring: Ring | None = None
         self.parts: dict[int, Snapshot] = {}  # step -> rank 0's own part of a peer's snapshot
@@ -81,12 +90,47 @@ class SnapshotHolder:
             self.ring.close()
             self.ring = None
 
-    def channel(self, slot_bytes: int, where: str) -> dict[str, Any] | None:
+    def fence(self, generation: int) -> Refused | None:
+        """The driver of lease ``generation`` took the run, before its workers start: writes of
+        older generations are refused from now on; what the holder has of older, known
+        generations was committed before the takeover and stays restorable, the rest is never
+        offered. Refused when the holder knows a newer generation (this driver is deposed)."""
+        refused = self.gate.refuses(generation, "the fence", by="a driver")
+        if refused is None and self.gate.newer(generation):
+            self._take_over(generation, admit=True)
+        return refused
+
+    def _admit(self, generation: int | None, what: str) -> Refused | None:
+        """A write (``what``) by a worker of ``generation``: refused when older than the
+        fence; taken otherwise, a newer generation moving the fence on (admitting nothing
+        older: no driver of it fenced this holder)."""
+        refused = self.gate.refuses(generation, what)
+        if refused is None and generation is not None and self.gate.newer(generation):
+            self._take_over(generation, admit=False)
+        return refused
+
+    def _take_over(self, generation: int, admit: bool) -> None:
+        held = [(self.born.get(s), ("sent", s)) for s in self.snapshots]
+        held += [(self.part_born.get(s), ("part", s)) for s in self.parts]
+        entries = self.ring.entries() if self.ring is not None else []
+        held += [(e.generation or None, ("ring", e.slot, e.nonce)) for e in entries]
+        self.gate.take_over(generation, held, admit)
+        for step in [s for s in self.snapshots if ("sent", s) not in self.gate.admitted]:
+            self._forget(step)  # never offered again: its memory back
+        self.parts = {s: p for s, p in self.parts.items() if ("part", s) in self.gate.admitted}
+        if self.ring is not None:
+            self.ring.set_fence(generation)
+
+    def channel(
+        self, slot_bytes: int, where: str, generation: int | None = None
+    ) -> dict[str, Any] | None:
         """The ring's address for a writer on machine ``where`` (:func:`machine`) whose
         snapshots take at most ``slot_bytes`` (creating the ring the first time), or None:
         the writer sends them (:meth:`put`). None for a writer on another machine, when
-        ``keep + 1`` such slots do not fit in the cap, when the ring has smaller slots, or
-        where there is no shared memory to make one."""
+        ``keep + 1`` such slots do not fit in the cap, when the ring has smaller slots, where
+        there is no shared memory to make one, or for a writer the fence refuses."""
+        if self._admit(generation, "a ring") is not None:
+            return None
         if not where or where != machine():
             return None
         if self.ring is None:
@@ -97,15 +141,20 @@ class SnapshotHolder:
                 self.ring = Ring.create(slots, slot_bytes)
             except (OSError, AttributeError):  # no memfd here (AttributeError: not Linux)
                 return None
+            self.ring.set_fence(self.gate.generation or 0)
         return self.ring.address if slot_bytes <= self.ring.slot_bytes else None
 
-    def put(self, snapshot: Snapshot) -> dict[str, Any]:
-        """Keep ``snapshot``: ``{"kept": True, "dropped": [steps]}``, or ``{"kept": False,
-        "reason": ...}`` when it cannot fit under the cap. As a Ray actor (``object_store``)
-        it keeps its copy in Ray's object store, owned by itself: a reader on this node maps
-        it without a copy. A step already held is kept as it is (a copy from a peer that
-        another rank of this node put first)."""
+    def put(self, snapshot: Snapshot, generation: int | None = None) -> dict[str, Any]:
+        """Keep ``snapshot``, written by a worker of lease ``generation``: ``{"kept": True,
+        "dropped": [steps]}``, or ``{"kept": False, "reason": ...}`` when it cannot fit under
+        the cap (and ``"fenced": True`` when the fence refuses it). As a Ray actor
+        (``object_store``) it keeps its copy in Ray's object store, owned by itself: a reader
+        on this node maps it without a copy. A step already held is kept as it is (a copy
+        from a peer that another rank of this node put first)."""
         self.received = self.received.add_sent(snapshot.nbytes)
+        refused = self._admit(generation, f"the snapshot of step {snapshot.step}")
+        if refused is not None:
+            return {"kept": False, "fenced": True, "reason": refused.reason}
         if snapshot.step in self._held():
             return {"kept": True, "dropped": []}
         room = self.cap_bytes - self._ring_bytes()
@@ -125,6 +174,7 @@ class SnapshotHolder:
         else:
             self.snapshots[snapshot.step] = snapshot.own()
         self.sizes[snapshot.step] = snapshot.nbytes
+        self.born[snapshot.step] = generation
         self.taken += 1
         dropped = []
         while len(self.snapshots) > self.keep or self._sent_bytes() > room:
@@ -132,25 +182,34 @@ class SnapshotHolder:
         self.dropped += len(dropped)
         return {"kept": True, "dropped": dropped}
 
-    def put_part(self, part: Snapshot) -> None:
+    def put_part(self, part: Snapshot, generation: int | None = None) -> Refused | None:
         """Rank 0's own part of its snapshot of ``part.step`` (its module's buffers, its
         records: small), which completes this node's copy of that step, written by another
         rank. The newest ``keep + 1`` are kept."""
         self.received = self.received.add_part(part.nbytes)
-        self.parts[part.step] = part.own()
+        refused = self._admit(generation, f"rank 0's part of step {part.step}")
+        if refused is not None:
+            return refused
+        self.parts[part.step], self.part_born[part.step] = part.own(), generation
         for step in sorted(self.parts)[: -(self.keep + 1)]:
             del self.parts[step]
+        return None
 
     def part(self, step: int) -> Snapshot | None:
         return self.parts.get(step)
 
     def _drop(self, step: int) -> int:
         self.parts.pop(step, None)
-        self.snapshots.pop(step, None)
-        self.sizes.pop(step, None)
+        self._forget(step)
         if self.ring is not None:
             self.ring.drop(step)
         return step
+
+    def _forget(self, step: int) -> None:
+        """The sent snapshot of ``step`` let go."""
+        self.snapshots.pop(step, None)
+        self.sizes.pop(step, None)
+        self.born.pop(step, None)
 
     def _sent_bytes(self) -> int:
         return sum(self.sizes[step] for step in self.snapshots)
@@ -162,8 +221,18 @@ class SnapshotHolder:
     def _ring_bytes(self) -> int:
         return self.ring.nbytes if self.ring is not None else 0
 
+    def _offered(self) -> dict[int, SlotEntry]:
+        """Step -> slot of the ring's snapshots the fence admits (what a restore may read)."""
+        entries = self.ring.entries() if self.ring is not None else []
+        return {
+            e.step: e
+            for e in entries
+            if self.gate.admits(e.generation or None, ("ring", e.slot, e.nonce))
+        }
+
     def _held(self) -> set[int]:
-        return set(self.snapshots) | (set(self.ring.committed()) if self.ring else set())
+        """The steps a restore may read (every sent snapshot held is one the fence admits)."""
+        return set(self.snapshots) | set(self._offered())
 
     def steps(self) -> list[int]:
         """The steps held, newest first."""
@@ -174,14 +243,18 @@ class SnapshotHolder:
         ring, else the snapshot (as a Ray actor, its ObjectRef)."""
         if step in self.snapshots:
             return self.snapshots[step]
-        if self.ring is not None and step in self.ring.committed():
-            return RingRef(self.ring.address, step)
+        entry = self._offered().get(step)
+        if self.ring is not None and entry is not None:
+            return RingRef(self.ring.address, step, entry.nonce)
         return None
 
     def copy(self, step: int) -> Any:
         """A copy of the ring's snapshot of ``step``, for a reader that cannot map the ring
         (as a Ray actor, an ObjectRef to it), or None."""
-        snapshot = self.ring.read(step) if self.ring is not None else None
+        entry = self._offered().get(step)
+        snapshot = None
+        if self.ring is not None and entry is not None:
+            snapshot = self.ring.read(step, entry.nonce)
         if snapshot is None:
             return None
         if self.object_store:
@@ -190,15 +263,23 @@ class SnapshotHolder:
             return ray.put(snapshot)
         return snapshot.own()
 
-    def discard(self, step: int) -> None:
+    def discard(self, step: int, generation: int | None = None) -> Refused | None:
         """A snapshot that failed verification: never offered again."""
-        self._drop(step)
+        refused = self._admit(generation, f"the discard of step {step}")
+        if refused is None:
+            self._drop(step)
+        return refused
 
-    def drop_after(self, step: int) -> list[int]:
+    def drop_after(self, step: int, generation: int | None = None) -> list[int] | Refused:
         """The run restored ``step``: snapshots of later steps belong to the attempt that was
-        lost (kept, they would be restored instead of the new attempt's, and evicted first)."""
+        lost (kept, they would be restored instead of the new attempt's, and evicted first),
+        those the fence does not offer included."""
+        refused = self._admit(generation, f"the drop of the steps after {step}")
+        if refused is not None:
+            return refused
         self.parts = {s: part for s, part in self.parts.items() if s <= step}
-        return [self._drop(s) for s in sorted(self._held()) if s > step]
+        ring = set(self.ring.committed()) if self.ring is not None else set()
+        return [self._drop(s) for s in sorted(set(self.snapshots) | ring) if s > step]
 
     def stats(self) -> dict[str, Any]:
         taken, dropped = self.ring.counts() if self.ring else (0, 0)
@@ -207,16 +288,20 @@ class SnapshotHolder:
             "held_mb": self.held_bytes() / 2**20,
             "taken": self.taken + taken,
             "dropped": self.dropped + dropped,
+            "generation": self.gate.generation,  # the run's lease generation, as told
+            "refused": self.gate.refused,  # writes of an older generation
         }
 
     def traffic(self) -> HolderTraffic:
         """What reached the holder over its life: the ring's snapshots (their count, at the
-        size of the newest held: a run's snapshots are one size), and what came by call."""
+        size of the newest held: a run's snapshots are one size), what came by call, and the
+        writes it refused."""
+        received = self.received.with_refused(self.gate.refused)
         if self.ring is None:
-            return self.received
+            return received
         count, held = self.ring.counts()[0], self.ring.committed()
         newest = self.ring.read(max(held)) if held else None
-        return self.received.with_in_place(count, count * newest.nbytes if newest else 0)
+        return received.with_in_place(count, count * newest.nbytes if newest else 0)
 
 
 class NodeHolder(SnapshotHolder):
@@ -246,4 +331,4 @@ def start_holder(cap_mb: float, keep: int) -> Any:
     return start_pinned_actor(SnapshotHolder, int(cap_mb * 2**20), keep, True)
 
 
-__all__ = ["NodeHolder", "RingRef", "SnapshotHolder", "start_holder"]
+__all__ = ["NodeHolder", "Refused", "RingRef", "SnapshotHolder", "start_holder"]

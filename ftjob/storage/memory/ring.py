@@ -13,6 +13,7 @@ import secrets
 import stat
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,19 @@ def machine() -> str:
         return ""
 
 
+@dataclass(frozen=True)
+class SlotEntry:
+    """A committed slot as its fixed header has it: the step, the lease generation of the
+    driver whose worker wrote it (0: unknown -- no lease, or a ring without them) and the
+    random ``nonce`` its commit drew (which commit of the slot this is: a slot written again
+    draws another)."""
+
+    slot: int
+    step: int
+    generation: int
+    nonce: int
+
+
 _PAGE_LOCKED: list[mmap.mmap] = []  # mappings page-locked for a GPU, kept mapped until unlocked
 
 
@@ -45,18 +59,29 @@ class Ring:
     (:meth:`attach`) and checks the random token at its start: another machine, or another
     process behind the same pid (a container's), finds no token and uses the Ray path.
 
-    Slot ``i``: a header -- its state, its step, then JSON naming each file's offset, length
-    and digest -- and ``slot_bytes`` of payload. The writer marks a slot being written before
+    Slot ``i``: a header -- its state, its step, the JSON's length, the writer's lease
+    generation and the commit's nonce, then JSON naming each file's offset, length and digest
+    -- and ``slot_bytes`` of payload. The writer marks a slot being written before
     it touches it and committed after every byte and the header are in, so a writer that dies
     half-way leaves a slot no reader takes; and a reader trusts a slot only when every file
     matches its digest. One writer at a time (the rank taking snapshots); a reader reads while
-    no snapshot is being written (a restore, before training resumes)."""
+    no snapshot is being written (a restore, before training resumes).
 
-    MAGIC = b"ftjob-snapshots1"
+    The ring's head holds the run's fence (:mod:`ftjob.storage.memory.fence`): the lease
+    generation the holder was told holds the run. A writer of an older generation is refused
+    (:class:`Fenced`) before it claims a slot and again before it commits one; what a slow
+    writer commits between the check and the holder's fence carries its generation, and the
+    holder never offers it."""
+
+    MAGIC = b"ftjob-snapshots2"  # 2: slot headers carry the writer's generation and a nonce
     TOKEN = 16
-    HEAD = 64  # magic, token, taken, dropped
-    SLOT_HEAD = 64 * 1024  # state, step, JSON length, JSON
+    HEAD = 64  # magic, token, taken, dropped, fence
+    SLOT_HEAD = 64 * 1024  # state, step, JSON length, generation, nonce, JSON
+    JSON_AT = 40
     EMPTY, WRITING, COMMITTED = 0, 1, 2
+
+    class Fenced(RuntimeError):
+        """The ring's holder is fenced by a newer lease generation than the writer's."""
 
     def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int | None = None) -> None:
         self.memory, self.address, self.fd = memory, address, fd  # fd: the holder's, kept open
@@ -177,6 +202,24 @@ class Ring:
         """Snapshots committed and dropped over the ring's life."""
         return self._count(0), self._count(1)
 
+    def fence(self) -> int:
+        """The lease generation the holder was told holds the run (0: none yet)."""
+        return self._count(2)
+
+    def set_fence(self, generation: int) -> None:
+        """The holder's alone: writers of an older generation are refused from now on."""
+        struct.pack_into("<Q", self.memory, len(self.MAGIC) + self.TOKEN + 16, generation)
+
+    def check_fence(self, generation: int | None) -> None:
+        """Raises :class:`Fenced` when the ring is fenced by a newer generation than
+        ``generation`` (None: a writer without a lease, refused by any fence)."""
+        fence = self.fence()
+        if fence and (generation is None or generation < fence):
+            raise Ring.Fenced(
+                f"the snapshot holder is fenced by lease generation {fence} and this worker's "
+                f"driver held generation {generation}: another driver took the run"
+            )
+
     def _start(self, slot: int) -> int:
         return self.HEAD + slot * (self.SLOT_HEAD + self.slot_bytes)
 
@@ -188,18 +231,26 @@ class Ring:
 
     def committed(self) -> dict[int, int]:
         """Step -> slot of every committed snapshot."""
-        held = {}
+        return {entry.step: entry.slot for entry in self.entries()}
+
+    def entries(self) -> list[SlotEntry]:
+        """Every committed slot, with its writer's generation and its commit's nonce."""
+        found = []
         for slot in range(self.slots):
-            state, step = self._state(slot)
+            state, step, _, generation, nonce = struct.unpack_from(
+                "<QQQQQ", self.memory, self._start(slot)
+            )
             if state == self.COMMITTED:
-                held[step] = slot
-        return held
+                found.append(SlotEntry(slot, step, generation, nonce))
+        return found
 
     # -- writing ----------------------------------------------------------------------------
 
-    def claim(self) -> tuple[int, np.ndarray]:
+    def claim(self, generation: int | None = None) -> tuple[int, np.ndarray]:
         """A slot to write the next snapshot into, marked as being written, and its payload:
-        one not committed (the writer keeps at most ``slots - 1`` committed, :meth:`keep_newest`)."""
+        one not committed (the writer keeps at most ``slots - 1`` committed, :meth:`keep_newest`).
+        Raises :class:`Fenced` for a writer of a generation older than the fence."""
+        self.check_fence(generation)
         held = set(self.committed().values())
         slot = next(s for s in range(self.slots) if s not in held)
         self._set_state(slot, self.WRITING)
@@ -215,17 +266,24 @@ class Ring:
         step: int,
         layout: dict[str, tuple[int, int, bool]],
         digests: dict[str, str],
+        generation: int | None = None,
     ) -> None:
-        """Slot ``slot`` holds the snapshot of ``step``: each file at (offset, length, is an
-        array) of the payload, with its digest. Then the oldest beyond ``keep`` go."""
+        """Slot ``slot`` holds the snapshot of ``step``, written by a worker of lease
+        ``generation``: each file at (offset, length, is an array) of the payload, with its
+        digest. Raises :class:`Fenced` (the slot emptied) when the fence is newer by now."""
         header = json.dumps(
             {"step": step, "files": layout, "digests": digests, "taken": time.time()}
         ).encode()
-        if 24 + len(header) > self.SLOT_HEAD:
+        if self.JSON_AT + len(header) > self.SLOT_HEAD:
             raise ValueError(f"a snapshot header of {len(header)} bytes does not fit a slot's")
-        start = self._start(slot)
-        struct.pack_into("<Q", self.memory, start + 16, len(header))
-        self.memory[start + 24 : start + 24 + len(header)] = header
+        start, nonce = self._start(slot), secrets.randbits(63) + 1
+        struct.pack_into("<QQQ", self.memory, start + 16, len(header), generation or 0, nonce)
+        self.memory[start + self.JSON_AT : start + self.JSON_AT + len(header)] = header
+        try:
+            self.check_fence(generation)
+        except Ring.Fenced:
+            self.release(slot)
+            raise
         self._set_state(slot, self.COMMITTED, step)
         self._count(0, add=1)
 
@@ -242,30 +300,33 @@ class Ring:
         return old
 
     def drop(self, step: int) -> bool:
-        slot = self.committed().get(step)
-        if slot is None:
-            return False
-        self._set_state(slot, self.EMPTY)
-        self._count(1, add=1)
-        return True
+        """Every committed slot of ``step`` emptied (a writer of another generation may have
+        committed the same step in a slot of its own)."""
+        slots = [entry.slot for entry in self.entries() if entry.step == step]
+        for slot in slots:
+            self._set_state(slot, self.EMPTY)
+            self._count(1, add=1)
+        return bool(slots)
 
     # -- reading ----------------------------------------------------------------------------
 
-    def read(self, step: int) -> Snapshot | None:
+    def read(self, step: int, nonce: int | None = None) -> Snapshot | None:
         """The snapshot of ``step`` as it lies in the ring (arrays are views of the ring's
-        memory: verify before use, copy what must outlive the next write), or None."""
-        slot = self.committed().get(step)
-        if slot is None:
+        memory: verify before use, copy what must outlive the next write), or None; with
+        ``nonce``, only that commit of it (the one its holder offered)."""
+        slots = [e.slot for e in self.entries() if e.step == step and nonce in (None, e.nonce)]
+        if not slots:
             return None
-        start = self._start(slot)
+        start = self._start(slots[-1])
         length = struct.unpack_from("<Q", self.memory, start + 16)[0]
         try:
-            header = json.loads(bytes(self.memory[start + 24 : start + 24 + length]))
+            at = start + self.JSON_AT
+            header = json.loads(bytes(self.memory[at : at + length]))
         except ValueError:
             return None  # a header overwritten under the reader: not this snapshot
         if header.get("step") != step:
             return None
-        payload, files = self.payload(slot), {}
+        payload, files = self.payload(slots[-1]), {}
         for name, (offset, size, is_array) in header["files"].items():
             data = payload[offset : offset + size]
             files[name] = data if is_array else data.tobytes()
@@ -314,4 +375,4 @@ class Arena:
         return view.ctypes.data - self.payload.ctypes.data
 
 
-__all__ = ["Arena", "Ring", "machine"]
+__all__ = ["Arena", "Ring", "SlotEntry", "machine"]

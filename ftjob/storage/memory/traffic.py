@@ -7,6 +7,9 @@ network carries for the memory tier, counted where they land.
   copy a restore brought to a node whose holder had none);
 - **parts**: rank 0's own part of a snapshot another rank of this node wrote (module
   buffers, per-rank records), sent by rank 0 with each snapshot it takes.
+
+And what it refused: writes of a worker whose driver no longer holds the run
+(:mod:`ftjob.storage.memory.fence`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class HolderTraffic:
     sent_bytes: int = 0
     parts: int = 0
     part_bytes: int = 0
+    refused: int = 0  # writes of an older lease generation than the holder's fence
 
     def add_sent(self, nbytes: int) -> HolderTraffic:
         return dataclasses.replace(self, sent=self.sent + 1, sent_bytes=self.sent_bytes + nbytes)
@@ -34,6 +38,9 @@ class HolderTraffic:
 
     def with_in_place(self, count: int, nbytes: int) -> HolderTraffic:
         return dataclasses.replace(self, in_place=count, in_place_bytes=nbytes)
+
+    def with_refused(self, count: int) -> HolderTraffic:
+        return dataclasses.replace(self, refused=count)
 
     @property
     def received_bytes(self) -> int:
@@ -63,6 +70,11 @@ class RunTraffic:
         whole snapshot sent (0 where no snapshot was taken)."""
         received = sum(h.received_bytes for h in self.holders)
         return received / self.snapshots if self.snapshots else 0.0
+
+    @property
+    def refused(self) -> int:
+        """Writes the holders refused: a deposed driver's workers'."""
+        return sum(h.refused for h in self.holders)
 
     @property
     def part_bytes(self) -> float:

@@ -1,0 +1,103 @@
+"""The memory tier's fence (:mod:`ftjob.storage.memory.fence`): a holder fenced by the run's
+lease generation refuses a deposed driver's workers' writes and never offers them to a restore,
+while what the dead driver's workers wrote before the takeover stays restorable. Plain holders
+with their real shared-memory rings; the tier's side of a refusal:
+tests/unit/worker/test_node_holders.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
+from ftjob.storage.memory.fence import Refused
+
+HERE = machine()
+
+
+def snapshot(step: int) -> Snapshot:
+    return Snapshot.of(step, {"model.pt": bytes([step]) * 100, "state.json": b"{}"})
+
+
+def write(ring: Ring, step: int, generation: int | None) -> None:
+    """A snapshot of ``step`` into ``ring`` as a rank of lease ``generation`` writes it."""
+    slot, payload = ring.claim(generation)
+    payload[:8] = step
+    files = {"model.pt#tensors": payload[:8]}
+    ring.commit(slot, step, {"model.pt#tensors": (0, 8, True)}, digest_all(files), generation)
+    ring.keep_newest(4)
+
+
+def test_a_stale_generations_writes_are_refused_and_a_restore_reads_only_fenced_snapshots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    holder = SnapshotHolder(cap_bytes=2**20, keep=4)
+    dead = Ring.attach(holder.channel(4096, HERE, 1))  # the dead driver's rank: generation 1
+    write(dead, 10, 1)
+    assert holder.put(snapshot(11), 1)["kept"]
+
+    assert holder.fence(2) is None  # the next driver took the run, before its workers start
+    assert holder.steps() == [11, 10]  # committed before the takeover: still restorable
+
+    # The dead driver's worker lives on: every write of generation 1 is refused, saying why.
+    answer = holder.put(snapshot(13), 1)
+    assert answer["kept"] is False and answer["fenced"] is True
+    assert (
+        "lease generation 1" in answer["reason"]
+        and "fenced by lease generation 2" in (answer["reason"])
+    )
+    assert isinstance(holder.put_part(snapshot(13), 1), Refused)
+    assert isinstance(holder.drop_after(0, 1), Refused) and holder.steps() == [11, 10]
+    with pytest.raises(Ring.Fenced, match="fenced by lease generation 2.*held generation 1"):
+        dead.claim(1)
+    # One that slipped past both checks (its commit raced the fence) is held, never offered.
+    monkeypatch.setattr(dead, "check_fence", lambda generation: None)
+    write(dead, 14, 1)
+    assert 14 in holder.ring.committed() and holder.get(14) is None and 14 not in holder.steps()
+
+    live = Ring.attach(holder.channel(4096, HERE, 2))
+    write(live, 12, 2)
+    assert holder.put(snapshot(12), 2)["kept"]  # a peer's copy of the same step: kept as is
+    assert holder.steps() == [12, 11, 10]  # the newest a restore offers: the live run's
+    ref = holder.get(12)
+    assert isinstance(ref, RingRef) and live.read(12, ref.nonce).verify() is None
+    assert holder.stats()["refused"] == 3 and holder.stats()["generation"] == 2
+    assert holder.traffic().refused == 3
+    # The live run's restore drops the steps after its own, the zombie's unlisted one too.
+    assert holder.drop_after(12, 2) == [14] and 14 not in holder.ring.committed()
+
+
+def test_a_commit_whose_holder_was_fenced_after_its_claim_is_refused_and_its_slot_emptied():
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    ring = Ring.attach(holder.channel(4096, HERE, 1))
+    slot, payload = ring.claim(1)
+    holder.fence(2)
+    files = {"model.pt#tensors": payload[:8]}
+    with pytest.raises(Ring.Fenced):
+        ring.commit(slot, 5, {"model.pt#tensors": (0, 8, True)}, digest_all(files), 1)
+    assert ring.committed() == {} and ring.claim(2)[0] == slot
+
+
+def test_what_has_no_known_generation_is_never_offered_once_a_driver_fences_the_holder():
+    # A holder's state from before generations (a write without one): fail safe, not offered.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    write(Ring.attach(holder.channel(4096, HERE)), 3, None)
+    holder.put(snapshot(4))
+    assert holder.steps() == [4, 3]  # no fence (a run without a lease): everything, as before
+    holder.fence(5)
+    assert holder.steps() == [] and holder.snapshots == {}
+    assert not holder.put(snapshot(6))["kept"]  # nor is a write without a generation taken
+    # A driver of an older generation than the holder knows is deposed: its fence is refused.
+    assert "fenced by lease generation 5" in holder.fence(4).reason
+    assert holder.fence(5) is None and holder.fence(6) is None
+
+
+def test_a_newer_writer_moves_the_fence_on_but_admits_nothing_older():
+    # A holder no driver fenced (a rank created it on a node that joined later): a deposed
+    # driver's worker wrote first; the live run's first write fences it, and that write is
+    # never offered beside the live run's.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=4)
+    holder.put(snapshot(9), 1)
+    write(Ring.attach(holder.channel(4096, HERE, 1)), 8, 1)
+    assert holder.put(snapshot(5), 2)["kept"]
+    assert holder.steps() == [5] and holder.stats()["generation"] == 2
+    assert not holder.put(snapshot(10), 1)["kept"]
