@@ -5,7 +5,9 @@ released when the run ends.
 A run that continues (``resume=true``, ``resume=auto`` that found a checkpoint) keeps the
 holders a previous driver of the run left on a cluster that lived on: its workers restore from
 them when they hold a state newer than storage's. A run that starts afresh releases any holder
-of its name first: what they hold is not this run's.
+of its name first: what they hold is not this run's. Either way the driver fences every holder
+with its lease generation before its workers start (:mod:`ftjob.storage.memory.fence`), and at
+the end releases none that a newer driver of the run has fenced since.
 """
 
 from __future__ import annotations
@@ -40,9 +42,14 @@ def claim_interval(orphan_timeout_s: float) -> float:
 
 @contextlib.contextmanager
 def held_snapshots(
-    run: str, memory: MemoryConfig, continues: bool, echo: Callable[[str], None]
+    run: str,
+    memory: MemoryConfig,
+    continues: bool,
+    echo: Callable[[str], None],
+    generation: int | None = None,
 ) -> Iterator[RunHolders | None]:
-    """The run's holders while the run trains (None: the tier is off); released after."""
+    """The run's holders while the run trains (None: the tier is off), fenced by the run
+    lease's ``generation`` (None: the run has no lease); released after."""
     if not memory.enabled:
         yield None
         return
@@ -54,6 +61,9 @@ def held_snapshots(
             + ("restores read them when newer than storage" if continues else "released")
         )
     holders.start(training_nodes())
+    if generation is not None:
+        for node, why in holders.fence(generation).items():
+            echo(f"memory tier: the holder of node {node[:12]} could not be fenced: {why}")
     stop = threading.Event()
 
     def claim() -> None:
@@ -74,7 +84,12 @@ def held_snapshots(
             traffic = run_traffic(holders)
             if traffic.snapshots:
                 echo(traffic.line())
-            holders.release()
+            if traffic.refused:
+                echo(
+                    f"memory tier: the holders refused {traffic.refused} write(s) of an older "
+                    "lease generation (a deposed driver's workers)"
+                )
+            holders.release(generation)
         except Exception as exc:  # the cluster is going down: the holders go with it
             logger.debug("memory tier: releasing the holders failed: %s", exc)
 

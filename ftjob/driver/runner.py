@@ -513,7 +513,9 @@ def _train_on_cluster(
         stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
         memory = job.checkpoint.memory  # released before the cluster stops, after the run
-        holders = run_actors.enter_context(held_snapshots(prep.name, memory, prep.continues, echo))
+        holders = run_actors.enter_context(
+            held_snapshots(prep.name, memory, prep.continues, echo, prep.lease.generation)
+        )
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(

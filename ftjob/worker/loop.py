@@ -210,7 +210,7 @@ class Worker:
         """This rank's checkpointer: its cadence, its storage and scratch, the memory tier."""
         job, spec = self.job, self.spec
         tier = MemoryTier(
-            holders_for(spec.memory, self.ctx),
+            holders_for(spec.memory, self.ctx, spec.fence.generation),  # writes carry it
             job.checkpoint.memory,
             self.rank,
             self.metrics,

@@ -1,7 +1,9 @@
 """Reading a memory snapshot from the nearest holder that has it, verified: this node's, else a
 surviving peer's (one transfer), which then fills this node's holder (a replaced node's, an
 empty one). Rank 0 finds the newest held snapshot newer than storage (:meth:`NearestCopy.newest`);
-every other rank reads the same one (:meth:`NearestCopy.chosen`). The holders:
+every other rank reads the same one (:meth:`NearestCopy.chosen`). Its writes to a holder (a
+peer's copy kept here, drops, discards) carry its driver's lease generation, as a snapshot's
+do (:mod:`ftjob.storage.memory.fence`). The holders:
 :mod:`ftjob.storage.memory.cluster`; taking snapshots: :mod:`ftjob.worker.snapshots`.
 """
 
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftjob.record import Holder
+from ftjob.storage.memory.fence import Refused
 from ftjob.storage.memory.format import Snapshot
 from ftjob.storage.memory.holder import RingRef
 from ftjob.storage.memory.ring import Ring
@@ -29,7 +32,9 @@ class NearestCopy:
     """Rank ``rank``'s reads of the run's holders (``place``; ``holder``: its node's handle).
     ``attach(address)`` maps a holder's ring where this process can (same machine), else None;
     ``fetch`` resolves a holder's answers. After a read, ``source`` says whose copy it was
-    (local or peer) and ``node_read`` that holder's node."""
+    (local or peer) and ``node_read`` that holder's node; ``refused``, why a holder refused
+    a write of this rank's (its driver's lease generation, ``place.generation``, is older
+    than the holder's)."""
 
     def __init__(
         self,
@@ -41,6 +46,7 @@ class NearestCopy:
         attach: Callable[[dict[str, Any]], Ring | None],
     ) -> None:
         self.place, self.holder, self.rank = place, holder, rank
+        self.generation, self.refused = place.generation, None
         self.fetch, self.log, self.attach = fetch, log, attach
         self.source, self.node_read = Holder.storage, place.node
 
@@ -59,10 +65,14 @@ class NearestCopy:
         answered = True
         for _, handle in self.holders():
             try:
-                self.fetch(handle.drop_after.remote(step))
+                self._refused(self.fetch(handle.drop_after.remote(step, self.generation)))
             except holder_errors():
                 answered = answered and handle is not self.holder
         return answered
+
+    def _refused(self, answer: Any) -> None:
+        if isinstance(answer, Refused):
+            self.refused = answer.reason
 
     def newest(self, committed: Callable[[], list[int]]) -> Snapshot | None:
         """Rank 0: the newest snapshot any holder has that is newer than every committed
@@ -130,7 +140,7 @@ class NearestCopy:
         self.source = Holder.local if node == self.place.node else Holder.peer
         if self.source == Holder.peer:
             try:
-                self.fetch(self.holder.put.remote(snapshot))
+                self.fetch(self.holder.put.remote(snapshot, self.generation))
             except holder_errors():
                 pass  # this node's holder is gone: the next restore reads a peer's again
 
@@ -154,7 +164,7 @@ class NearestCopy:
         why = why or ("it is no longer held" if snapshot is None else snapshot.verify())
         if why is None:
             return snapshot
-        self.fetch(holder.discard.remote(step))
+        self._refused(self.fetch(holder.discard.remote(step, self.generation)))
         self.log(f"memory snapshot of step {step} is not usable ({why}): skipped")
         return None
 
@@ -164,7 +174,7 @@ class NearestCopy:
         else a copy from the holder (a peer on another machine: one transfer)."""
         ring = self.attach(ref.address)
         if ring is not None:
-            return ring.read(ref.step)
+            return ring.read(ref.step, ref.nonce)
         return self.fetch(holder.copy.remote(ref.step))
 
 

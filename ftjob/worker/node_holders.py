@@ -34,11 +34,14 @@ WRITER = "writer"
 class NodeHolders:
     """Rank ``rank``'s holders: ``directory`` (a
     :class:`~ftjob.storage.memory.cluster.HolderDirectory`, or None: the tier is off), the node
-    it runs on, and whether it writes that node's snapshots (its local rank 0)."""
+    it runs on, whether it writes that node's snapshots (its local rank 0), and the lease
+    generation of its driver, which its every write to a holder carries (None: the run has no
+    lease; :mod:`ftjob.storage.memory.fence`)."""
 
     directory: Any
     node: str
     writes: bool
+    generation: int | None = None
 
     def local(self) -> Any:
         return self.directory.local(self.node) if self.directory is not None else None
@@ -60,27 +63,34 @@ class _One:
         return []
 
 
-def bind_holders(holders: Any, rank: int, node: str = "local", local_rank: int = 0) -> NodeHolders:
+def bind_holders(
+    holders: Any,
+    rank: int,
+    node: str = "local",
+    local_rank: int = 0,
+    generation: int | None = None,
+) -> NodeHolders:
     """``holders`` for a rank: a directory (bound to ``node``; its local rank 0 writes), an
-    already bound :class:`NodeHolders`, one holder's handle (rank 0 writes), or None."""
+    already bound :class:`NodeHolders`, one holder's handle (rank 0 writes), or None;
+    ``generation``: its driver's lease generation."""
     if isinstance(holders, NodeHolders):
         return holders
     if holders is None or isinstance(holders, (LocalHolders, RunHolders)):
-        return NodeHolders(holders, node, local_rank == 0)
-    return NodeHolders(_One(holders), node, rank == 0)
+        return NodeHolders(holders, node, local_rank == 0, generation)
+    return NodeHolders(_One(holders), node, rank == 0, generation)
 
 
-def holders_for(holders: Any, ctx: Any) -> NodeHolders:
+def holders_for(holders: Any, ctx: Any, generation: int | None = None) -> NodeHolders:
     """The holders of the rank behind worker context ``ctx``. On Ray the lowest rank on each
     node writes that node's snapshots -- so rank 0 writes its own node's, and its part of the
     state reaches the peers with each of them -- found from every rank's node id, gathered
     (Ray Train's local rank counts ranks by IP address, which the nodes of a simulated cluster
     share)."""
-    bound = bind_holders(holders, ctx.rank, ctx.where.node_id, ctx.local_rank)
+    bound = bind_holders(holders, ctx.rank, ctx.where.node_id, ctx.local_rank, generation)
     if isinstance(holders, RunHolders):
         nodes = ctx.all_gather(ctx.where.node_id)
         writer = nodes.index(ctx.where.node_id)  # the first rank on this node
-        bound = NodeHolders(holders, bound.node, writer == ctx.rank)
+        bound = NodeHolders(holders, bound.node, writer == ctx.rank, generation)
     return bound
 
 

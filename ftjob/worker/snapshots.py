@@ -15,6 +15,12 @@ state is the same on every rank (DDP), so rank 0's copy serves all of them.
 Restoring: rank 0 offers the newest held snapshot that is newer than every committed durable
 checkpoint and verifies; every rank loads it. A snapshot that fails verification is dropped
 from the holder with a line, never loaded.
+
+Every write to a holder carries the lease generation of this worker's driver
+(:mod:`ftjob.storage.memory.fence`). A holder fenced by a newer one -- another driver took the
+run, and this worker outlived its own driver -- refuses it: the tier turns itself off with the
+holder's reason (:attr:`MemoryTier.fenced`), and the worker's next checkpoint commit meets the
+run lease's own fence, which stops it. A live run's workers are never refused.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class MemoryTier:
         log: Callable[[str], None],
     ) -> None:
         self.holder, self.cap_mb, self.keep = holder, config.max_mb, config.keep
+        self.fenced: str | None = None  # why a holder refused this worker's writes
         self.cadence = SnapshotCadence(config.every_n_steps, config.max_overhead)
         self._copy_s = 0.0  # the last snapshot's time on the training thread
         self._background_s: float | None = None  # its thread's CPU, until the cadence has it
@@ -70,6 +77,7 @@ class MemoryTier:
         self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
         self.place = bind_holders(holder, rank)  # this node's holder and its peers'
+        self.generation = self.place.generation  # what every write to a holder carries
         self.holder = self.place.local()
         self.enabled = self.holder is not None
         self.reader = NearestCopy(self.place, self.holder, rank, fetch, log, self._attach)
@@ -128,7 +136,11 @@ class MemoryTier:
             self.ring = self._open_ring(size)
         slot, arena = None, None
         if self.ring:
-            slot, payload = self.ring.claim()
+            try:
+                slot, payload = self.ring.claim(self.generation)
+            except Ring.Fenced as exc:
+                self._deposed(str(exc))
+                return
             arena = Arena(payload)
         try:
             copied = {
@@ -165,7 +177,7 @@ class MemoryTier:
         slots with room for the state and its skeletons, ``keep + 1`` of them."""
         slot_bytes = state_size + state_size // 8 + 2**20
         try:
-            address = self.fetch(self.holder.channel.remote(slot_bytes, machine()))
+            address = self.fetch(self.holder.channel.remote(slot_bytes, machine(), self.generation))
         except holder_errors():
             return False
         ring = self._attach(address) if address else None
@@ -211,16 +223,23 @@ class MemoryTier:
             except Arena.Full:  # sent instead (its arrays still lie in the slot: not reused)
                 self._outgrew_ring(slot)
             else:
-                self.ring.commit(slot, step, layout, digest_all(files))
+                try:
+                    self.ring.commit(slot, step, layout, digest_all(files), self.generation)
+                except Ring.Fenced as exc:
+                    self._deposed(str(exc))
+                    return
                 self.ring.keep_newest(self.keep)
                 self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
                 return
         snapshot = Snapshot.of(step, files)
         del states  # its arrays are views of the copy: the copy stays until the holder has it
         try:
-            answer = self.fetch(self.holder.put.remote(snapshot))
+            answer = self.fetch(self.holder.put.remote(snapshot, self.generation))
         except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
             self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
+            return
+        if answer.get("fenced"):
+            self._deposed(answer["reason"])
             return
         if not answer["kept"]:
             self._turn_off(answer["reason"])
@@ -242,7 +261,7 @@ class MemoryTier:
         part = Snapshot.of(step, pack(states, own))
         for _, peer in self._peers:
             try:
-                peer.put_part.remote(part)
+                peer.put_part.remote(part, self.generation)
             except holder_errors():
                 continue  # a peer gone with its node
 
@@ -250,6 +269,15 @@ class MemoryTier:
         if self.enabled:
             self.enabled = False
             self.log(f"memory tier off for this run: {why}; restores read storage")
+
+    def _deposed(self, why: str) -> None:
+        """A holder refused this worker's write: its driver no longer holds the run. No more
+        snapshots (the run lease's fence stops the worker at its next checkpoint commit)."""
+        self.fenced = why
+        if self.enabled:
+            self.enabled = False
+            logger.warning("memory tier: %s", why)
+            self.log(f"memory tier off for this worker: {why}; it writes no more snapshots")
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the snapshot in flight, if any, is held (or ``timeout`` seconds)."""
@@ -269,8 +297,12 @@ class MemoryTier:
     def restored(self, step: int) -> None:
         """After every restore (of either tier, or of nothing: step 0), rank 0 drops the
         snapshots past ``step`` from every holder: they belong to the attempt that was lost."""
-        if self.holder is not None and self.rank == 0 and not self.reader.drop_after(step):
+        if self.holder is None or self.rank != 0:
+            return
+        if not self.reader.drop_after(step):
             self._turn_off("the snapshot holder did not answer")
+        if self.reader.refused is not None:
+            self._deposed(self.reader.refused)
 
     # -- restoring (:class:`~ftjob.worker.nearest_copy.NearestCopy`) ----------------------
 

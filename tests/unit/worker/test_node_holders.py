@@ -199,6 +199,54 @@ def test_rank_0_on_a_new_node_restores_a_peers_snapshot_and_says_so(tmp_path: Pa
     assert held["node1"].steps() == [7] and held["node2"].steps() == []
 
 
+def test_a_deposed_drivers_workers_are_refused_and_the_live_run_restores_what_came_before():
+    # Ranks 0 and 1 of a driver of lease generation 1 outlive it; the next driver (generation
+    # 2) fences the holders before its workers start. Snapshots of step 4 were written before
+    # that: the live run restores them. Step 5, written after it, is refused on either path
+    # (node0's ring, node1's through a call), said, and the writers stop taking snapshots.
+    directory, held = cluster("node0", "node1")
+    model, optimizer = with_buffers(0)
+    config = MemoryConfig(enabled=True, max_mb=64.0)
+    lines: list[str] = []
+    zombies = [
+        MemoryTier(
+            NodeHolders(directory, f"node{r}", True, 1),
+            config,
+            r,
+            M.MetricSet(),
+            lambda v: v,
+            lines.append,
+        )
+        for r in (0, 1)
+    ]
+    snap(zombies[0], 4, model, optimizer, 0)  # rank 1 had not written yet
+    for holder in held.values():
+        assert holder.fence(2) is None
+    for rank, zombie in enumerate(zombies):
+        snap(zombie, 5, rank_view(model, rank), optimizer, rank)
+        assert zombie.fenced is not None and "fenced by lease generation 2" in zombie.fenced
+        assert not zombie.enabled and not zombie.due(6)
+    assert sum("memory tier off for this worker" in line for line in lines) == 2, lines
+    assert held["node0"].steps() == [4] and held["node1"].steps() == []
+    assert sorted(held["node1"].parts) == [4]  # rank 0's part of step 5: refused
+    assert held["node1"].stats()["refused"] == 3  # that part, node1's ring, its sent snapshot
+
+    live = MemoryTier(
+        NodeHolders(directory, "node1", True, 2),
+        config,
+        0,
+        M.MetricSet(),
+        lambda v: v,
+        lines.append,
+    )
+    choice = live.offer(lambda: [])
+    assert choice is not None and (choice.step, choice.node) == (4, "node0")
+    assert json.loads(live.files(choice)[STATE_FILE])["step"] == 4
+    live.restored(4)
+    snap(live, 5, model, optimizer, 0)  # the live run's own step 5 lands
+    assert live.fenced is None and held["node1"].steps() == [5, 4]
+
+
 def test_per_rank_keys_travel_apart_and_come_back_whole() -> None:
     records = {STATE_FILE: {"step": 3, "metrics": {"a": 1}, "time": 2.0}, "config.json": {"x": 1}}
     split = split_per_rank(records, writer=2)
