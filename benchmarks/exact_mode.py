@@ -6,7 +6,8 @@ training its half of every global batch: data parallel mode is DDP over ``MicroB
 (what ``Worker`` builds by default), exact mode ``ExactBackward`` on the bare model; both step
 SGD with momentum. The modes alternate in rounds of ``--steps`` steps after a warm-up; prints
 images/s (medians of the rounds), ``exact/normal``, and the bytes each rank puts on the wire
-per step: DDP's float32 gradients against exact mode's int64 sums, buffers and maxima.
+per step: DDP's float32 gradients against exact mode's float64 sums with their per-tensor
+counters, and the buffers' int64 bit patterns.
 
 Jobs: ``digits`` (small_cnn, 32-pixel images, digits' shape) and ``resnet18`` (torchvision's
 ResNet-18 on 32-pixel images). Random images: the step's cost does not depend on the values.
@@ -66,11 +67,13 @@ class FakeBatch:
 
 def wire_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """Bytes a rank sends into the step's all-reduces: DDP (float32 gradients), exact mode
-    (int64 gradient sums and buffer bits, float32 per-tensor maxima)."""
+    (float64 gradient sums and five float64 counters a tensor, int64 buffer bits)."""
+    from ftjob.worker.exact_sum import FLAGS
+
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     buffers = sum(b.numel() for b in model.buffers())
-    return 4 * n, 8 * n + 8 * buffers + 4 * len(params)
+    return 4 * n, 8 * n + 8 * buffers + 8 * FLAGS * len(params)
 
 
 def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any) -> None:

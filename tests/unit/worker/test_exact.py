@@ -1,5 +1,5 @@
-"""Exact mode's parts: the fixed-point sum (the same bits in any order, within its stated
-precision), buffers carried as bit patterns, the micro-batch split it refuses, and the
+"""Exact mode's parts: the sum on a power-of-two grid (the same bits however ranks group the
+terms, within its stated precision), buffers carried as bit patterns, the micro-batch split it refuses, and the
 deterministic kernels it asks of a GPU."""
 
 from __future__ import annotations
@@ -13,65 +13,78 @@ import torch
 
 from ftjob.config import ConfigError, TrainerConfig
 from ftjob.policy.elastic import fixed_micro_batches
-from ftjob.worker.exact import (
-    HEADROOM_BITS,
-    buffer_bits,
-    exact_sum,
-    largest_magnitudes,
-    pin_kernels,
-    refused_op,
-    set_from_bits,
+from ftjob.worker.exact import buffer_bits, pin_kernels, refused_op, set_from_bits
+from ftjob.worker.exact_sum import (
+    SUM_BITS,
+    ZERO,
+    Room,
+    guard_bits,
+    mean_from_grid,
+    scale_classes,
+    shift_of,
+    sum_on_grid,
 )
 
 
-def summed(rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    maxima = torch.stack([part.abs().amax(dim=1) for part in rows.split(lengths, dim=1)], dim=1)
-    mean, rider = exact_sum(rows.clone(), maxima, lengths, rows.shape[0], world=1)
-    assert rider is None
-    return mean
+def grid_sum(terms: list[torch.Tensor], shift: int) -> torch.Tensor:
+    acc = torch.empty(terms[0].numel(), dtype=torch.float64)
+    sum_on_grid(acc, terms, shift, Room.on("cpu"))
+    return acc
 
 
-def test_the_exact_sum_has_the_same_bits_in_any_order_and_keeps_its_precision():
+def test_the_sum_on_the_grid_has_the_same_bits_however_ranks_group_the_terms():
     torch.manual_seed(0)
-    lengths = [300, 7, 1]
-    # Magnitudes over many octaves: float32 sums of these depend on the order.
-    rows = torch.randn(8, sum(lengths)) * torch.logspace(-6, 3, sum(lengths))
-    first = summed(rows, lengths)
-    orders = [torch.randperm(8) for _ in range(5)]
-    assert all(torch.equal(summed(rows[o], lengths), first) for o in orders)
-    float_sums = {tuple(rows[o].sum(dim=0).tolist()) for o in orders}
-    assert len(float_sums) > 1  # what the exact sum is for
-    # Within its grid: per tensor, 2**(e + ceil(log2 8) - HEADROOM_BITS) per term, against an
-    # exact float64 sum.
-    reference = rows.double().mean(dim=0)
-    for got, ref, part in zip(
-        first.split(lengths), reference.split(lengths), rows.split(lengths, dim=1), strict=True
-    ):
-        e = math.frexp(float(part.abs().max()))[1]
-        step = math.ldexp(1.0, e + 3 - HEADROOM_BITS)
-        float32_rounding = ref.abs() * 2.0**-24
-        assert bool(((got.double() - ref).abs() <= step + float32_rounding).all())
+    # One tensor's 8 micro-batch gradients, magnitudes over many octaves: float32 sums of
+    # these depend on the order.
+    rows = torch.randn(8, 3000) * torch.logspace(-6, 3, 3000)
+    total = rows.shape[0]
+    top = scale_classes(rows.abs().amax().reshape(1), total)
+    shift = shift_of(float(top[0]), total)
+    whole = grid_sum(list(rows), shift)
+    for ranks in (2, 4, 8):  # each rank sums its run; the all-reduce adds them in any order
+        parts = [grid_sum(list(run), shift) for run in rows.chunk(ranks)]
+        for order in (torch.randperm(ranks) for _ in range(3)):
+            summed = parts[order[0]].clone()
+            for i in order[1:]:
+                summed += parts[i]
+            assert torch.equal(summed, whole)
+    float_sums = {tuple(rows[torch.randperm(8)].sum(dim=0).tolist()) for _ in range(5)}
+    assert len(float_sums) > 1  # what the grid is for
 
 
-def test_a_tensor_with_a_non_finite_gradient_is_nan_and_a_zero_one_stays_zero():
-    rows = torch.ones(2, 6)
-    rows[1, 0] = math.inf
-    rows[:, 4:] = 0.0
-    mean = summed(rows, [2, 2, 2])
-    assert bool(mean[:2].isnan().all())
-    assert mean[2:4].tolist() == [1.0, 1.0]
-    assert mean[4:].tolist() == [0.0, 0.0]
+def test_the_mean_keeps_its_stated_precision():
+    torch.manual_seed(1)
+    rows = torch.randn(4, 5000) * torch.logspace(-9, 2, 5000)
+    total, largest = rows.shape[0], float(rows.abs().max())
+    top = float(scale_classes(torch.tensor([largest]), total)[0])
+    shift = shift_of(top, total)
+    grid = math.ldexp(1.0, -shift)
+    # The grid: at most the largest magnitude times 2**(guard - 45).
+    assert grid <= largest * 2.0 ** (guard_bits(total) - 45)
+    assert largest < 2.0**top and shift == SUM_BITS - guard_bits(total) - top
+    mean = torch.empty(rows.shape[1])
+    mean_from_grid(grid_sum(list(rows), shift), shift, total, mean, Room.on("cpu"))
+    exact = rows.double().mean(dim=0)  # float64 holds these sums of four float32s exactly
+    # Below one grid step a term (truncation), then float32's rounding of the mean.
+    assert bool(((mean.double() - exact).abs() <= grid + exact.abs() * 2.0**-24).all())
+    # Every element within 2**(22 - guard) of the largest keeps all of its float32 bits.
+    near = rows.abs().amin(dim=0) >= largest * 2.0 ** (guard_bits(total) - 22)
+    assert bool(near.any())
+    kept = grid_sum(list(rows[:, near]), shift) * grid
+    assert torch.equal(kept, rows[:, near].double().sum(dim=0))
 
 
-def test_each_tensor_largest_magnitude_is_its_infinity_norm_nan_included():
-    torch.manual_seed(0)
-    tensors = [torch.randn(50) * 1e-30, -torch.rand(7) - 3.0, torch.zeros(3), torch.ones(0)]
-    tensors += [torch.tensor([1.0, math.nan, -2.0]), torch.tensor([-math.inf, 1.0])]
-    out = torch.empty(len(tensors))
-    largest_magnitudes(tensors, out=out)
-    expected = torch.stack([t.abs().amax() if t.numel() else torch.tensor(0.0) for t in tensors])
-    assert torch.equal(out[:4], expected[:4])
-    assert math.isnan(out[4]) and out[5] == math.inf
+def test_scale_classes_step_in_octaves_of_8_with_zero_and_non_finite_apart():
+    maxima = torch.tensor([1.0, 1.5, 0.99, 2.0**-8, 3e-41, 0.0, math.inf, math.nan, 300.0])
+    classes = scale_classes(maxima, 4).tolist()
+    assert classes[:5] == [8.0, 8.0, 0.0, 0.0, -128.0]  # the multiple of 8 above log2(M)
+    assert classes[5] == ZERO and math.isnan(classes[6]) and math.isnan(classes[7])
+    assert classes[8] == 16.0
+    # A gradient below float32's normal range still scales exactly (two steps past 2**126).
+    tiny = torch.tensor([3e-41, -2.5e-40])
+    shift = shift_of(-128.0, 4)
+    assert shift > 126
+    assert torch.equal(grid_sum([tiny], shift), torch.trunc(tiny.double() * 2.0**shift))
 
 
 def test_buffers_travel_as_their_bit_patterns():

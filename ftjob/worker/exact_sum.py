@@ -1,0 +1,369 @@
+"""Exact mode's gradient sum: the mean of a global batch's ``G`` micro-batch gradients with
+the same bits whichever ranks computed which micro-batches, summed while the last backward
+pass runs.
+
+**The grid.** Each tensor's terms are summed as integers: a micro-batch gradient ``g`` is
+multiplied by ``2**shift`` (exact: a power of two) and truncated toward zero, and the integers
+are added in float64. Every term is below ``2**(53 - guard)`` in magnitude (``guard =
+ceil(log2 G)``), so every partial sum is an integer below ``2**53``: float64 holds it exactly,
+and any order or grouping of the additions -- one rank's, any all-reduce's -- gives the same
+sum. The mean is that sum times ``1 / (G * 2**shift)``, rounded to float64 and then to float32.
+
+**The scale** of a tensor is a function of its largest micro-batch gradient magnitude ``M``
+alone (over all ``G`` terms): with ``M < 2**E``, its *class* ``T`` is ``E`` rounded up to a
+multiple of :func:`class_bits` (8 up to ``G = 2**22``), and ``shift = 53 - guard - T``. So
+``M < 2**T``, and ``M >= 2**(T - 8)``: the grid step is at most ``M * 2**(guard - 45)``,
+every element within ``2**(22 - guard)`` of ``M`` keeps all 24 bits of its float32 value (``M``
+itself up to ``G = 2**22``; past it the class narrows so that ``M`` still does), and smaller
+ones are truncated to the grid (an error below one step a term).
+
+**Without a round trip.** A tensor's class moves rarely from step to step (it spans 8
+octaves), so each rank converts and sums every term as its gradient arrives (a hook after
+autograd accumulated it), against the class the previous step agreed, and sends the integers
+in buckets as the last micro-batch's backward pass makes them ready. Beside the integers each
+tensor carries :data:`FLAGS` counters in the same all-reduce: ranks whose terms were not
+finite, ranks whose own class was above the guess, ranks at it, and the sum and the sum of
+squares of the ranks' guesses (equal iff ``world * sum_sq == sum**2``). The guess held iff no
+rank was above it, one was at it and all guessed the same: then the integers are those the
+true class gives. Otherwise (a new run's first step, a class that moved) every rank redoes
+that tensor's sum from its kept gradients with the class agreed by an all-reduce of maxima --
+the same computation, so the same bits, whichever path a step took.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SUM_BITS = 53  # float64's significand: integer sums below 2**53 are exact in any order
+CLASS_BITS = 8  # a tensor's scale moves in steps of 2**8 (fewer where G is huge)
+CHUNK = 1 << 19  # elements an op: its scratch stays in cache
+BUCKET_ELEMENTS = 2 << 20  # float64 elements an all-reduce (16 MiB), launched as they fill
+ZERO = -1000.0  # the class of an all-zero tensor: below every finite one (-144 .. 128)
+UNKNOWN = 1000.0  # no guess: above every finite class, so every rank's is below it
+FLAGS = 5  # non-finite ranks, ranks above the guess, ranks at it, sum of guesses, of squares
+
+
+def guard_bits(total: int) -> int:
+    """Bits above a term that the sum of ``total`` terms needs."""
+    return math.ceil(math.log2(total)) if total > 1 else 0
+
+
+def class_bits(total: int) -> int:
+    """A class's width: the largest elements keep ``54 - width - guard`` >= 24 bits."""
+    width = min(CLASS_BITS, 30 - guard_bits(total))
+    if width < 1:
+        raise ValueError(f"exact mode sums at most 2**29 micro-batches a step, not {total}")
+    return width
+
+
+def scale_classes(maxima: torch.Tensor, total: int) -> torch.Tensor:
+    """Each tensor's class (float64) from its largest magnitude: its exponent ``E``
+    (``M < 2**E``) rounded up to a multiple of :func:`class_bits`; :data:`ZERO` for 0, NaN
+    where ``M`` is not finite."""
+    width = class_bits(total)
+    exponent = torch.frexp(maxima.float())[1].to(torch.float64)
+    top = torch.ceil(exponent / width) * width
+    top = torch.where(maxima == 0, ZERO, top)
+    return torch.where(maxima.isfinite(), top, math.nan)
+
+
+def shift_of(top: float, total: int) -> int:
+    """The power of two a class's terms are multiplied by before truncation."""
+    return 0 if top == ZERO else SUM_BITS - guard_bits(total) - int(top)
+
+
+@dataclass(frozen=True)
+class Room:
+    """A chunk's scratch and a float64 zero, on one device: torch's CPU kernels that mix
+    dtypes allocate a temporary for the cast, which past a few MB is fresh memory -- page
+    faults -- on every call; a chunk's scratch stays in cache."""
+
+    w32: torch.Tensor
+    sum64: torch.Tensor
+    term64: torch.Tensor
+    zero: torch.Tensor
+
+    @classmethod
+    def on(cls, device: Any) -> Room:
+        return cls(
+            torch.empty(CHUNK, dtype=torch.float32, device=device),
+            torch.empty(CHUNK, dtype=torch.float64, device=device),
+            torch.empty(CHUNK, dtype=torch.float64, device=device),
+            torch.zeros((), dtype=torch.float64, device=device),
+        )
+
+
+def sum_on_grid(
+    acc: torch.Tensor, terms: Sequence[torch.Tensor | None], shift: int, room: Room
+) -> None:
+    """``acc`` (flat float64) = the sum of ``trunc(term * 2**shift)`` over ``terms`` (one
+    tensor's gradients of a rank's micro-batches; None: no gradient, zeros), a chunk at a time
+    so that only the gradients and the sum go through memory."""
+    flats = [t.reshape(-1) for t in terms if t is not None]  # views of contiguous gradients
+    if not flats:
+        acc.zero_()
+        return
+    big = shift > 126  # 2**-shift would leave float32's normal range: scaled up in two steps
+    divisor = math.ldexp(1.0, -min(shift, 126))
+    for start in range(0, acc.numel(), CHUNK):
+        a = acc[start : start + CHUNK]
+        k = a.numel()
+        w, total, term = room.w32[:k], room.sum64[:k], room.term64[:k]
+        for i, flat in enumerate(flats):
+            g = flat[start : start + k]
+            if big:
+                g = torch.mul(g, math.ldexp(1.0, shift - 126), out=w)
+            torch.div(g, divisor, rounding_mode="trunc", out=w)
+            if len(flats) == 1:
+                a.copy_(w)
+            elif i == 0:
+                total.copy_(w)
+            elif i < len(flats) - 1:
+                total.add_(term.copy_(w))
+            else:
+                torch.add(total, term.copy_(w), out=a)
+
+
+def mean_from_grid(
+    acc: torch.Tensor, shift: int, total: int, out: torch.Tensor, room: Room
+) -> None:
+    """``out`` (float32) = ``acc / (total * 2**shift)``: ``acc`` times that reciprocal in
+    float64 (exact where ``total`` is a power of two), rounded to float32; ``+ 0`` makes every
+    zero +0, whichever signs the terms' zeros had."""
+    alpha = math.ldexp(1.0 / total, -shift)
+    for a, o in zip(acc.split(CHUNK), out.split(CHUNK), strict=True):
+        o.copy_(torch.add(room.zero, a, alpha=alpha, out=room.sum64[: a.numel()]))
+
+
+class Workspace:
+    """Exact mode's buffers, kept from step to step: allocating (and first touching) a few
+    hundred MB a step costs more than the arithmetic on them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
+        self._sums: dict[tuple[int, ...], GradientSum] = {}
+        self._rooms: dict[Any, Room] = {}
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: Any
+    ) -> torch.Tensor:
+        key = (name, device)
+        found = self._buffers.get(key)
+        if found is None or found.shape != shape or found.dtype != dtype:
+            found = self._buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        return found
+
+    def room(self, device: Any) -> Room:
+        found = self._rooms.get(device)
+        if found is None:
+            found = self._rooms[device] = Room.on(device)
+        return found
+
+    def gradient_sum(self, params: list[torch.Tensor], rank: int, world: int) -> GradientSum:
+        """The sum for these parameters (hooked once; its guesses kept from step to step)."""
+        key = tuple(id(p) for p in params)
+        found = self._sums.get(key)
+        if found is None:
+            found = self._sums[key] = GradientSum(params, rank, world, self)
+        return found
+
+
+def buckets_of(lengths: Sequence[int]) -> list[list[int]]:
+    """Tensor indices in all-reduce buckets: the last tensors first (backward's order), a
+    bucket closed once it holds :data:`BUCKET_ELEMENTS`."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for t in reversed(range(len(lengths))):
+        if size >= BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += lengths[t]
+    return buckets if buckets[0] else []
+
+
+class GradientSum:
+    """One model's exact gradient sum, step after step: :meth:`start` a step, :meth:`micro`
+    before each local micro-batch's backward pass (its hooks convert the gradients as they
+    arrive, and launch the buckets during the last one), :meth:`finish` once this rank's
+    passes are done, :meth:`result` for the mean in every parameter's ``.grad``."""
+
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int, work: Workspace):
+        self.params, self.rank, self.world, self.work = params, rank, world, work
+        self.lengths = [p.numel() for p in params]
+        self.buckets = buckets_of(self.lengths)
+        self.bucket_of = [0] * len(params)
+        self.offset = [0] * len(params)
+        self.spans: list[tuple[int, int]] = []  # a bucket's slice of the accumulator
+        at = 0
+        for b, members in enumerate(self.buckets):
+            start = at
+            for t in members:
+                self.bucket_of[t], self.offset[t] = b, at
+                at += self.lengths[t]
+            self.spans.append((start, at + FLAGS * len(members)))
+            at += FLAGS * len(members)
+        self.size = at
+        device = params[0].device if params else torch.device("cpu")
+        self.device = device
+        self.guess = torch.full((len(params),), UNKNOWN, dtype=torch.float64, device=device)
+        self.shifts: list[int | None] = [None] * len(params)  # the guess's, None: no guess
+        self.members = [torch.tensor(m, dtype=torch.long, device=device) for m in self.buckets]
+        self.redone: tuple[int, ...] = ()  # the tensors the last step summed again
+        self.armed = False
+        me = weakref.ref(self)  # the model's hooks must not keep a discarded sum alive
+        for t, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, t=t: _fire(me, t, p))
+
+    def start(self, count: int, total: int) -> None:
+        n = len(self.params)
+        self.count, self.total, self.local = count, total, 0
+        self.acc = self.work.get("acc", (self.size,), torch.float64, self.device)
+        self.room = self.work.room(self.device)
+        self.kept = self.work.get("kept", (count - 1, self.size), torch.float32, self.device)
+        self.lows = torch.zeros((count, n), dtype=torch.float32, device=self.device)
+        self.highs = torch.zeros((count, n), dtype=torch.float32, device=self.device)
+        self.stash: list[list[torch.Tensor | None]] = [[None] * n for _ in range(count)]
+        self.done = [False] * n
+        self.pending = [len(m) for m in self.buckets]
+        self.launched: list[Any] = []
+        self.next_bucket = 0
+        for p in self.params:
+            p.grad = None
+        self.armed = True
+
+    def micro(self, local: int) -> None:
+        """The local micro-batch whose backward pass comes next."""
+        self.local = local
+
+    def on_grad(self, t: int, p: torch.Tensor) -> None:
+        """Tensor ``t``'s gradient of this micro-batch, just accumulated: kept (for the last
+        micro-batch's sum, and for a sum redone) and its largest magnitude noted; after the
+        last micro-batch, every term converted against the guess and summed."""
+        g, p.grad = p.grad, None
+        if g is None:
+            return
+        lo, n = self.offset[t], self.lengths[t]
+        last = self.local == self.count - 1
+        # An earlier micro-batch's copied, so that autograd's memory goes back to the
+        # allocator for the next backward pass (fresh memory faults in page by page).
+        kept = g if last else self.kept[self.local, lo : lo + n].view_as(g).copy_(g)
+        self.stash[self.local][t] = kept
+        if n:
+            torch.aminmax(kept, out=(self.lows[self.local, t], self.highs[self.local, t]))
+        if last:
+            self._done(t)
+
+    def maxima(self, members: torch.Tensor) -> torch.Tensor:
+        """These tensors' largest magnitudes over this rank's micro-batches (NaN: one held a
+        NaN)."""
+        high = self.highs[:, members].amax(dim=0)
+        return torch.maximum(high, self.lows[:, members].amin(dim=0).neg())
+
+    def _done(self, t: int) -> None:
+        if self.done[t]:
+            return
+        self.done[t] = True
+        shift = self.shifts[t]
+        if shift is not None:
+            lo, n = self.offset[t], self.lengths[t]
+            terms = [self.stash[local][t] for local in range(self.count)]
+            sum_on_grid(self.acc[lo : lo + n], terms, shift, self.room)
+        self.pending[self.bucket_of[t]] -= 1
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self._launch(self.next_bucket)  # in bucket order on every rank: gloo pairs calls
+            self.next_bucket += 1
+
+    def _launch(self, b: int) -> None:
+        members, (_, stop) = self.members[b], self.spans[b]
+        top = scale_classes(self.maxima(members), self.total)
+        guess = self.guess[members]
+        flags = self.acc[stop - FLAGS * len(members) : stop].view(len(members), FLAGS)
+        flags[:, 0] = top.isnan()
+        flags[:, 1] = top > guess
+        flags[:, 2] = top == guess
+        flags[:, 3] = guess
+        flags[:, 4] = guess * guess
+        if self.world > 1:
+            span = self.acc[self.spans[b][0] : stop]
+            self.launched.append(dist.all_reduce(span, op=dist.ReduceOp.SUM, async_op=True))
+
+    def finish(self) -> None:
+        """This rank's backward passes are done: tensors no gradient reached in the last
+        micro-batch (unused, or a micro-batch of skipped samples) count as zeros, and every
+        bucket is on its way."""
+        for t in range(len(self.params)):
+            self._done(t)
+        self.armed = False
+
+    def result(self) -> None:
+        """Every parameter's ``.grad``: the mean, each tensor from the sum its guess gave
+        where the guess held (converted bucket by bucket as they arrive), else from the sum
+        redone with the agreed class; NaN where a term was not finite. Ends the step (the
+        kept gradients are let go)."""
+        out = self.work.get("mean", (sum(self.lengths),), torch.float32, self.device)
+        views = out.split(self.lengths)
+        redo: list[int] = []
+        for b in range(len(self.buckets)):
+            if self.world > 1:
+                self.launched[b].wait()
+            redo += self._settle(b, views)
+        if redo:
+            self._redo(redo, views)
+        for p, view in zip(self.params, views, strict=True):
+            p.grad = view.view_as(p)
+        self.redone = tuple(redo)
+        self.stash = []
+
+    def _settle(self, b: int, views: Sequence[torch.Tensor]) -> list[int]:
+        """Bucket ``b``'s means where its guesses held, NaN where a term was not finite;
+        returns the tensors to sum again."""
+        members, (_, stop) = self.buckets[b], self.spans[b]
+        flags = self.acc[stop - FLAGS * len(members) : stop].view(-1, FLAGS).tolist()
+        redo = []
+        for t, (nonfinite, above, at, guesses, squares) in zip(members, flags, strict=True):
+            shift = self.shifts[t]
+            if nonfinite:
+                views[t].fill_(math.nan)
+                self.guess[t], self.shifts[t] = UNKNOWN, None
+            elif shift is None or above or not at or self.world * squares != guesses**2:
+                redo.append(t)
+            else:
+                lo, n = self.offset[t], self.lengths[t]
+                mean_from_grid(self.acc[lo : lo + n], shift, self.total, views[t], self.room)
+        return redo
+
+    def _redo(self, redo: list[int], views: Sequence[torch.Tensor]) -> None:
+        """The tensors whose guess did not hold, summed again from the kept gradients with
+        the class of their largest magnitude over all ranks (one all-reduce of maxima, one of
+        the sums)."""
+        index = torch.tensor(redo, dtype=torch.long, device=self.device)
+        maxima = self.maxima(index)
+        if self.world > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        tops = scale_classes(maxima, self.total)
+        self.guess[index] = tops
+        lengths = [self.lengths[t] for t in redo]
+        sums = self.work.get("redo", (sum(lengths),), torch.float64, self.device)
+        shifts = [shift_of(top, self.total) for top in tops.tolist()]
+        for t, acc, shift in zip(redo, sums.split(lengths), shifts, strict=True):
+            terms = [self.stash[local][t] for local in range(self.count)]
+            sum_on_grid(acc, terms, shift, self.room)
+            self.shifts[t] = shift
+        if self.world > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        for t, acc, shift in zip(redo, sums.split(lengths), shifts, strict=True):
+            mean_from_grid(acc, shift, self.total, views[t], self.room)
+
+
+def _fire(sum_of: weakref.ref[GradientSum], t: int, p: torch.Tensor) -> None:
+    found = sum_of()
+    if found is not None and found.armed:
+        found.on_grad(t, p)
