@@ -217,27 +217,52 @@ class GradientSum:
         self.shifts: list[int | None] = [None] * len(params)  # the guess's, None: no guess
         self.members = [torch.tensor(m, dtype=torch.long, device=device) for m in self.buckets]
         self.redone: tuple[int, ...] = ()  # the tensors the last step summed again
+        self.count = 0  # local micro-batches the views were made for
         self.armed = False
         me = weakref.ref(self)  # the model's hooks must not keep a discarded sum alive
         for t, p in enumerate(params):
             p.register_post_accumulate_grad_hook(lambda p, t=t: _fire(me, t, p))
 
     def start(self, count: int, total: int) -> None:
-        n = len(self.params)
-        self.count, self.total, self.local = count, total, 0
-        self.acc = self.work.get("acc", (self.size,), torch.float64, self.device)
-        self.room = self.work.room(self.device)
-        self.kept = self.work.get("kept", (count - 1, self.size), torch.float32, self.device)
-        self.lows = torch.zeros((count, n), dtype=torch.float32, device=self.device)
-        self.highs = torch.zeros((count, n), dtype=torch.float32, device=self.device)
-        self.stash: list[list[torch.Tensor | None]] = [[None] * n for _ in range(count)]
-        self.done = [False] * n
+        if count != self.count:
+            self._views(count)
+        self.total, self.local = total, 0
+        self.extremes.zero_()
+        self.stash: list[list[torch.Tensor | None]] = [
+            [None] * len(self.params) for _ in range(count)
+        ]
+        self.done = [False] * len(self.params)
         self.pending = [len(m) for m in self.buckets]
         self.launched: list[Any] = []
         self.next_bucket = 0
         for p in self.params:
             p.grad = None
         self.armed = True
+
+    def _views(self, count: int) -> None:
+        """The step's buffers for ``count`` local micro-batches, and each tensor's views of
+        them (made once: a view costs the hooks more than the arithmetic on a small tensor)."""
+        n, shapes = len(self.params), [p.shape for p in self.params]
+        self.count = count
+        self.acc = torch.empty(self.size, dtype=torch.float64, device=self.device)
+        kept = torch.empty((count - 1, self.size), dtype=torch.float32, device=self.device)
+        mean = torch.empty(sum(self.lengths), dtype=torch.float32, device=self.device)
+        self.room = self.work.room(self.device)
+        self.sums = [self.acc[lo : lo + k] for lo, k in zip(self.offset, self.lengths, strict=True)]
+        self.kept = [
+            [
+                row[lo : lo + k].view(shape)
+                for lo, k, shape in zip(self.offset, self.lengths, shapes, strict=True)
+            ]
+            for row in kept
+        ]
+        self.means = list(mean.split(self.lengths))
+        self.grads = [m.view(shape) for m, shape in zip(self.means, shapes, strict=True)]
+        self.extremes = torch.zeros((2, count, n), dtype=torch.float32, device=self.device)
+        self.lows, self.highs = self.extremes[0], self.extremes[1]
+        self.extreme_views = [
+            [(self.lows[j, t], self.highs[j, t]) for t in range(n)] for j in range(count)
+        ]
 
     def micro(self, local: int) -> None:
         """The local micro-batch whose backward pass comes next."""
@@ -250,14 +275,13 @@ class GradientSum:
         g, p.grad = p.grad, None
         if g is None:
             return
-        lo, n = self.offset[t], self.lengths[t]
         last = self.local == self.count - 1
         # An earlier micro-batch's copied, so that autograd's memory goes back to the
         # allocator for the next backward pass (fresh memory faults in page by page).
-        kept = g if last else self.kept[self.local, lo : lo + n].view_as(g).copy_(g)
+        kept = g if last else self.kept[self.local][t].copy_(g)
         self.stash[self.local][t] = kept
-        if n:
-            torch.aminmax(kept, out=(self.lows[self.local, t], self.highs[self.local, t]))
+        if self.lengths[t]:
+            torch.aminmax(kept, out=self.extreme_views[self.local][t])
         if last:
             self._done(t)
 
@@ -273,9 +297,8 @@ class GradientSum:
         self.done[t] = True
         shift = self.shifts[t]
         if shift is not None:
-            lo, n = self.offset[t], self.lengths[t]
             terms = [self.stash[local][t] for local in range(self.count)]
-            sum_on_grid(self.acc[lo : lo + n], terms, shift, self.room)
+            sum_on_grid(self.sums[t], terms, shift, self.room)
         self.pending[self.bucket_of[t]] -= 1
         while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
             self._launch(self.next_bucket)  # in bucket order on every rank: gloo pairs calls
@@ -308,8 +331,7 @@ class GradientSum:
         where the guess held (converted bucket by bucket as they arrive), else from the sum
         redone with the agreed class; NaN where a term was not finite. Ends the step (the
         kept gradients are let go)."""
-        out = self.work.get("mean", (sum(self.lengths),), torch.float32, self.device)
-        views = out.split(self.lengths)
+        views = self.means
         redo: list[int] = []
         for b in range(len(self.buckets)):
             if self.world > 1:
@@ -317,8 +339,8 @@ class GradientSum:
             redo += self._settle(b, views)
         if redo:
             self._redo(redo, views)
-        for p, view in zip(self.params, views, strict=True):
-            p.grad = view.view_as(p)
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
         self.redone = tuple(redo)
         self.stash = []
 
@@ -336,8 +358,7 @@ class GradientSum:
             elif shift is None or above or not at or self.world * squares != guesses**2:
                 redo.append(t)
             else:
-                lo, n = self.offset[t], self.lengths[t]
-                mean_from_grid(self.acc[lo : lo + n], shift, self.total, views[t], self.room)
+                mean_from_grid(self.sums[t], shift, self.total, views[t], self.room)
         return redo
 
     def _redo(self, redo: list[int], views: Sequence[torch.Tensor]) -> None:
