@@ -72,6 +72,7 @@ for _kind in ("node kill", "worker kill"):
 RAYTRAIN = "raytrain worker kill"
 COMMON = [
     "+experiment=digits_ft",
+    "checkpoint.memory.enabled=false",  # digits_ft's tier is on: off but for the "+tier" kinds
     "trainer.epochs=12",
     "chaos.interval=8",
     "chaos.max_kills=2",

@@ -62,6 +62,7 @@ def test_training_on_s3_through_faults_a_failure_and_a_drain_notice(
                 "trainer.checkpoint_every_n_steps=30",
                 "trainer.audit_samples=true",
                 "chaos.fail_at_steps=[25]",
+                "checkpoint.memory.enabled=false",  # the failure restores from S3
                 "failure.max_failures=1",  # the failure's; the notice must not need one
                 # The notice comes while step 30's checkpoint uploads: every upload request
                 # takes 1 s more (5 files), longer than a notice takes to arrive (the killer's

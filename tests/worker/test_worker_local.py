@@ -40,7 +40,11 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     # Step 25 fails mid-epoch (last checkpoint: 22, the end of epoch 1); step 41 right after
     # the checkpoint of step 40. Two ranks in a gloo group, restarted as a group.
     run = run_digits(
-        tmp_path, "trainer.epochs=2", "chaos.fail_at_steps=[25,41]", "trainer.audit_samples=true"
+        tmp_path,
+        "trainer.epochs=2",
+        "chaos.fail_at_steps=[25,41]",
+        "trainer.audit_samples=true",
+        "checkpoint.memory.enabled=false",  # restores from storage (the tier's: below)
     )
     s, m = run.summary, run.summary["metrics"]
     assert s["status"] == "succeeded" and s["error"] is None, run.errors
