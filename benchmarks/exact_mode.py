@@ -10,9 +10,11 @@ per step: DDP's float32 gradients against exact mode's float64 sums with their p
 counters, and the buffers' int64 bit patterns.
 
 Jobs: ``digits`` (small_cnn, 32-pixel images, digits' shape) and ``resnet18`` (torchvision's
-ResNet-18 on 32-pixel images). Random images: the step's cost does not depend on the values.
+ResNet-18 on 32-pixel images); ``resnet18_64``, not run by default, is the same ResNet-18 on
+64-pixel images (four times the pixels, the same sum). Random images: the step's
+cost does not depend on the values.
 
-    python benchmarks/exact_mode.py [--jobs digits,resnet18] [--rounds 5] [--steps 10]
+    python benchmarks/exact_mode.py [--jobs digits,resnet18,resnet18_64] [--rounds 5] [--steps 10]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Job:
 JOBS = {
     "digits": Job("digits", global_batch=64, micro_batch=32, image_size=32),
     "resnet18": Job("resnet18", global_batch=64, micro_batch=16, image_size=32),
+    "resnet18_64": Job("resnet18_64", global_batch=64, micro_batch=16, image_size=64),
 }
 
 
