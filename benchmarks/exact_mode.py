@@ -2,12 +2,14 @@
 the same world size, the same micro-batches, side by side in one run.
 
 Two processes in a gloo group (one torch thread each, as a 1-CPU Ray Train worker), each
-training its half of every global batch: data parallel mode is DDP over ``MicroBatchBackward``
-(what ``Worker`` builds by default), exact mode ``ExactBackward`` on the bare model; both step
-SGD with momentum. The modes alternate in rounds of ``--steps`` steps after a warm-up; prints
-images/s (medians of the rounds), ``exact/normal``, and the bytes each rank puts on the wire
-per step: DDP's float32 gradients against exact mode's float64 sums with their per-tensor
-counters, and the buffers' int64 bit patterns.
+training its half of every global batch: data parallel mode (``normal``) is DDP over
+``MicroBatchBackward`` (what ``Worker`` builds by default), exact mode ``ExactBackward`` on the
+bare model -- ``exact`` with the sum the product picks (the tree where ``G`` is a power of two,
+as in every job here), ``grid`` with the grid's sum that any other ``G`` takes; all step SGD
+with momentum. The modes take turns in rounds of ``--steps`` steps after a warm-up; prints
+images/s (medians of the rounds), ``exact/normal`` and ``grid/normal``, and the bytes each rank
+puts into the step's all-reduces: DDP's float32 gradients; the tree's float32 sums; the grid's
+float64 sums with their per-tensor counters; both exact sums with the buffers' int64 bits.
 
 Jobs: ``digits`` (small_cnn, 32-pixel images, digits' shape) and ``resnet18`` (torchvision's
 ResNet-18 on 32-pixel images); ``resnet18_64``, not run by default, is the same ResNet-18 on
@@ -33,6 +35,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 WORLD = 2
+MODES = ["normal", "exact", "grid"]
 
 
 @dataclass(frozen=True)
@@ -68,15 +71,23 @@ class FakeBatch:
         return None
 
 
-def wire_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """Bytes a rank sends into the step's all-reduces: DDP (float32 gradients), exact mode
-    (float64 gradient sums and five float64 counters a tensor, int64 buffer bits)."""
-    from ftjob.worker.exact_sum import FLAGS
+def wire_bytes(model: torch.nn.Module, total: int, tree: bool) -> int:
+    """Bytes a rank puts into one step's all-reduces in exact mode: the gradient sums (in the
+    tree, a power-of-two ``total``: float32 at each of its log2(WORLD) levels; on the grid:
+    float64 and five float64 counters a tensor) and the buffers' int64 bits."""
+    from ftjob.worker.exact_sum import FLAGS, is_tree
 
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
     buffers = sum(b.numel() for b in model.buffers())
-    return 4 * n, 8 * n + 8 * buffers + 8 * FLAGS * len(params)
+    if tree and is_tree(total):
+        return 4 * n * (WORLD.bit_length() - 1) + 8 * buffers
+    return 8 * n + 8 * FLAGS * len(params) + 8 * buffers
+
+
+def ddp_bytes(model: torch.nn.Module) -> int:
+    """DDP's: float32 gradients."""
+    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any) -> None:
@@ -84,6 +95,7 @@ def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any)
 
     from ftjob.worker.backward import MicroBatchBackward
     from ftjob.worker.exact import ExactBackward
+    from ftjob.worker.exact_sum import Workspace
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -95,14 +107,16 @@ def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any)
         torch.randn(share, 3, job.image_size, job.image_size), torch.randint(0, 10, (share,))
     )
     modes = {}
-    for mode in ("normal", "exact"):
+    for mode in MODES:
         torch.manual_seed(0)
         model = job.model()
         if mode == "normal":
             wrapped: Any = DistributedDataParallel(model)
             backward: Any = MicroBatchBackward(job.micro_batch)
-        else:
-            wrapped, backward = model, ExactBackward(rank, WORLD, job.micro_batch, seed=0)
+        else:  # exact: the sum the product picks for this G; grid: the grid's at any G
+            work = Workspace(tree=mode == "exact")
+            wrapped = model
+            backward = ExactBackward(rank, WORLD, job.micro_batch, seed=0, work=work)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         modes[mode] = (wrapped, backward, optimizer)
 
@@ -112,12 +126,12 @@ def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any)
         backward(index, wrapped, batch, lambda x, y: F.cross_entropy(wrapped(x), y), lambda: None)
         optimizer.step()
 
-    rates: dict[str, list[float]] = {"normal": [], "exact": []}
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     for mode in modes:  # warm-up
         for i in range(3):
             step(mode, i)
     for r in range(rounds):
-        for mode in ("normal", "exact") if r % 2 == 0 else ("exact", "normal"):
+        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:  # each goes first in turn
             dist.barrier()
             start = time.perf_counter()
             for i in range(steps):
@@ -125,7 +139,13 @@ def rank_main(rank: int, port: int, job: Job, rounds: int, steps: int, out: Any)
             dist.barrier()
             rates[mode].append(job.global_batch * steps / (time.perf_counter() - start))
     if rank == 0:
-        out.put((rates, wire_bytes(modes["exact"][0])))
+        model, total = modes["exact"][0], job.global_batch // job.micro_batch
+        wire = {
+            "normal": ddp_bytes(model),
+            "exact": wire_bytes(model, total, tree=True),
+            "grid": wire_bytes(model, total, tree=False),
+        }
+        out.put((rates, wire))
     dist.destroy_process_group()
 
 
@@ -145,7 +165,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     print(f"world {WORLD}, gloo, 1 torch thread a rank; images/s, medians of {args.rounds} rounds")
     print(
-        "| job | global batch / micro | normal | exact | exact/normal | wire/step/rank normal | exact | extra |"
+        "| job | global batch / micro | normal | exact | grid | exact/normal | grid/normal "
+        "| wire/step/rank normal / exact / grid |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name in args.jobs.split(","):
@@ -157,15 +178,17 @@ def main() -> None:
         ]
         for p in procs:
             p.start()
-        rates, (normal_bytes, exact_bytes) = out.get()
+        rates, wire = out.get()
         for p in procs:
             p.join()
-        normal, exact = statistics.median(rates["normal"]), statistics.median(rates["exact"])
+        rate = {mode: statistics.median(rates[mode]) for mode in MODES}
         mb = 2**20
         print(
-            f"| {name} | {job.global_batch} / {job.micro_batch} | {normal:.0f} | {exact:.0f} | "
-            f"{exact / normal:.3f} | {normal_bytes / mb:.2f} MiB | {exact_bytes / mb:.2f} MiB | "
-            f"+{(exact_bytes - normal_bytes) / mb:.2f} MiB |",
+            f"| {name} | {job.global_batch} / {job.micro_batch} | {rate['normal']:.0f} | "
+            f"{rate['exact']:.0f} | {rate['grid']:.0f} | {rate['exact'] / rate['normal']:.3f} | "
+            f"{rate['grid'] / rate['normal']:.3f} | "
+            + " / ".join(f"{wire[mode] / mb:.2f}" for mode in MODES)
+            + " MiB |",
             flush=True,
         )
 

@@ -248,6 +248,25 @@ class TrainerConfig:
         )
 
     @property
+    def exact_note(self) -> str | None:
+        """What exact mode says before training: its micro-batches and the sum they take
+        (:mod:`ftjob.worker.exact_sum`: a float32 tree where their count is a power of two)."""
+        if not self.exact:
+            return None
+        micro = self.micro_batch_size or self.batch_size
+        count = self.global_batch_size // micro
+        split = (
+            f"exact mode: the global batch {self.global_batch_size} in {count} micro-batches "
+            f"of {micro}"
+        )
+        if count & (count - 1) == 0:
+            return f"{split}, their gradients summed in float32 in one fixed tree"
+        return (
+            f"{split}, not a power of two: their gradients summed as integers on a grid, "
+            "float64 on the wire (a power-of-two count is summed in a float32 tree, half the bytes)"
+        )
+
+    @property
     def elastic(self) -> bool:
         return self.min_workers is not None and self.min_workers < self.num_workers
 

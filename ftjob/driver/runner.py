@@ -159,6 +159,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     notes += taken
     notes += [f"resume: {line}" for line in stated + removed]
     notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
+    notes += [job.trainer.exact_note] if job.trainer.exact_note else []
     return Prepared(
         name,
         fs,

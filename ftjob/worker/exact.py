@@ -10,25 +10,31 @@ every one of those is a function of the global batch alone:
   ``r*G/W .. (r+1)*G/W - 1`` (its slice of the global batch is exactly that run), each on its
   own, with the same shapes and kernels wherever it lands;
 - dropout and any other step-local draw is seeded by ``(seed, step, micro-batch index)``;
-- the ``G`` gradients are summed exactly (:mod:`ftjob.worker.exact_sum`): each tensor's
-  terms truncated to a power-of-two grid that is a function of its largest magnitude over the
-  ``G`` (a max is order-independent) and added as integers in float64 -- exact in any order or
-  grouping, so any assignment of micro-batches to ranks gives the same bits. Each rank converts
-  its terms as autograd produces them, against the scale the previous step agreed, and sends
-  them in buckets while the last backward pass runs; a tensor whose scale moved is summed
-  again with the agreed one, which gives the same bits as a step whose guess held;
+- the ``G`` gradients are summed in an order no world size changes
+  (:mod:`ftjob.worker.exact_sum`). Where ``G`` is a power of two (so is every world size that
+  divides it), in float32 in one fixed binary tree over the micro-batches, neighbours first:
+  a rank's run is a subtree it sums itself, and the ranks' subtrees meet in all-reduces of two
+  ranks, whose result is ``a + b`` on both. Otherwise each tensor's terms are truncated to a
+  power-of-two grid that is a function of its largest magnitude over the ``G`` (a max is
+  order-independent) and added as integers in float64 -- exact in any order or grouping. Each
+  rank converts its terms as autograd produces them, against the scale the previous step
+  agreed, and sends them in buckets while the last backward pass runs; a tensor whose scale
+  moved is summed again with the agreed one, which gives the same bits as a step whose guess
+  held;
 - BatchNorm's running statistics (every buffer of the model) are updated by micro-batch 0
   alone, always rank 0's, and travel to the other ranks as their bit patterns in an integer
   all-reduce (the others add zeros).
 
-Precision kept (:mod:`ftjob.worker.exact_sum`): a tensor whose largest micro-batch gradient
-magnitude is ``M`` is summed on a grid of at most ``M * 2**(ceil(log2 G) - 45)``: every element
-within ``2**(22 - ceil(log2 G))`` of ``M`` keeps all 24 bits of its float32 value, smaller ones
-are truncated to the grid (an error below one step a term). The sum adds no error of its own;
-the mean is rounded from float64 to float32.
+Precision kept (:mod:`ftjob.worker.exact_sum`): in the tree, float32's -- each element of the
+mean is a float32 sum of its ``G`` terms, rounded ``log2 G`` times, as data parallel mode's. On
+the grid, a tensor whose largest micro-batch gradient magnitude is ``M`` is summed on a grid of
+at most ``M * 2**(ceil(log2 G) - 45)``: every element within ``2**(22 - ceil(log2 G))`` of ``M``
+keeps all 24 bits of its float32 value, smaller ones are truncated to the grid (an error below
+one step a term); the sum adds no error of its own; the mean is rounded from float64 to float32.
 
-Cost on the wire, per step and rank: 8 bytes a gradient element (float64, where DDP sends
-float32's 4), 40 a parameter tensor (its counters), 8 a buffer element.
+Cost on the wire, per step and rank: in the tree 4 bytes a gradient element at each of its
+``log2 W`` levels (DDP's 4 at two ranks); on the grid 8 (float64) and 40 a parameter tensor
+(its counters); either, 8 a buffer element.
 """
 
 from __future__ import annotations
@@ -139,7 +145,7 @@ class ExactBackward:
         first = self.rank * count
         params = [p for p in model.parameters() if p.requires_grad]
         buffers = list(model.buffers())
-        sums = self.work.gradient_sum(params, self.rank, self.world)
+        sums = self.work.gradient_sum(params, self.rank, self.world, count * self.world)
         sums.start(count, count * self.world)
         total = torch.zeros((), device=images.device)
         held: list[torch.Tensor] | None = None  # the buffers micro-batch 0 left

@@ -1,6 +1,12 @@
 """Exact mode's gradient sum: the mean of a global batch's ``G`` micro-batch gradients with
 the same bits whichever ranks computed which micro-batches, summed while the last backward
-pass runs.
+pass runs. Two sums, chosen by ``G`` alone (so every world size of a run takes the same one):
+
+- ``G`` a power of two (so is every world size that divides it): :class:`TreeSum`, float32
+  additions in one fixed binary tree over the micro-batches, whose subtrees are the ranks'
+  runs and whose upper levels are all-reduces of two ranks -- float32's precision, DDP's bytes
+  on the wire at two ranks;
+- any other ``G``: :class:`GradientSum`, integers on a power-of-two grid, below.
 
 **The grid.** Each tensor's terms are summed as integers: a micro-batch gradient ``g`` is
 multiplied by ``2**shift`` (exact: a power of two) and truncated toward zero, and the integers
@@ -144,11 +150,13 @@ def mean_from_grid(
 
 class Workspace:
     """Exact mode's buffers, kept from step to step: allocating (and first touching) a few
-    hundred MB a step costs more than the arithmetic on them."""
+    hundred MB a step costs more than the arithmetic on them. ``tree``: a power-of-two ``G`` is
+    summed in its fixed tree (:class:`TreeSum`); False: on the grid at any ``G``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tree: bool = True) -> None:
+        self.tree = tree
         self._buffers: dict[tuple[str, Any], torch.Tensor] = {}
-        self._sums: dict[tuple[int, ...], GradientSum] = {}
+        self._sums: dict[tuple[Any, ...], GradientSum | TreeSum] = {}
         self._rooms: dict[Any, Room] = {}
 
     def get(
@@ -166,12 +174,19 @@ class Workspace:
             found = self._rooms[device] = Room.on(device)
         return found
 
-    def gradient_sum(self, params: list[torch.Tensor], rank: int, world: int) -> GradientSum:
-        """The sum for these parameters (hooked once; its guesses kept from step to step)."""
-        key = tuple(id(p) for p in params)
+    def gradient_sum(
+        self, params: list[torch.Tensor], rank: int, world: int, total: int
+    ) -> GradientSum | TreeSum:
+        """The sum of ``total`` micro-batch gradients for these parameters (hooked once; the
+        grid's guesses kept from step to step): :class:`TreeSum` where ``total`` is a power of
+        two, else :class:`GradientSum` -- a function of ``G`` alone, so every world size of a
+        run takes the same one."""
+        tree = self.tree and is_tree(total)
+        key = (tree, *(id(p) for p in params))
         found = self._sums.get(key)
         if found is None:
-            found = self._sums[key] = GradientSum(params, rank, world, self)
+            kind = TreeSum if tree else GradientSum
+            found = self._sums[key] = kind(params, rank, world, self)
         return found
 
 
@@ -384,7 +399,164 @@ class GradientSum:
             mean_from_grid(acc, shift, self.total, views[t], self.room)
 
 
-def _fire(sum_of: weakref.ref[GradientSum], t: int, p: torch.Tensor) -> None:
+def is_tree(total: int) -> bool:
+    """Is ``G`` a power of two: summed in its tree (:class:`TreeSum`)?"""
+    return total >= 1 and total & (total - 1) == 0
+
+
+def tree_sum(terms: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out`` = the sum of ``terms`` (a power-of-two count) in the tree of neighbours,
+    ``((t0 + t1) + (t2 + t3)) + ...``; the terms are overwritten."""
+    while len(terms) > 2:
+        terms = [a.add_(b) for a, b in zip(terms[0::2], terms[1::2], strict=True)]
+    if len(terms) == 2:
+        torch.add(terms[0], terms[1], out=out)
+    else:
+        out.copy_(terms[0])
+
+
+def pair_groups(rank: int, world: int) -> list[Any]:
+    """This rank's process group of two at each level of the tree over ranks (level ``s``:
+    ``rank`` and ``rank ^ 2**s``); None: the whole world (two ranks). Every rank creates every
+    group, in one order (``new_group`` is collective)."""
+    if world <= 2:
+        return [None] * (world - 1)
+    mine = []
+    for level in range(world.bit_length() - 1):
+        for low in range(world):
+            high = low ^ (1 << level)
+            if low < high:
+                group = dist.new_group([low, high])
+                if rank in (low, high):
+                    mine.append(group)
+    return mine
+
+
+class TreeSum:
+    """Exact mode's sum where ``G`` is a power of two (so is every world size that divides it):
+    the ``G`` micro-batch gradients added in float32 in one fixed binary tree, neighbours first
+    -- ``((g0 + g1) + (g2 + g3)) + ...``. A rank's run of ``G / W`` micro-batches is a subtree,
+    which it sums itself as the last micro-batch's gradients arrive; the ranks' subtrees meet in
+    ``log2 W`` levels, each an all-reduce of two ranks (level ``s``: ranks ``r`` and ``r ^
+    2**s``), whose result is ``a + b`` on both (IEEE addition commutes; a sum of two has no
+    order). So every element of the mean is the same float32 additions in the same tree at
+    every world size, and the same bits. Precision: float32's, as data parallel mode's (each
+    element rounded ``log2 G`` times; nothing truncated); on the wire 4 bytes an element a level
+    (DDP's at two ranks). The mean is the sum times ``1 / G``, exact for a power of two.
+
+    The interface of :class:`GradientSum`; the first bucket's first level is sent while the last
+    backward pass runs, the other levels after it."""
+
+    redone: tuple[int, ...] = ()  # the grid's: a tree sum has nothing to redo
+
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int, work: Workspace):
+        self.params, self.rank, self.world = params, rank, world
+        self.lengths = [p.numel() for p in params]
+        self.buckets = buckets_of(self.lengths)
+        self.bucket_of = [0] * len(params)
+        self.offset = [0] * len(params)
+        self.spans: list[tuple[int, int]] = []
+        at = 0
+        for b, members in enumerate(self.buckets):
+            start = at
+            for t in members:
+                self.bucket_of[t], self.offset[t] = b, at
+                at += self.lengths[t]
+            self.spans.append((start, at))
+        self.size = at
+        self.device = params[0].device if params else torch.device("cpu")
+        self.groups = pair_groups(rank, world)
+        self.count = 0
+        self.armed = False
+        me = weakref.ref(self)
+        for t, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda p, t=t: _fire(me, t, p))
+
+    def start(self, count: int, total: int) -> None:
+        if count != self.count:
+            self._views(count)
+        self.total, self.local = total, 0
+        self.have = [[False] * len(self.params) for _ in range(count)]
+        self.done = [False] * len(self.params)
+        self.pending = [len(m) for m in self.buckets]
+        self.launched: list[Any] = []
+        self.next_bucket = 0
+        for p in self.params:
+            p.grad = None
+        self.armed = True
+
+    def _views(self, count: int) -> None:
+        """The step's buffers for ``count`` local micro-batches: the sum (the parameters'
+        ``.grad`` views it), and the earlier micro-batches' gradients kept for it."""
+        shapes = [p.shape for p in self.params]
+        self.count = count
+        self.flat = torch.empty(self.size, dtype=torch.float32, device=self.device)
+        kept = torch.empty((count - 1, self.size), dtype=torch.float32, device=self.device)
+        spans = list(zip(self.offset, self.lengths, shapes, strict=True))
+        self.sums = [self.flat[lo : lo + k] for lo, k, _ in spans]
+        self.grads = [self.flat[lo : lo + k].view(shape) for lo, k, shape in spans]
+        self.kept = [[row[lo : lo + k] for lo, k, _ in spans] for row in kept]
+
+    def micro(self, local: int) -> None:
+        self.local = local
+
+    def on_grad(self, t: int, p: torch.Tensor) -> None:
+        """Tensor ``t``'s gradient of this micro-batch: an earlier micro-batch's kept, the
+        last one's summed with them into the tensor's part of the sum."""
+        g, p.grad = p.grad, None
+        if g is None:
+            return
+        if self.local < self.count - 1:
+            self.kept[self.local][t].copy_(g.reshape(-1))
+            self.have[self.local][t] = True
+            return
+        self._done(t, g.reshape(-1))
+
+    def _done(self, t: int, last: torch.Tensor | None = None) -> None:
+        """Tensor ``t``'s local subtree summed (a micro-batch without its gradient adds
+        zeros: the same additions at every world size); its bucket sent once complete."""
+        if self.done[t]:
+            return
+        self.done[t] = True
+        terms = []
+        for local in range(self.count - 1):
+            kept = self.kept[local][t]
+            terms.append(kept if self.have[local][t] else kept.zero_())
+        terms.append(last if last is not None else torch.zeros_like(self.sums[t]))
+        tree_sum(terms, self.sums[t])
+        self.pending[self.bucket_of[t]] -= 1
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self._launch(self.next_bucket)  # in bucket order on every rank: gloo pairs calls
+            self.next_bucket += 1
+
+    def _launch(self, b: int) -> None:
+        if self.groups:
+            lo, hi = self.spans[b]
+            work = dist.all_reduce(self.flat[lo:hi], group=self.groups[0], async_op=True)
+            self.launched.append(work)
+
+    def finish(self) -> None:
+        """This rank's backward passes are done: a tensor no gradient reached in the last
+        micro-batch is summed with zeros for it, and every bucket is on its way."""
+        for t in range(len(self.params)):
+            self._done(t)
+        self.armed = False
+
+    def result(self) -> None:
+        """Every parameter's ``.grad``: the tree's sum over all ranks (the levels above the
+        first, bucket by bucket), times ``1 / G``."""
+        for b, (lo, hi) in enumerate(self.spans):
+            span = self.flat[lo:hi]
+            if self.groups:
+                self.launched[b].wait()
+                for group in self.groups[1:]:
+                    dist.all_reduce(span, group=group)
+            span.mul_(1.0 / self.total)
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
+
+
+def _fire(sum_of: weakref.ref[Any], t: int, p: torch.Tensor) -> None:
     found = sum_of()
     if found is not None and found.armed:
         found.on_grad(t, p)

@@ -1,6 +1,7 @@
 """Exact mode (trainer.exact=true) in whole jobs in this process: the same job at world 1, 2
 and 4 ends with the same weights and buffers, bit for bit -- which data parallel training
-does not -- and so does a run restored from the memory tier and from storage."""
+does not -- and so does a run restored from the memory tier and from storage; a micro-batch
+count that is not a power of two (the grid's sum) at world 1 and 3."""
 
 from __future__ import annotations
 
@@ -89,3 +90,13 @@ def test_an_exact_run_restored_from_the_memory_tier_and_from_storage_ends_bit_id
     restored = [(f["tier"], f["restored_step"]) for f in done.summary["failures"]]
     assert restored == [("memory", 4), ("storage", 6)]
     assert differing(exact_world_1, final_weights(done.summary)) == []
+
+
+def test_six_micro_batches_a_step_on_the_grid_train_the_same_weights_at_world_1_and_3(
+    tmp_path: Path,
+):
+    # A global batch of 48 in 6 micro-batches of 8: not a power of two, so summed on the grid.
+    six = (*EXACT, "trainer.micro_batch_size=8", "dataset.num_samples=192")
+    one = run(tmp_path / "one", *six, "trainer.num_workers=1", "trainer.batch_size=48")
+    three = run(tmp_path / "three", *six, "trainer.num_workers=3", "trainer.batch_size=16")
+    assert differing(final_weights(one.summary), final_weights(three.summary)) == []

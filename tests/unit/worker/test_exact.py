@@ -127,6 +127,16 @@ def test_exact_mode_refuses_a_micro_batch_some_world_size_cannot_split_before_ra
     assert not TrainerConfig(num_workers=2, batch_size=32, micro_batch_size=24).exact
 
 
+def test_exact_mode_says_which_sum_its_micro_batch_count_takes():
+    tree = TrainerConfig(exact=True, num_workers=2, batch_size=32, micro_batch_size=16)
+    assert tree.exact_note is not None and "4 micro-batches of 16" in tree.exact_note
+    assert "float32 in one fixed tree" in tree.exact_note
+    grid = TrainerConfig(exact=True, num_workers=2, batch_size=24, micro_batch_size=8)
+    assert grid.exact_note is not None and "6 micro-batches of 8" in grid.exact_note
+    assert "not a power of two" in grid.exact_note and "on a grid" in grid.exact_note
+    assert TrainerConfig(num_workers=2).exact_note is None
+
+
 @pytest.fixture
 def kernel_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """torch's process-wide kernel settings, put back as they were after the test."""

@@ -1,7 +1,8 @@
 """Exact mode's step on 1, 2 and 4 ranks of a gloo group: the gradient's bits do not depend
-on the world size nor on which path a step took -- the sum converted against the scale the
-previous step agreed (and sent while the backward pass runs), or redone with the scale agreed
-after it, because the scale moved, none was known yet, or the ranks' guesses differ."""
+on the world size. On the grid (any ``G``), nor on which path a step took -- the sum converted
+against the scale the previous step agreed (and sent while the backward pass runs), or redone
+with the scale agreed after it, because the scale moved, none was known yet, or the ranks'
+guesses differ. In the tree (a power-of-two ``G``), nor on how the ranks' subtrees meet."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftjob.worker.exact import ExactBackward
-from ftjob.worker.exact_sum import GradientSum
+from ftjob.worker.exact_sum import GradientSum, TreeSum, Workspace
 from tests.support.local_run import _rank_context
 
 G, MICRO = 4, 4  # a global batch of 16 in four micro-batches of 4
@@ -60,21 +61,24 @@ def model() -> torch.nn.Module:
     )
 
 
-def train(rank: int, world: int) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]:
+def train(
+    rank: int, world: int, tree: bool = False
+) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]:
     """Every step of :data:`STEPS` on this rank: the parameters' mean gradients and the
-    buffers after it, and the tensors each step summed again. One intra-op thread, as
-    exact mode fixes (a convolution's bits depend on it)."""
+    buffers after it, and the tensors each step summed again; on the grid, or with ``tree``
+    in the tree. One intra-op thread, as exact mode fixes (a convolution's bits depend on
+    it)."""
     torch.set_num_threads(1)
     torch.manual_seed(1)
     images, labels = torch.randn(G * MICRO, 3, 8, 8), torch.randint(0, 5, (G * MICRO,))
     share = slice(rank * G * MICRO // world, (rank + 1) * G * MICRO // world)
     net = model()
-    backward = ExactBackward(rank, world, MICRO, seed=3)
+    backward = ExactBackward(rank, world, MICRO, seed=3, work=Workspace(tree=tree))
     batch = Batch(images[share], labels[share])
     states, redone = [], []
     for multiplier, path in STEPS:
         sums: GradientSum = next(iter(backward.work._sums.values()), None)  # type: ignore[assignment]
-        if path == "mixed" and rank == world - 1:
+        if path == "mixed" and rank == world - 1 and not tree:
             sums.guess[0] += 8
             sums.shifts[0] = (sums.shifts[0] or 0) - 8
         # The same step index: the same dropout masks, so equal inputs give equal gradients.
@@ -83,27 +87,31 @@ def train(rank: int, world: int) -> tuple[list[dict[str, np.ndarray]], list[tupl
         state = {f"grad.{n}": p.grad.numpy().copy() for n, p in net.named_parameters()}
         state |= {n: b.numpy().copy() for n, b in net.named_buffers()}
         states.append(state)
+        kind = TreeSum if tree else GradientSum
+        assert [type(x) for x in backward.work._sums.values()] == [kind]
         redone.append(next(iter(backward.work._sums.values())).redone)
     return states, redone
 
 
-def rank_main(rank: int, world: int, port: int, out: Any) -> None:
+def rank_main(rank: int, world: int, port: int, out: Any, tree: bool) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        out.put((rank, train(rank, world)))
+        out.put((rank, train(rank, world, tree)))
     finally:
         dist.destroy_process_group()
 
 
-def on_ranks(world: int) -> list[tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]]:
+def on_ranks(
+    world: int, tree: bool = False
+) -> list[tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]]:
     ctx = _rank_context()
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, out)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, out, tree)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in range(world))
@@ -142,5 +150,26 @@ def test_the_gradient_has_the_same_bits_at_world_1_2_and_4_and_on_either_path():
         for rank, (rank_states, rank_redone) in enumerate(ranks):
             # Every rank took the same path; "mixed" redid tensor 0 on all of them.
             assert rank_redone == redone, (world, rank)
+            for step, (mine, theirs) in enumerate(zip(states, rank_states, strict=True)):
+                assert same_bits(mine, theirs) == [], (world, rank, step)
+
+
+def test_in_the_tree_the_gradient_has_the_same_bits_at_world_1_2_and_4():
+    threads = torch.get_num_threads()
+    try:
+        states, redone = train(0, 1, tree=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(redone) == {()}
+    for step in SAME_AS_FIRST:
+        assert same_bits(states[0], states[step], "grad.") == []
+    assert all(not v.any() for n, v in states[4].items() if n.startswith("grad."))
+    assert all(np.isnan(v).all() for n, v in states[8].items() if n.startswith("grad."))
+    assert same_bits(states[0], states[2], "grad.") != []
+    # A float32 sum: not the grid's truncated one.
+    grid, _ = train(0, 1)
+    assert same_bits(states[0], grid[0], "grad.") != []
+    for world in (2, 4):
+        for rank, (rank_states, _) in enumerate(on_ranks(world, tree=True)):
             for step, (mine, theirs) in enumerate(zip(states, rank_states, strict=True)):
                 assert same_bits(mine, theirs) == [], (world, rank, step)
