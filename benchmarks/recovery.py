@@ -22,7 +22,15 @@ the time from a kill until the run is back at the step it had reached.
 ``--set KEY=VALUE`` (repeatable) changes the job of every kind, e.g. a model whose steps
 weigh (``--set model=resnet18``: ~0.5 s a step here against small_cnn's ~0.06 s) or durable
 checkpoints further apart (``--set trainer.checkpoint_every_n_steps=100``): where a kill makes a
-run train steps again, the tier's snapshots every step save them.
+run train steps again, the tier's snapshots every step save them. The tier's comparison as
+benchmarks/RESULTS.md records it: a step of ~0.5 s, durable checkpoints every 50 steps, a kill
+in each 40 s window (on the default job a kill costs ~0.5 s of redone steps, less than the
+spread of Ray Train's restart):
+
+    python benchmarks/recovery.py --repeats 2 \
+        --kinds "worker kill,worker kill +tier,node kill,node kill +tier" \
+        --set model=resnet18 --set trainer.epochs=6 \
+        --set trainer.checkpoint_every_n_steps=50 --set chaos.interval=40
 
     python benchmarks/recovery.py [--repeats 1] [--kinds "node fixed,node elastic"]
                                   [--set model=resnet18 --set trainer.epochs=6]
