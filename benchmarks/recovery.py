@@ -101,7 +101,7 @@ WIDTHS = (7, 8, 9, 6, 6, 6, 6)
 def run(overrides: list[str], seed: int, extra: list[str]) -> dict[str, Any]:
     register_schema()
     job = load_job(
-        Composer().compose(Target("benchmark"), [*COMMON, *extra, *overrides, f"chaos.seed={seed}"])
+        Composer().compose(Target("benchmark"), [*COMMON, *overrides, *extra, f"chaos.seed={seed}"])
     )
     GlobalHydra.instance().clear()
     with tempfile.TemporaryDirectory() as run_dir:
@@ -178,6 +178,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     extra: list[str] = args.set
+    for item in extra:
+        if item.split("=", 1)[0].lstrip("+~") == "checkpoint.memory.enabled":
+            parser.error(
+                f"--set {item}: the kinds choose the memory tier (on for the '+tier' kinds, off "
+                "for the rest); compare them with --kinds"
+            )
     if extra:
         print(f"every job with: {' '.join(extra)}", flush=True)
     kinds = {k: KINDS[k] for k in args.kinds.split(",")}

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ftjob.policy.elastic import fixed_micro_batches
-from ftjob.worker.exact_sum import Workspace
+from ftjob.worker.exact_sum import TwiceAccumulated, Workspace
 
 MICRO_STREAM = 0xE8AC7  # keeps micro-batch seeds apart from the per-rank step seeds
 _BITS = {
@@ -102,6 +102,8 @@ def refused_op(exc: BaseException) -> str | None:
     """Exact mode's fatal error for ``exc`` when it is torch refusing an op that has no
     deterministic kernel (every attempt would meet it again), else None."""
     said = str(exc)
+    if isinstance(exc, TwiceAccumulated):
+        return said
     if not isinstance(exc, RuntimeError) or not any(m in said for m in NO_DETERMINISTIC_KERNEL):
         return None
     if NO_DETERMINISTIC_KERNEL[1] in said:  # cuBLAS: the workspace setting, not an op
@@ -164,14 +166,14 @@ class ExactBackward:
                     before_backward()
                 loss.backward()  # the gradients go into the sum as they arrive
                 total += loss.detach()
-                if held is not None:  # only micro-batch 0 moves the running statistics
+                if held:  # only micro-batch 0 moves the running statistics
                     torch._foreach_copy_(buffers, held)
             elif i == 0:
                 before_backward()
         sums.finish()
         self.ready()
         if self.world > 1:  # rank 0's buffers as bit patterns; the other ranks add zeros
-            shared = buffer_bits(buffers, self.rank == 0)
+            shared = buffer_bits(buffers, self.rank == 0, sums.device)
             dist.all_reduce(shared, op=dist.ReduceOp.SUM)
             if self.rank > 0:
                 set_from_bits(buffers, shared)
@@ -179,13 +181,12 @@ class ExactBackward:
         return total / count
 
 
-def buffer_bits(buffers: list[torch.Tensor], mine: bool) -> torch.Tensor:
-    """The buffers' bit patterns as one int64 tensor (``mine``), or zeros of its size."""
-    if not mine:
-        return torch.zeros(sum(b.numel() for b in buffers), dtype=torch.int64)
-    if not buffers:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([_as_bits(b) for b in buffers])
+def buffer_bits(buffers: list[torch.Tensor], mine: bool, device: Any) -> torch.Tensor:
+    """The buffers' bit patterns as one int64 tensor on ``device`` (the collective's: NCCL
+    takes no CPU tensor) (``mine``), or zeros of its size."""
+    if not mine or not buffers:
+        return torch.zeros(sum(b.numel() for b in buffers), dtype=torch.int64, device=device)
+    return torch.cat([_as_bits(b) for b in buffers]).to(device)
 
 
 def set_from_bits(buffers: list[torch.Tensor], bits: torch.Tensor) -> None:

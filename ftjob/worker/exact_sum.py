@@ -56,6 +56,21 @@ UNKNOWN = 1000.0  # no guess: above every finite class, so every rank's is below
 FLAGS = 5  # non-finite ranks, ranks above the guess, ranks at it, sum of guesses, of squares
 
 
+class TwiceAccumulated(RuntimeError):
+    """A parameter's gradient was accumulated twice in one backward pass (a reentrant
+    activation checkpoint runs a backward of its own): exact mode takes each micro-batch's
+    gradient as autograd accumulates it, once, and would sum only a part. Every attempt would
+    meet it again: the run's fatal error."""
+
+    def __init__(self, index: int, shape: Any) -> None:
+        super().__init__(
+            f"trainer.exact=true: parameter {index} (shape {tuple(shape)}) received its gradient "
+            "twice in one backward pass -- a reentrant activation checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True) runs a backward of its own; use "
+            "use_reentrant=False, or train without trainer.exact"
+        )
+
+
 def guard_bits(total: int) -> int:
     """Bits above a term that the sum of ``total`` terms needs."""
     return math.ceil(math.log2(total)) if total > 1 else 0
@@ -290,6 +305,8 @@ class GradientSum:
         g, p.grad = p.grad, None
         if g is None:
             return
+        if self.stash[self.local][t] is not None:
+            raise TwiceAccumulated(t, p.shape)
         last = self.local == self.count - 1
         # An earlier micro-batch's copied, so that autograd's memory goes back to the
         # allocator for the next backward pass (fresh memory faults in page by page).
@@ -506,6 +523,8 @@ class TreeSum:
         g, p.grad = p.grad, None
         if g is None:
             return
+        if self.have[self.local][t] or (self.local == self.count - 1 and self.done[t]):
+            raise TwiceAccumulated(t, p.shape)
         if self.local < self.count - 1:
             self.kept[self.local][t].copy_(g.reshape(-1))
             self.have[self.local][t] = True

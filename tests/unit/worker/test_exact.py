@@ -13,17 +13,33 @@ import torch
 
 from ftjob.config import ConfigError, TrainerConfig
 from ftjob.policy.elastic import fixed_micro_batches
-from ftjob.worker.exact import buffer_bits, pin_kernels, refused_op, set_from_bits
+from ftjob.worker.exact import (
+    ExactBackward,
+    buffer_bits,
+    pin_kernels,
+    refused_op,
+    set_from_bits,
+)
 from ftjob.worker.exact_sum import (
     SUM_BITS,
     ZERO,
     Room,
+    TwiceAccumulated,
+    Workspace,
     guard_bits,
     mean_from_grid,
     scale_classes,
     shift_of,
     sum_on_grid,
 )
+
+
+class Batch:
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def keep(self) -> None:
+        return None
 
 
 def grid_sum(terms: list[torch.Tensor], shift: int) -> torch.Tensor:
@@ -94,15 +110,49 @@ def test_buffers_travel_as_their_bit_patterns():
         torch.tensor(12345678901, dtype=torch.int64),
         torch.tensor([-2.5, 7.0], dtype=torch.bfloat16),
     ]
-    bits = buffer_bits(buffers, mine=True)
+    bits = buffer_bits(buffers, mine=True, device="cpu")
     assert bits.dtype == torch.int64 and bits.numel() == 8
-    assert not bool(buffer_bits(buffers, mine=False).any())
+    assert not bool(buffer_bits(buffers, mine=False, device="cpu").any())
     # What the all-reduce gives the other ranks: rank 0's bits plus zeros.
     received = [torch.zeros_like(b) for b in buffers]
-    set_from_bits(received, bits + buffer_bits(buffers, mine=False))
+    set_from_bits(received, bits + buffer_bits(buffers, mine=False, device="cpu"))
     for got, sent in zip(received, buffers, strict=True):
         assert got.dtype == sent.dtype
         assert torch.equal(got.view(-1).view(torch.uint8), sent.view(-1).view(torch.uint8))
+
+
+def test_the_buffers_bits_lie_on_the_collectives_device_on_every_rank():
+    # NCCL takes no CPU tensor: rank 0's bits and the other ranks' zeros go where the model is
+    # (the meta device stands in for a GPU here); a model without buffers sends nothing.
+    buffers = [torch.tensor([1.0, 2.0]), torch.tensor(3, dtype=torch.int64)]
+    for mine in (True, False):
+        assert buffer_bits(buffers, mine, device="meta").device.type == "meta"
+        assert buffer_bits([], mine, device="meta").shape == (0,)
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_a_gradient_accumulated_twice_in_one_backward_is_a_fatal_error_naming_the_fix(
+    tree: bool,
+):
+    # A layer used inside a reentrant activation checkpoint and again outside it: autograd
+    # accumulates its gradient twice in one backward pass, which exact mode would half sum.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        inner = torch.utils.checkpoint.checkpoint(layer, x.requires_grad_(), use_reentrant=True)
+        return torch.nn.functional.mse_loss(layer(inner), y)
+
+    batch = Batch(torch.randn(8, 4), torch.randn(8, 4))
+    backward = ExactBackward(0, 1, 4, seed=0, work=Workspace(tree=tree))
+    with pytest.raises(TwiceAccumulated) as err:
+        backward(0, layer, batch, loss_of, lambda: None)
+    assert refused_op(err.value) == str(err.value)
+    assert "use_reentrant=False" in str(err.value)
+    # Without the reentrant checkpoint the same step runs.
+    plain = lambda x, y: torch.nn.functional.mse_loss(layer(layer(x)), y)  # noqa: E731
+    backward(1, layer, batch, plain, lambda: None)
+    assert layer.weight.grad is not None and bool(layer.weight.grad.any())
 
 
 def test_a_rank_share_that_is_not_whole_micro_batches_is_refused():
