@@ -2,8 +2,9 @@
 surviving peer's (one transfer), which then fills this node's holder (a replaced node's, an
 empty one). Rank 0 finds the newest held snapshot newer than storage (:meth:`NearestCopy.newest`);
 every other rank reads the same one (:meth:`NearestCopy.chosen`). Its writes to a holder (a
-peer's copy kept here, drops, discards) carry its driver's lease generation, as a snapshot's
-do (:mod:`ftjob.storage.memory.fence`). The holders:
+peer's copy kept here, drops, discards) and its reads carry its driver's lease generation, as
+a snapshot's do (:mod:`ftjob.storage.memory.fence`): a holder no driver fenced moves its fence
+on at this rank's first read, and offers it nothing a deposed driver's workers wrote. The holders:
 :mod:`ftjob.storage.memory.cluster`; taking snapshots: :mod:`ftjob.worker.snapshots`.
 """
 
@@ -82,7 +83,7 @@ class NearestCopy:
         held: dict[int, list[tuple[str, Any]]] = {}
         for node, handle in self.holders():
             try:
-                for step in self.fetch(handle.steps.remote()):
+                for step in self.fetch(handle.steps.remote(self.generation)):
                     held.setdefault(step, []).append((node, handle))
             except holder_errors() as exc:
                 self.log(f"memory tier: the holder of node {node[:12]} did not answer ({exc})")
@@ -122,7 +123,7 @@ class NearestCopy:
         if snapshot is None or written_by(snapshot.files) in (0, None):
             return snapshot
         try:
-            part = self.fetch(holder.part.remote(snapshot.step))
+            part = self.fetch(holder.part.remote(snapshot.step, self.generation))
         except holder_errors():
             return None
         if part is None or part.verify() is not None:
@@ -149,7 +150,7 @@ class NearestCopy:
         dropped from the holder, said); None, quietly, where it holds none."""
         holder = self.holder if holder is None else holder
         try:
-            snapshot, why = self.fetch(holder.get.remote(step)), None
+            snapshot, why = self.fetch(holder.get.remote(step, self.generation)), None
         except holder_errors():
             return None  # a peer's holder gone with its node
         if snapshot is None:
@@ -175,7 +176,7 @@ class NearestCopy:
         ring = self.attach(ref.address)
         if ring is not None:
             return ring.read(ref.step, ref.nonce)
-        return self.fetch(holder.copy.remote(ref.step))
+        return self.fetch(holder.copy.remote(ref.step, self.generation))
 
 
 __all__ = ["NearestCopy", "holder_errors"]

@@ -18,7 +18,8 @@ it was told of:
   newer generation than the holder knows moves the fence on (a holder the driver did not reach:
   one a rank created on a node that joined later) without admitting anything older.
 - **Reads offer only what the fence admits** (:meth:`GenerationFence.admits`): an entry of the
-  live generation, or one admitted at the takeover. A write that slipped in between a writer's
+  live generation, or one admitted at the takeover. A restore's reads carry its reader's
+  generation: a newer one moves the fence on first, as a write does, an older one is refused. A write that slipped in between a writer's
   check and the holder's fence (the ring's writers check the head themselves) carries its older
   generation and is never offered.
 

@@ -120,6 +120,19 @@ class SnapshotHolder:
         self.parts = {s: p for s, p in self.parts.items() if ("part", s) in self.gate.admitted}
         if self.ring is not None:
             self.ring.set_fence(generation)
+            # Nor the ring's: emptied, so that a stale slot of a later step is never kept as
+            # the newest in place of the live writer's (Ring.keep_newest).
+            for e in entries:
+                if ("ring", e.slot, e.nonce) not in self.gate.admitted:
+                    self.ring.discard(e.slot, e.nonce)
+
+    def _reader(self, generation: int | None, what: str) -> bool:
+        """May a reader of lease ``generation`` read? A reader of a newer generation than the
+        holder knows moves the fence on first, as a writer does (a holder its driver did not
+        fence: one created after the takeover, which a deposed driver's worker may have
+        written first), so it is offered nothing older; an older one is refused. None: a
+        reader that claims no generation (a measurement), offered what the fence admits."""
+        return generation is None or self._admit(generation, what) is None
 
     def channel(
         self, slot_bytes: int, where: str, generation: int | None = None
@@ -195,7 +208,9 @@ class SnapshotHolder:
             del self.parts[step]
         return None
 
-    def part(self, step: int) -> Snapshot | None:
+    def part(self, step: int, generation: int | None = None) -> Snapshot | None:
+        if not self._reader(generation, f"a read of rank 0's part of step {step}"):
+            return None
         return self.parts.get(step)
 
     def _drop(self, step: int) -> int:
@@ -234,13 +249,18 @@ class SnapshotHolder:
         """The steps a restore may read (every sent snapshot held is one the fence admits)."""
         return set(self.snapshots) | set(self._offered())
 
-    def steps(self) -> list[int]:
-        """The steps held, newest first."""
+    def steps(self, generation: int | None = None) -> list[int]:
+        """The steps held, newest first, for a reader of lease ``generation``
+        (:meth:`_reader`)."""
+        if not self._reader(generation, "a read of the steps held"):
+            return []
         return sorted(self._held(), reverse=True)
 
-    def get(self, step: int) -> Any:
+    def get(self, step: int, generation: int | None = None) -> Any:
         """The snapshot of ``step`` (None: not held): a :class:`RingRef` when it lies in the
         ring, else the snapshot (as a Ray actor, its ObjectRef)."""
+        if not self._reader(generation, f"a read of step {step}"):
+            return None
         if step in self.snapshots:
             return self.snapshots[step]
         entry = self._offered().get(step)
@@ -248,9 +268,11 @@ class SnapshotHolder:
             return RingRef(self.ring.address, step, entry.nonce)
         return None
 
-    def copy(self, step: int) -> Any:
+    def copy(self, step: int, generation: int | None = None) -> Any:
         """A copy of the ring's snapshot of ``step``, for a reader that cannot map the ring
         (as a Ray actor, an ObjectRef to it), or None."""
+        if not self._reader(generation, f"a read of step {step}"):
+            return None
         entry = self._offered().get(step)
         snapshot = None
         if self.ring is not None and entry is not None:

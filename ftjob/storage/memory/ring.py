@@ -291,6 +291,16 @@ class Ring:
         """A slot whose snapshot was not committed (not finite, too big): empty again."""
         self._set_state(slot, self.EMPTY)
 
+    def discard(self, slot: int, nonce: int) -> bool:
+        """Slot ``slot`` emptied if it still holds the commit ``nonce`` (the holder's: one no
+        restore may read)."""
+        state, _, _, _, found = struct.unpack_from("<QQQQQ", self.memory, self._start(slot))
+        if state != self.COMMITTED or found != nonce:
+            return False
+        self._set_state(slot, self.EMPTY)
+        self._count(1, add=1)
+        return True
+
     def keep_newest(self, keep: int) -> list[int]:
         """Drops committed snapshots older than the newest ``keep``; their steps."""
         held = self.committed()

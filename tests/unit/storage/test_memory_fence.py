@@ -100,4 +100,27 @@ def test_a_newer_writer_moves_the_fence_on_but_admits_nothing_older():
     write(Ring.attach(holder.channel(4096, HERE, 1)), 8, 1)
     assert holder.put(snapshot(5), 2)["kept"]
     assert holder.steps() == [5] and holder.stats()["generation"] == 2
+    assert holder.ring.committed() == {}  # the ring's slot of step 8 emptied, not just hidden
     assert not holder.put(snapshot(10), 1)["kept"]
+
+
+def test_a_newer_reader_moves_the_fence_on_and_is_offered_nothing_a_deposed_worker_wrote():
+    # A holder no driver fenced, written only by a deposed driver's worker (generation 1): the
+    # live run's rank 0 (generation 2) reads it before any of its ranks wrote there.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    holder.put(snapshot(9), 1)
+    holder.put_part(snapshot(9), 1)
+    write(Ring.attach(holder.channel(4096, HERE, 1)), 12, 1)
+    assert holder.steps() == [12, 9]  # a reader that claims no generation: what is admitted
+    assert holder.steps(2) == []
+    assert holder.get(12, 2) is None and holder.get(9, 2) is None
+    assert holder.part(9, 2) is None and holder.copy(12, 2) is None
+    # The stale slot is emptied: kept, its later step would stay "the newest" in the ring and
+    # evict the live writer's snapshots (Ring.keep_newest).
+    assert holder.ring.committed() == {}
+    assert holder.steps(1) == [] and holder.stats()["refused"] == 1  # the deposed one's read
+    live = Ring.attach(holder.channel(4096, HERE, 2))
+    for step in (3, 4, 5):
+        write(live, step, 2)
+        live.keep_newest(2)
+    assert holder.steps(2) == [5, 4]
