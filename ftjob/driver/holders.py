@@ -47,9 +47,14 @@ def held_snapshots(
     continues: bool,
     echo: Callable[[str], None],
     generation: int | None = None,
+    check_lease: Callable[[], None] = lambda: None,
 ) -> Iterator[RunHolders | None]:
     """The run's holders while the run trains (None: the tier is off), fenced by the run
-    lease's ``generation`` (None: the run has no lease); released after."""
+    lease's ``generation`` (None: the run has no lease); released after. A holder that refuses
+    the fence knows a newer generation: ``check_lease()`` raises where another driver holds
+    the run (this one is deposed: it stops before its workers start); where the lease is still
+    this driver's (its storage started over beside holders that outlived it), that holder is
+    released."""
     if not memory.enabled:
         yield None
         return
@@ -62,8 +67,21 @@ def held_snapshots(
         )
     holders.start(training_nodes())
     if generation is not None:
-        for node, why in holders.fence(generation).items():
-            echo(f"memory tier: the holder of node {node[:12]} could not be fenced: {why}")
+        fenced = holders.fence(generation)
+        for node, why in fenced.released.items():
+            echo(
+                f"memory tier: the holder of node {node[:12]} could not be fenced: {why}: "
+                "released, its snapshots are not read"
+            )
+        if fenced.refused:
+            check_lease()
+            holders.drop(list(fenced.refused))
+            for node, why in fenced.refused.items():
+                echo(
+                    f"memory tier: the holder of node {node[:12]} refused this driver's fence "
+                    f"({why}) though the run's lease is this driver's: released, its "
+                    "snapshots are not read"
+                )
     stop = threading.Event()
 
     def claim() -> None:

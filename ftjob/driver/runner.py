@@ -515,7 +515,9 @@ def _train_on_cluster(
         ledger, killer = _start_run_actors(job, prep)
         memory = job.checkpoint.memory  # released before the cluster stops, after the run
         holders = run_actors.enter_context(
-            held_snapshots(prep.name, memory, prep.continues, echo, prep.lease.generation)
+            held_snapshots(
+                prep.name, memory, prep.continues, echo, prep.lease.generation, prep.lease.check
+            )
         )
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}

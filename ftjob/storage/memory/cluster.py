@@ -24,6 +24,7 @@ holders (the in-process harness, tests).
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -110,31 +111,45 @@ class RunHolders:
         for node_id in node_ids:
             self.local(node_id)
 
-    def fence(self, generation: int, timeout_s: float = 30.0) -> dict[str, str]:
+    def fence(self, generation: int, timeout_s: float = 30.0) -> FenceOutcome:
         """Every holder of the run told that lease ``generation`` holds it (before the
-        workers start). Node id -> what happened, for each holder that refused (a newer
-        generation holds the run: this driver is deposed) or could not be fenced -- gone,
-        silent, or of an older ftjob without a fence -- which is released: a holder that might
-        take a deposed driver's snapshots is never read."""
+        workers start). Those that refused it (they know a newer generation: this driver may
+        be deposed -- the caller checks its lease, :meth:`drop`), and those that could not be
+        fenced -- gone, silent, or of an older ftjob without a fence -- which are released: a
+        holder that might take a deposed driver's snapshots is never read."""
         import ray
 
-        asked, problems = {}, {}
+        asked, outcome = {}, FenceOutcome()
         for node, handle in self.held().items():
             try:
                 asked[node] = (handle, handle.fence.remote(generation))
             except AttributeError:  # a holder of an older ftjob: no fence
-                asked[node], problems[node] = (handle, None), "it has no fence (an older ftjob)"
+                asked[node] = (handle, None)
+                outcome.released[node] = "it has no fence (an older ftjob)"
         for node, (handle, ref) in asked.items():
             try:
                 answer = ray.get(ref, timeout=timeout_s) if ref is not None else None
             except Exception as exc:  # the holder's boundary: whatever it was, it is not read
-                problems[node], answer = f"{type(exc).__name__}: {exc}", None
+                outcome.released[node], answer = f"{type(exc).__name__}: {exc}", None
             if isinstance(answer, Refused):
-                problems[node] = answer.reason
-            elif node in problems:
+                outcome.refused[node] = answer.reason
+            elif node in outcome.released:
                 ray.kill(handle)
-                problems[node] += ": released, its snapshots are not read"
-        return problems
+        return outcome
+
+    def drop(self, nodes: list[str], timeout_s: float = 30.0) -> None:
+        """These nodes' holders released now (one that refused a driver whose lease holds),
+        and gone by name once this returns (up to ``timeout_s``): a rank's first call there
+        makes a new one."""
+        import ray
+
+        held = self.held()
+        for node in nodes:
+            if node in held:
+                ray.kill(held[node])
+        deadline = time.monotonic() + timeout_s
+        while set(nodes) & set(self.held()) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def claim(self) -> int:
         """The driver is alive: every holder of the run is kept. How many there are."""
@@ -148,20 +163,30 @@ class RunHolders:
         ``generation`` (the ending driver's lease), every holder but those fenced by a newer
         one, which another driver of the run holds now. How many went."""
         import ray
+        import ray.exceptions
 
         held = self.held()
         if generation is not None:
             fences = {n: h.stats.remote() for n, h in held.items()}
             for node, ref in fences.items():
                 try:
-                    newer = (ray.get(ref, timeout=30.0).get("generation") or 0) > generation
-                except Exception:  # gone, or silent: released all the same
-                    newer = False
-                if newer:
+                    kept = (ray.get(ref, timeout=30.0).get("generation") or 0) > generation
+                except (ray.exceptions.RayError, TimeoutError):
+                    kept = True  # silent: it may be a newer driver's; its orphan time ends it
+                if kept:
                     del held[node]
         for handle in held.values():
             ray.kill(handle)
         return len(held)
+
+
+@dataclass
+class FenceOutcome:
+    """What a driver's fence met: node id -> the reason of each holder that refused it, and of
+    each that could not be fenced and was released."""
+
+    refused: dict[str, str] = field(default_factory=dict)
+    released: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -190,6 +215,7 @@ def _first(pair: tuple[str, Any]) -> str:
 
 
 __all__ = [
+    "FenceOutcome",
     "HolderDirectory",
     "LocalHolders",
     "RunHolders",

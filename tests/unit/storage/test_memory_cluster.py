@@ -72,3 +72,49 @@ def test_a_node_without_a_holder_gets_one_and_peers_are_the_others():
     directory.lose("a")
     assert [node for node, _ in directory.peers("b")] == ["c"]
     assert LocalHolders({}).local("x") is None  # no way to make one: none
+
+
+@pytest.mark.ray
+def test_on_ray_a_driver_fences_the_runs_holders_and_one_that_refused_it_is_dropped_or_stops_it():
+    """The driver's side on embedded Ray: its fence reaches every holder of the run; a holder
+    that knows a newer generation refuses it, and then the driver's lease decides -- lost: the
+    run stops before its workers start; still its own: that holder is released. At its end a
+    driver releases no holder that a newer driver fenced."""
+    import ray
+
+    from ftjob.config import MemoryConfig
+    from ftjob.driver.holders import held_snapshots
+    from ftjob.storage.lease import LeaseLost
+    from ftjob.storage.memory.cluster import RunHolders
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        config = MemoryConfig(enabled=True, max_mb=16)
+        holders = RunHolders("fence-run", 2**24, 2, 60.0)
+        holders.start([node])
+        assert holders.fence(3).refused == {} and holders.fence(3).released == {}
+        outcome = holders.fence(2)  # a driver of an older generation: deposed
+        assert "fenced by lease generation 3" in outcome.refused[node]
+        assert list(holders.held()) == [node]  # a refusal alone releases nothing
+
+        def lost() -> None:
+            raise LeaseLost("the run's lease is held by generation 3")
+
+        said: list[str] = []
+        with pytest.raises(LeaseLost):
+            with held_snapshots("fence-run", config, True, said.append, 2, lost):
+                pass
+        assert list(holders.held()) == [node]  # the newer driver's holder is left alone
+        # The same refusal with the lease still this driver's: that holder is released; the
+        # node's next holder is a new one, empty, fenced by this driver's ranks' first call.
+        with held_snapshots("fence-run", config, True, said.append, 2) as running:
+            assert running is not None and holders.held() == {}
+            fresh = running.local(node)
+            assert ray.get(fresh.steps.remote(2)) == []
+            assert ray.get(fresh.stats.remote())["generation"] == 2
+            assert holders.release(generation=1) == 0  # fenced by a newer driver: kept
+        assert any("refused this driver's fence" in line for line in said), said
+        assert holders.held() == {}  # the run's end released it
+    finally:
+        ray.shutdown()
