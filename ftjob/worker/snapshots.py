@@ -238,11 +238,11 @@ class MemoryTier:
         except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
             self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
             return
-        if answer.get("fenced"):
-            self._deposed(answer["reason"])
+        if answer.fenced:
+            self._deposed(answer.reason)
             return
-        if not answer["kept"]:
-            self._turn_off(answer["reason"])
+        if not answer.kept:
+            self._turn_off(answer.reason)
             return
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftjob.placement import start_pinned_actor
@@ -37,6 +37,17 @@ class RingRef:
     address: dict[str, Any]
     step: int
     nonce: int | None = None
+
+
+@dataclass(frozen=True)
+class PutAnswer:
+    """A holder's answer to a snapshot sent (:meth:`SnapshotHolder.put`): kept, with the steps
+    it dropped to make room; or not kept, and why -- ``fenced``: the fence refused its writer."""
+
+    kept: bool
+    dropped: list[int] = field(default_factory=list)
+    reason: str = ""
+    fenced: bool = False
 
 
 class SnapshotHolder:
@@ -157,29 +168,28 @@ class SnapshotHolder:
             self.ring.set_fence(self.gate.generation or 0)
         return self.ring.address if slot_bytes <= self.ring.slot_bytes else None
 
-    def put(self, snapshot: Snapshot, generation: int | None = None) -> dict[str, Any]:
-        """Keep ``snapshot``, written by a worker of lease ``generation``: ``{"kept": True,
-        "dropped": [steps]}``, or ``{"kept": False, "reason": ...}`` when it cannot fit under
-        the cap (and ``"fenced": True`` when the fence refuses it). As a Ray actor
+    def put(self, snapshot: Snapshot, generation: int | None = None) -> PutAnswer:
+        """Keep ``snapshot``, written by a worker of lease ``generation``; not kept when it
+        cannot fit under the cap, or when the fence refuses its writer. As a Ray actor
         (``object_store``) it keeps its copy in Ray's object store, owned by itself: a reader
         on this node maps it without a copy. A step already held is kept as it is (a copy
         from a peer that another rank of this node put first)."""
         self.received = self.received.add_sent(snapshot.nbytes)
         refused = self._admit(generation, f"the snapshot of step {snapshot.step}")
         if refused is not None:
-            return {"kept": False, "fenced": True, "reason": refused.reason}
+            return PutAnswer(False, reason=refused.reason, fenced=True)
         if snapshot.step in self._held():
-            return {"kept": True, "dropped": []}
+            return PutAnswer(True)
         room = self.cap_bytes - self._ring_bytes()
         if snapshot.nbytes > room and self.ring is not None and not self.ring.counts()[0]:
             self.ring.close()  # made for a writer that never wrote into it: its room back
             self.ring, room = None, self.cap_bytes
         if snapshot.nbytes > room:
-            return {
-                "kept": False,
-                "reason": f"a snapshot of {snapshot.nbytes / 2**20:.0f} MB does not fit in "
+            return PutAnswer(
+                False,
+                reason=f"a snapshot of {snapshot.nbytes / 2**20:.0f} MB does not fit in "
                 f"{room / 2**20:.0f} MB",
-            }
+            )
         if self.object_store:
             import ray
 
@@ -193,7 +203,7 @@ class SnapshotHolder:
         while len(self.snapshots) > self.keep or self._sent_bytes() > room:
             dropped.append(self._drop(min(self.snapshots)))
         self.dropped += len(dropped)
-        return {"kept": True, "dropped": dropped}
+        return PutAnswer(True, dropped)
 
     def put_part(self, part: Snapshot, generation: int | None = None) -> Refused | None:
         """Rank 0's own part of its snapshot of ``part.step`` (its module's buffers, its
@@ -353,4 +363,4 @@ def start_holder(cap_mb: float, keep: int) -> Any:
     return start_pinned_actor(SnapshotHolder, int(cap_mb * 2**20), keep, True)
 
 
-__all__ = ["NodeHolder", "Refused", "RingRef", "SnapshotHolder", "start_holder"]
+__all__ = ["NodeHolder", "PutAnswer", "Refused", "RingRef", "SnapshotHolder", "start_holder"]

@@ -248,11 +248,14 @@ class Ring:
 
     def claim(self, generation: int | None = None) -> tuple[int, np.ndarray]:
         """A slot to write the next snapshot into, marked as being written, and its payload:
-        one not committed (the writer keeps at most ``slots - 1`` committed, :meth:`keep_newest`).
-        Raises :class:`Fenced` for a writer of a generation older than the fence."""
+        an empty one, else one not committed (the writer keeps at most ``slots - 1`` committed,
+        :meth:`keep_newest`; a slot left being written by a writer that died is taken back).
+        An empty one first: for a while a deposed driver's worker may still be writing a slot
+        of its own. Raises :class:`Fenced` for a writer of a generation older than the fence."""
         self.check_fence(generation)
-        held = set(self.committed().values())
-        slot = next(s for s in range(self.slots) if s not in held)
+        states = [self._state(s)[0] for s in range(self.slots)]
+        free = [s for s, state in enumerate(states) if state == self.EMPTY]
+        slot = free[0] if free else states.index(self.WRITING)
         self._set_state(slot, self.WRITING)
         return slot, self.payload(slot)
 

@@ -29,6 +29,7 @@ from ftjob.storage.memory import (
     unpack,
 )
 from ftjob.storage.memory import format as memory_format
+from ftjob.storage.memory.holder import PutAnswer
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = machine()
@@ -41,10 +42,10 @@ def snapshot(step: int, size: int = 100) -> Snapshot:
 def test_the_holder_keeps_the_newest_snapshots_within_count_and_cap() -> None:
     holder = SnapshotHolder(cap_bytes=350, keep=3)
     for step in (1, 2, 3):
-        assert holder.put(snapshot(step))["kept"]
+        assert holder.put(snapshot(step)).kept
     assert holder.steps() == [3, 2, 1]
-    assert holder.put(snapshot(4)) == {"kept": True, "dropped": [1]}  # the count
-    assert holder.put(snapshot(5, size=200)) == {"kept": True, "dropped": [2, 3]}  # the cap
+    assert holder.put(snapshot(4)) == PutAnswer(True, [1])  # the count
+    assert holder.put(snapshot(5, size=200)) == PutAnswer(True, [2, 3])  # the cap
     assert holder.steps() == [5, 4] and holder.held_bytes() <= 350
     assert holder.stats()["taken"] == 5 and holder.stats()["dropped"] == 3
 
@@ -53,7 +54,7 @@ def test_a_snapshot_bigger_than_the_cap_is_refused_and_nothing_held_is_dropped()
     holder = SnapshotHolder(cap_bytes=150, keep=2)
     holder.put(snapshot(1))
     answer = holder.put(snapshot(2, size=1000))
-    assert not answer["kept"] and "does not fit" in answer["reason"]
+    assert not answer.kept and "does not fit" in answer.reason
     assert holder.steps() == [1]
 
 
@@ -255,7 +256,7 @@ def test_only_a_process_that_can_map_the_holders_ring_writes_into_it() -> None:
     # A ring made for a writer that then could not map it gives its room back to sent ones.
     unused = SnapshotHolder(cap_bytes=2**20, keep=1)
     assert unused.channel(2**18, HERE) is not None
-    assert unused.put(snapshot(1, size=2**19 + 2**18))["kept"] and unused.ring is None
+    assert unused.put(snapshot(1, size=2**19 + 2**18)).kept and unused.ring is None
 
 
 def test_the_ring_keeps_the_newest_and_drops_the_lost_attempts_later_snapshots() -> None:

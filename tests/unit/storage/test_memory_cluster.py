@@ -8,6 +8,7 @@ import pytest
 
 from ftjob.storage.memory import Snapshot, SnapshotHolder, machine
 from ftjob.storage.memory.cluster import LocalHolders, holder_name, holder_namespace
+from ftjob.storage.memory.holder import PutAnswer
 
 
 def snapshot(step: int) -> Snapshot:
@@ -45,7 +46,7 @@ def test_a_step_already_held_keeps_its_first_copy():
     first = snapshot(3)
     holder.put(first)
     other = Snapshot.of(3, {"model.pt": b"\x00" * 100, "state.json": b"{}"})
-    assert holder.put(other) == {"kept": True, "dropped": []}
+    assert holder.put(other) == PutAnswer(True)
     assert holder.get(3).digests == first.digests and holder.stats()["taken"] == 1
 
 

@@ -33,17 +33,16 @@ def test_a_stale_generations_writes_are_refused_and_a_restore_reads_only_fenced_
     holder = SnapshotHolder(cap_bytes=2**20, keep=4)
     dead = Ring.attach(holder.channel(4096, HERE, 1))  # the dead driver's rank: generation 1
     write(dead, 10, 1)
-    assert holder.put(snapshot(11), 1)["kept"]
+    assert holder.put(snapshot(11), 1).kept
 
     assert holder.fence(2) is None  # the next driver took the run, before its workers start
     assert holder.steps() == [11, 10]  # committed before the takeover: still restorable
 
     # The dead driver's worker lives on: every write of generation 1 is refused, saying why.
     answer = holder.put(snapshot(13), 1)
-    assert answer["kept"] is False and answer["fenced"] is True
-    assert (
-        "lease generation 1" in answer["reason"]
-        and "fenced by lease generation 2" in (answer["reason"])
+    assert answer.kept is False and answer.fenced is True
+    assert "lease generation 1" in answer.reason and "fenced by lease generation 2" in (
+        answer.reason
     )
     assert isinstance(holder.put_part(snapshot(13), 1), Refused)
     assert isinstance(holder.drop_after(0, 1), Refused) and holder.steps() == [11, 10]
@@ -56,7 +55,7 @@ def test_a_stale_generations_writes_are_refused_and_a_restore_reads_only_fenced_
 
     live = Ring.attach(holder.channel(4096, HERE, 2))
     write(live, 12, 2)
-    assert holder.put(snapshot(12), 2)["kept"]  # a peer's copy of the same step: kept as is
+    assert holder.put(snapshot(12), 2).kept  # a peer's copy of the same step: kept as is
     assert holder.steps() == [12, 11, 10]  # the newest a restore offers: the live run's
     ref = holder.get(12)
     assert isinstance(ref, RingRef) and live.read(12, ref.nonce).verify() is None
@@ -85,7 +84,7 @@ def test_what_has_no_known_generation_is_never_offered_once_a_driver_fences_the_
     assert holder.steps() == [4, 3]  # no fence (a run without a lease): everything, as before
     holder.fence(5)
     assert holder.steps() == [] and holder.snapshots == {}
-    assert not holder.put(snapshot(6))["kept"]  # nor is a write without a generation taken
+    assert not holder.put(snapshot(6)).kept  # nor is a write without a generation taken
     # A driver of an older generation than the holder knows is deposed: its fence is refused.
     assert "fenced by lease generation 5" in holder.fence(4).reason
     assert holder.fence(5) is None and holder.fence(6) is None
@@ -98,10 +97,10 @@ def test_a_newer_writer_moves_the_fence_on_but_admits_nothing_older():
     holder = SnapshotHolder(cap_bytes=2**20, keep=4)
     holder.put(snapshot(9), 1)
     write(Ring.attach(holder.channel(4096, HERE, 1)), 8, 1)
-    assert holder.put(snapshot(5), 2)["kept"]
+    assert holder.put(snapshot(5), 2).kept
     assert holder.steps() == [5] and holder.stats()["generation"] == 2
     assert holder.ring.committed() == {}  # the ring's slot of step 8 emptied, not just hidden
-    assert not holder.put(snapshot(10), 1)["kept"]
+    assert not holder.put(snapshot(10), 1).kept
 
 
 def test_a_newer_reader_moves_the_fence_on_and_is_offered_nothing_a_deposed_worker_wrote():
@@ -124,3 +123,19 @@ def test_a_newer_reader_moves_the_fence_on_and_is_offered_nothing_a_deposed_work
         write(live, step, 2)
         live.keep_newest(2)
     assert holder.steps(2) == [5, 4]
+
+
+def test_a_writer_claims_an_empty_slot_before_one_another_writer_has_half_written():
+    # A deposed driver's worker claimed a slot just before the fence and is still writing it:
+    # the live writer takes an empty slot, not that one; a slot whose writer died mid-write is
+    # taken back once no slot is empty.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=1)  # two slots
+    zombie = Ring.attach(holder.channel(4096, HERE, 1))
+    half, _ = zombie.claim(1)
+    holder.fence(2)
+    live = Ring.attach(holder.channel(4096, HERE, 2))
+    slot, _ = live.claim(2)
+    assert slot != half
+    live.release(slot)
+    write(live, 7, 2)  # commits into the empty slot: none left empty now
+    assert live.claim(2)[0] == half
