@@ -179,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     extra: list[str] = args.set
     for item in extra:
-        if item.split("=", 1)[0].lstrip("+~") == "checkpoint.memory.enabled":
+        if item.split("=", 1)[0].lstrip("+~") in ("checkpoint.memory", "checkpoint.memory.enabled"):
             parser.error(
                 f"--set {item}: the kinds choose the memory tier (on for the '+tier' kinds, off "
                 "for the rest); compare them with --kinds"

@@ -75,12 +75,16 @@ def held_snapshots(
             )
         if fenced.refused:
             check_lease()
-            holders.drop(list(fenced.refused))
+            left = holders.drop(list(fenced.refused))
             for node, why in fenced.refused.items():
+                gone = (
+                    "still there after 30 s: its ranks' writes are refused, restores read storage"
+                    if node in left
+                    else "released, its snapshots are not read"
+                )
                 echo(
                     f"memory tier: the holder of node {node[:12]} refused this driver's fence "
-                    f"({why}) though the run's lease is this driver's: released, its "
-                    "snapshots are not read"
+                    f"({why}) though the run's lease is this driver's: {gone}"
                 )
     stop = threading.Event()
 

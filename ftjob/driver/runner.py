@@ -62,6 +62,7 @@ from ftjob.reporting.summary import (
 )
 from ftjob.reporting.timeline import draw_timeline
 from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.storage.errors import is_storage_error
 from ftjob.storage.fs import (
     RetryingFileSystem,
     StorageError,
@@ -69,7 +70,7 @@ from ftjob.storage.fs import (
     preflight,
     to_pyarrow,
 )
-from ftjob.storage.lease import LeaseHeld, LeaseKeeper, RunLease
+from ftjob.storage.lease import LeaseHeld, LeaseKeeper, LeaseLost, RunLease
 from ftjob.storage.wrapper import exclusive_create_guarantee
 from ftjob.worker.scratch import run_scratch_dir, scratch_name
 
@@ -330,16 +331,41 @@ def _train(
             echo(note)
         out.feed = logger_feed(job, prep, run_dir, echo)
         out.feed.params(prep.public_config)
-        out.snapshot, out.fit = _train_on_cluster(
-            job, prep, echo, out.feed, keeper, stop, out.outputs
-        )
+        try:
+            out.snapshot, out.fit = _train_on_cluster(
+                job, prep, echo, out.feed, keeper, stop, out.outputs
+            )
+        except LeaseLost as exc:  # a holder knew a newer driver, and the lease agreed
+            out.lease_lost = str(exc)
     finally:
         keeper.stop()
-        out.lease_lost = keeper.lost
+        out.lease_lost = out.lease_lost or keeper.lost
         shutil.rmtree(run_scratch_dir(prep.scratch), ignore_errors=True)
-        if keeper.lost is None:
+        if out.lease_lost is None:
             prep.lease.release()
     return out
+
+
+def lease_check(lease: RunLease) -> Callable[[], None]:
+    """The lease's check as the memory tier's fence asks it (a holder refused this driver's
+    generation): :class:`LeaseLost` where another driver holds the run, or where storage
+    cannot say (this driver cannot show the run is its own: it stops)."""
+
+    def check() -> None:
+        try:
+            lease.check()
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            raise LeaseLost(
+                f"run {lease.run_name!r}: a snapshot holder knows a newer lease generation "
+                f"than this driver's, and the lease could not be checked ({type(exc).__name__}: "
+                f"{exc}): stopped before the workers start"
+            ) from exc
+
+    return check
 
 
 def logger_feed(
@@ -516,7 +542,12 @@ def _train_on_cluster(
         memory = job.checkpoint.memory  # released before the cluster stops, after the run
         holders = run_actors.enter_context(
             held_snapshots(
-                prep.name, memory, prep.continues, echo, prep.lease.generation, prep.lease.check
+                prep.name,
+                memory,
+                prep.continues,
+                echo,
+                prep.lease.generation,
+                lease_check(prep.lease),
             )
         )
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)

@@ -124,8 +124,9 @@ def refused_op(exc: BaseException) -> str | None:
 @dataclass(frozen=True)
 class ExactBackward:
     """Exact mode's step (a :class:`ftjob.worker.backward.Backward`): this rank's run of fixed
-    micro-batches, their gradients summed exactly with every other rank's
-    (:class:`ftjob.worker.exact_sum.GradientSum`), and micro-batch 0's buffers on every rank."""
+    micro-batches, their gradients summed with every other rank's in an order no world size
+    changes (:class:`ftjob.worker.exact_sum.TreeSum` for a power-of-two count of them, else
+    :class:`~ftjob.worker.exact_sum.GradientSum`), and micro-batch 0's buffers on every rank."""
 
     rank: int
     world: int
@@ -173,7 +174,8 @@ class ExactBackward:
         sums.finish()
         self.ready()
         if self.world > 1:  # rank 0's buffers as bit patterns; the other ranks add zeros
-            shared = buffer_bits(buffers, self.rank == 0, sums.device)
+            device = buffers[0].device if buffers else sums.device
+            shared = buffer_bits(buffers, self.rank == 0, device)
             dist.all_reduce(shared, op=dist.ReduceOp.SUM)
             if self.rank > 0:
                 set_from_bits(buffers, shared)

@@ -228,7 +228,7 @@ class MemoryTier:
                 except Ring.Fenced as exc:
                     self._deposed(str(exc))
                     return
-                self.ring.keep_newest(self.keep)
+                self.ring.keep_newest(self.keep, self.generation)
                 self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
                 return
         snapshot = Snapshot.of(step, files)

@@ -137,10 +137,10 @@ class RunHolders:
                 ray.kill(handle)
         return outcome
 
-    def drop(self, nodes: list[str], timeout_s: float = 30.0) -> None:
+    def drop(self, nodes: list[str], timeout_s: float = 30.0) -> list[str]:
         """These nodes' holders released now (one that refused a driver whose lease holds),
         and gone by name once this returns (up to ``timeout_s``): a rank's first call there
-        makes a new one."""
+        makes a new one. The nodes whose holder is still there after that."""
         import ray
 
         held = self.held()
@@ -148,8 +148,9 @@ class RunHolders:
             if node in held:
                 ray.kill(held[node])
         deadline = time.monotonic() + timeout_s
-        while set(nodes) & set(self.held()) and time.monotonic() < deadline:
+        while (left := sorted(set(nodes) & set(self.held()))) and time.monotonic() < deadline:
             time.sleep(0.1)
+        return left
 
     def claim(self) -> int:
         """The driver is alive: every holder of the run is kept. How many there are."""

@@ -19,9 +19,10 @@ it was told of:
   one a rank created on a node that joined later) without admitting anything older.
 - **Reads offer only what the fence admits** (:meth:`GenerationFence.admits`): an entry of the
   live generation, or one admitted at the takeover. A restore's reads carry its reader's
-  generation: a newer one moves the fence on first, as a write does, an older one is refused. A write that slipped in between a writer's
-  check and the holder's fence (the ring's writers check the head themselves) carries its older
-  generation and is never offered.
+  generation: a newer one moves the fence on first, as a write does; an older one is refused
+  (not counted: reads are not writes). A write that slipped in between a writer's check and
+  the holder's fence (the ring's writers check the head themselves) carries its older
+  generation and is never offered, and the live writer's next commit empties its slot.
 
 A holder never told a generation (a run without a lease) takes and offers everything, as before.
 """
@@ -50,12 +51,14 @@ class GenerationFence:
         self.admitted: frozenset[Hashable] = frozenset()
         self.refused = 0
 
-    def refuses(self, generation: int | None, what: str, by: str = "a worker") -> Refused | None:
-        """The refusal of a write of ``what`` by ``by`` of lease ``generation`` (None: none
-        known), counted; None where the holder takes it."""
+    def refuses(
+        self, generation: int | None, what: str, by: str = "a worker", count: bool = True
+    ) -> Refused | None:
+        """The refusal of ``what`` by ``by`` of lease ``generation`` (None: none known),
+        counted where ``count`` (a write); None where the holder takes it."""
         if self.generation is None or (generation is not None and generation >= self.generation):
             return None
-        self.refused += 1
+        self.refused += count
         writer = "no lease generation" if generation is None else f"lease generation {generation}"
         return Refused(
             f"the snapshot holder refused {what} from {by} of {writer}: it is fenced by "

@@ -143,7 +143,12 @@ class SnapshotHolder:
         fence: one created after the takeover, which a deposed driver's worker may have
         written first), so it is offered nothing older; an older one is refused. None: a
         reader that claims no generation (a measurement), offered what the fence admits."""
-        return generation is None or self._admit(generation, what) is None
+        if generation is None:
+            return True
+        refused = self.gate.refuses(generation, what, count=False)  # reads are not writes
+        if refused is None and self.gate.newer(generation):
+            self._take_over(generation, admit=False)
+        return refused is None
 
     def channel(
         self, slot_bytes: int, where: str, generation: int | None = None

@@ -304,8 +304,14 @@ class Ring:
         self._count(1, add=1)
         return True
 
-    def keep_newest(self, keep: int) -> list[int]:
-        """Drops committed snapshots older than the newest ``keep``; their steps."""
+    def keep_newest(self, keep: int, generation: int | None = None) -> list[int]:
+        """Drops committed snapshots older than the newest ``keep``; their steps. With the
+        writer's ``generation``, first every slot of another one (a deposed driver's worker's
+        commit that slipped past the fence: its later step must not count as the newest)."""
+        if generation is not None:
+            for e in self.entries():
+                if e.generation != generation:
+                    self.discard(e.slot, e.nonce)
         held = self.committed()
         old = sorted(held, reverse=True)[keep:]
         for step in old:

@@ -81,3 +81,30 @@ def test_resume_auto_of_a_finished_run_copies_its_outputs_only_where_none_say_it
         f"outputs: file://{outputs} (the run's own, from the driver that finished it: kept)"
     ]
     assert json.loads((outputs / "summary.json").read_text())["metrics"] == {"a": 1}
+
+
+def test_a_driver_that_learns_at_its_start_that_another_holds_the_run_fails_and_writes_nothing_final(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A memory-tier holder refused this driver's fence and its lease agreed (LeaseLost, from
+    # within the cluster's start): the run fails with the lease's reason as a lost lease does
+    # -- no bug (nothing raised, no traceback copied into the run's storage), no resume
+    # command, the lease left to the driver that holds it.
+    from ftjob.storage.lease import LeaseLost
+
+    storage = tmp_path / "storage"
+    job = compose_job("+experiment=digits_ft", "name=deposed", f"checkpoint.storage_path={storage}")
+    reason = "run 'deposed': the lease is held by generation 3"
+
+    def deposed(*args: object) -> None:
+        raise LeaseLost(reason)
+
+    monkeypatch.setattr(runner, "_train_on_cluster", deposed)
+    result = runner.run(job, str(tmp_path / "run"), echo=lambda line: None)
+    assert not result.ok and result.status == "failed" and result.error == reason
+    written = json.loads(Path(result.summary_path).read_text())
+    assert written["status"] == "failed" and "resume_command" not in written
+    assert not (storage / "deposed" / "outputs" / "traceback.txt").exists()
+    # Its lease is not released: another driver's, as far as this one knows.
+    [generation] = (storage / "deposed" / "lease").iterdir()
+    assert "released" not in json.loads(generation.read_text())

@@ -62,18 +62,18 @@ def model() -> torch.nn.Module:
 
 
 def train(
-    rank: int, world: int, tree: bool = False
+    rank: int, world: int, tree: bool = False, micro: int = MICRO
 ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]:
     """Every step of :data:`STEPS` on this rank: the parameters' mean gradients and the
     buffers after it, and the tensors each step summed again; on the grid, or with ``tree``
-    in the tree. One intra-op thread, as exact mode fixes (a convolution's bits depend on
-    it)."""
+    in the tree; the global batch of 16 in micro-batches of ``micro``. One intra-op thread,
+    as exact mode fixes (a convolution's bits depend on it)."""
     torch.set_num_threads(1)
     torch.manual_seed(1)
     images, labels = torch.randn(G * MICRO, 3, 8, 8), torch.randint(0, 5, (G * MICRO,))
     share = slice(rank * G * MICRO // world, (rank + 1) * G * MICRO // world)
     net = model()
-    backward = ExactBackward(rank, world, MICRO, seed=3, work=Workspace(tree=tree))
+    backward = ExactBackward(rank, world, micro, seed=3, work=Workspace(tree=tree))
     batch = Batch(images[share], labels[share])
     states, redone = [], []
     for multiplier, path in STEPS:
@@ -93,25 +93,27 @@ def train(
     return states, redone
 
 
-def rank_main(rank: int, world: int, port: int, out: Any, tree: bool) -> None:
+def rank_main(rank: int, world: int, port: int, out: Any, tree: bool, micro: int) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
-        out.put((rank, train(rank, world, tree)))
+        out.put((rank, train(rank, world, tree, micro)))
     finally:
         dist.destroy_process_group()
 
 
 def on_ranks(
-    world: int, tree: bool = False
+    world: int, tree: bool = False, micro: int = MICRO
 ) -> list[tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]]:
     ctx = _rank_context()
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, out, tree)) for r in range(world)]
+    procs = [
+        ctx.Process(target=rank_main, args=(r, world, port, out, tree, micro)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=120) for _ in range(world))
@@ -173,3 +175,16 @@ def test_in_the_tree_the_gradient_has_the_same_bits_at_world_1_2_and_4():
         for rank, (rank_states, _) in enumerate(on_ranks(world, tree=True)):
             for step, (mine, theirs) in enumerate(zip(states, rank_states, strict=True)):
                 assert same_bits(mine, theirs) == [], (world, rank, step)
+
+
+def test_eight_micro_batches_in_the_tree_have_the_same_bits_on_1_and_8_ranks():
+    # Three levels of pairs between ranks (8 ranks of one micro-batch each) against one rank
+    # that adds all eight itself: the tree's every level, on the grid's steps.
+    threads = torch.get_num_threads()
+    try:
+        states, _ = train(0, 1, tree=True, micro=2)
+    finally:
+        torch.set_num_threads(threads)
+    for rank, (rank_states, _) in enumerate(on_ranks(8, tree=True, micro=2)):
+        for step, (mine, theirs) in enumerate(zip(states, rank_states, strict=True)):
+            assert same_bits(mine, theirs) == [], (rank, step)
