@@ -67,25 +67,7 @@ def held_snapshots(
         )
     holders.start(training_nodes())
     if generation is not None:
-        fenced = holders.fence(generation)
-        for node, why in fenced.released.items():
-            echo(
-                f"memory tier: the holder of node {node[:12]} could not be fenced: {why}: "
-                "released, its snapshots are not read"
-            )
-        if fenced.refused:
-            check_lease()
-            left = holders.drop(list(fenced.refused))
-            for node, why in fenced.refused.items():
-                gone = (
-                    "still there after 30 s: its ranks' writes are refused, restores read storage"
-                    if node in left
-                    else "released, its snapshots are not read"
-                )
-                echo(
-                    f"memory tier: the holder of node {node[:12]} refused this driver's fence "
-                    f"({why}) though the run's lease is this driver's: {gone}"
-                )
+        fence(holders, generation, check_lease, echo)
     stop = threading.Event()
 
     def claim() -> None:
@@ -116,6 +98,36 @@ def held_snapshots(
             logger.debug("memory tier: releasing the holders failed: %s", exc)
 
 
+def fence(
+    holders: RunHolders,
+    generation: int,
+    check_lease: Callable[[], None],
+    echo: Callable[[str], None],
+) -> None:
+    """The run's holders fenced by lease ``generation``, before the workers start (see
+    :func:`held_snapshots`): what could not be fenced is released; a refusal asks the lease."""
+    fenced = holders.fence(generation)
+    for node, why in fenced.released.items():
+        echo(
+            f"memory tier: the holder of node {node[:12]} could not be fenced: {why}: "
+            "released, its snapshots are not read"
+        )
+    if not fenced.refused:
+        return
+    check_lease()
+    left = holders.drop(list(fenced.refused))
+    for node, why in fenced.refused.items():
+        gone = (
+            "still there after 30 s: its ranks' writes are refused, restores read storage"
+            if node in left
+            else "released, its snapshots are not read"
+        )
+        echo(
+            f"memory tier: the holder of node {node[:12]} refused this driver's fence "
+            f"({why}) though the run's lease is this driver's: {gone}"
+        )
+
+
 def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
     """What reached the run's live holders: snapshots in place, and bytes through Ray."""
     import ray
@@ -124,4 +136,4 @@ def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
     return RunTraffic.of(ray.get([h.traffic.remote() for h in handles], timeout=timeout_s))
 
 
-__all__ = ["claim_interval", "held_snapshots", "run_traffic", "training_nodes"]
+__all__ = ["claim_interval", "fence", "held_snapshots", "run_traffic", "training_nodes"]

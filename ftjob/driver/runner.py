@@ -157,10 +157,8 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     notes = [resumption.said] if resumption.said and finished is None else []
     # Last: nothing fails after it. A finished run writes nothing: it takes no lease.
     lease, taken = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], finished is None)
-    notes += taken
-    notes += [f"resume: {line}" for line in stated + removed]
-    notes += dataset.catalog_notes()  # what the catalogs left out (hidden files...)
-    notes += [job.trainer.exact_note] if job.trainer.exact_note else []
+    notes += [*taken, *(f"resume: {line}" for line in stated + removed)]
+    notes += [*dataset.catalog_notes(), *filter(None, [job.trainer.exact_note])]  # hidden files..
     return Prepared(
         name,
         fs,
@@ -539,16 +537,10 @@ def _train_on_cluster(
             )
         stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
-        memory = job.checkpoint.memory  # released before the cluster stops, after the run
+        memory, lease = job.checkpoint.memory, prep.lease  # holders: released before Ray stops
+        check = lease_check(lease)
         holders = run_actors.enter_context(
-            held_snapshots(
-                prep.name,
-                memory,
-                prep.continues,
-                echo,
-                prep.lease.generation,
-                lease_check(prep.lease),
-            )
+            held_snapshots(prep.name, memory, prep.continues, echo, lease.generation, check)
         )
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}

@@ -247,11 +247,9 @@ class Ring:
     # -- writing ----------------------------------------------------------------------------
 
     def claim(self, generation: int | None = None) -> tuple[int, np.ndarray]:
-        """A slot to write the next snapshot into, marked as being written, and its payload:
-        an empty one, else one not committed (the writer keeps at most ``slots - 1`` committed,
-        :meth:`keep_newest`; a slot left being written by a writer that died is taken back).
-        An empty one first: for a while a deposed driver's worker may still be writing a slot
-        of its own. Raises :class:`Fenced` for a writer of a generation older than the fence."""
+        """A slot to write the next snapshot into, marked as being written, and its payload: an
+        empty one (a deposed worker may be writing its own), else one a dead writer left being
+        written. Raises :class:`Fenced` for a writer of a generation older than the fence."""
         self.check_fence(generation)
         states = [self._state(s)[0] for s in range(self.slots)]
         free = [s for s, state in enumerate(states) if state == self.EMPTY]
