@@ -219,34 +219,31 @@ def buckets_of(lengths: Sequence[int]) -> list[list[int]]:
     return buckets if buckets[0] else []
 
 
-class GradientSum:
-    """One model's exact gradient sum, step after step: :meth:`start` a step, :meth:`micro`
-    before each local micro-batch's backward pass (its hooks convert the gradients as they
-    arrive, and launch the buckets during the last one), :meth:`finish` once this rank's
-    passes are done, :meth:`result` for the mean in every parameter's ``.grad``."""
+class HookedSum:
+    """What both sums share: each tensor's place in all-reduce buckets of a flat buffer
+    (``flags`` float64 counters after each tensor of a bucket, the grid's), the hooks that
+    hand each micro-batch's gradients to :meth:`on_grad`, and a step's bookkeeping --
+    :meth:`start` a step, :meth:`micro` before each local micro-batch's backward pass,
+    :meth:`finish` once this rank's passes are done; a bucket is launched (:meth:`_launch`)
+    as soon as its tensors are summed, in bucket order on every rank (gloo pairs calls)."""
 
-    def __init__(self, params: list[torch.Tensor], rank: int, world: int, work: Workspace):
-        self.params, self.rank, self.world, self.work = params, rank, world, work
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int, flags: int = 0):
+        self.params, self.rank, self.world = params, rank, world
         self.lengths = [p.numel() for p in params]
         self.buckets = buckets_of(self.lengths)
         self.bucket_of = [0] * len(params)
         self.offset = [0] * len(params)
-        self.spans: list[tuple[int, int]] = []  # a bucket's slice of the accumulator
+        self.spans: list[tuple[int, int]] = []  # a bucket's slice of the buffer
         at = 0
         for b, members in enumerate(self.buckets):
             start = at
             for t in members:
                 self.bucket_of[t], self.offset[t] = b, at
                 at += self.lengths[t]
-            self.spans.append((start, at + FLAGS * len(members)))
-            at += FLAGS * len(members)
+            at += flags * len(members)
+            self.spans.append((start, at))
         self.size = at
-        device = params[0].device if params else torch.device("cpu")
-        self.device = device
-        self.guess = torch.full((len(params),), UNKNOWN, dtype=torch.float64, device=device)
-        self.shifts: list[int | None] = [None] * len(params)  # the guess's, None: no guess
-        self.members = [torch.tensor(m, dtype=torch.long, device=device) for m in self.buckets]
-        self.redone: tuple[int, ...] = ()  # the tensors the last step summed again
+        self.device = params[0].device if params else torch.device("cpu")
         self.count = 0  # local micro-batches the views were made for
         self.armed = False
         me = weakref.ref(self)  # the model's hooks must not keep a discarded sum alive
@@ -257,10 +254,7 @@ class GradientSum:
         if count != self.count:
             self._views(count)
         self.total, self.local = total, 0
-        self.extremes.zero_()
-        self.stash: list[list[torch.Tensor | None]] = [
-            [None] * len(self.params) for _ in range(count)
-        ]
+        self._begin(count)
         self.done = [False] * len(self.params)
         self.pending = [len(m) for m in self.buckets]
         self.launched: list[Any] = []
@@ -268,6 +262,60 @@ class GradientSum:
         for p in self.params:
             p.grad = None
         self.armed = True
+
+    def micro(self, local: int) -> None:
+        """The local micro-batch whose backward pass comes next."""
+        self.local = local
+
+    def finish(self) -> None:
+        """This rank's backward passes are done: tensors no gradient reached in the last
+        micro-batch (unused, or a micro-batch of skipped samples) count as zeros, and every
+        bucket is on its way."""
+        for t in range(len(self.params)):
+            self._done(t)
+        self.armed = False
+
+    def _summed(self, t: int) -> None:
+        """Tensor ``t``'s local sum is in place: its bucket goes once complete."""
+        self.pending[self.bucket_of[t]] -= 1
+        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
+
+    def _views(self, count: int) -> None:
+        raise NotImplementedError
+
+    def _begin(self, count: int) -> None:
+        raise NotImplementedError
+
+    def _done(self, t: int) -> None:
+        raise NotImplementedError
+
+    def _launch(self, b: int) -> None:
+        raise NotImplementedError
+
+    def on_grad(self, t: int, p: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class GradientSum(HookedSum):
+    """One model's exact gradient sum on the grid, step after step (:class:`HookedSum`): its
+    hooks convert the gradients as they arrive and launch the buckets during the last
+    micro-batch's backward pass; :meth:`result` for the mean in every parameter's ``.grad``."""
+
+    def __init__(self, params: list[torch.Tensor], rank: int, world: int, work: Workspace):
+        super().__init__(params, rank, world, FLAGS)
+        self.work, device = work, self.device
+        self.guess = torch.full((len(params),), UNKNOWN, dtype=torch.float64, device=device)
+        self.shifts: list[int | None] = [None] * len(params)  # the guess's, None: no guess
+        self.members = [torch.tensor(m, dtype=torch.long, device=device) for m in self.buckets]
+        self.redone: tuple[int, ...] = ()  # the tensors the last step summed again
+
+    def _begin(self, count: int) -> None:
+        self.extremes.zero_()
+        self.stash: list[list[torch.Tensor | None]] = [
+            [None] * len(self.params) for _ in range(count)
+        ]
 
     def _views(self, count: int) -> None:
         """The step's buffers for ``count`` local micro-batches, and each tensor's views of
@@ -293,10 +341,6 @@ class GradientSum:
         self.extreme_views = [
             [(self.lows[j, t], self.highs[j, t]) for t in range(n)] for j in range(count)
         ]
-
-    def micro(self, local: int) -> None:
-        """The local micro-batch whose backward pass comes next."""
-        self.local = local
 
     def on_grad(self, t: int, p: torch.Tensor) -> None:
         """Tensor ``t``'s gradient of this micro-batch, just accumulated: kept (for the last
@@ -331,10 +375,7 @@ class GradientSum:
         if shift is not None:
             terms = [self.stash[local][t] for local in range(self.count)]
             sum_on_grid(self.sums[t], terms, shift, self.room)
-        self.pending[self.bucket_of[t]] -= 1
-        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
-            self._launch(self.next_bucket)  # in bucket order on every rank: gloo pairs calls
-            self.next_bucket += 1
+        self._summed(t)
 
     def _launch(self, b: int) -> None:
         members, (_, stop) = self.members[b], self.spans[b]
@@ -349,14 +390,6 @@ class GradientSum:
         if self.world > 1:
             span = self.acc[self.spans[b][0] : stop]
             self.launched.append(dist.all_reduce(span, op=dist.ReduceOp.SUM, async_op=True))
-
-    def finish(self) -> None:
-        """This rank's backward passes are done: tensors no gradient reached in the last
-        micro-batch (unused, or a micro-batch of skipped samples) count as zeros, and every
-        bucket is on its way."""
-        for t in range(len(self.params)):
-            self._done(t)
-        self.armed = False
 
     def result(self) -> None:
         """Every parameter's ``.grad``: the mean, each tensor from the sum its guess gave
@@ -449,7 +482,7 @@ def pair_groups(rank: int, world: int) -> list[Any]:
     return mine
 
 
-class TreeSum:
+class TreeSum(HookedSum):
     """Exact mode's sum where ``G`` is a power of two (so is every world size that divides it):
     the ``G`` micro-batch gradients added in float32 in one fixed binary tree, neighbours first
     -- ``((g0 + g1) + (g2 + g3)) + ...``. A rank's run of ``G / W`` micro-batches is a subtree,
@@ -467,40 +500,11 @@ class TreeSum:
     redone: tuple[int, ...] = ()  # the grid's: a tree sum has nothing to redo
 
     def __init__(self, params: list[torch.Tensor], rank: int, world: int, work: Workspace):
-        self.params, self.rank, self.world = params, rank, world
-        self.lengths = [p.numel() for p in params]
-        self.buckets = buckets_of(self.lengths)
-        self.bucket_of = [0] * len(params)
-        self.offset = [0] * len(params)
-        self.spans: list[tuple[int, int]] = []
-        at = 0
-        for b, members in enumerate(self.buckets):
-            start = at
-            for t in members:
-                self.bucket_of[t], self.offset[t] = b, at
-                at += self.lengths[t]
-            self.spans.append((start, at))
-        self.size = at
-        self.device = params[0].device if params else torch.device("cpu")
+        super().__init__(params, rank, world)
         self.groups = pair_groups(rank, world)
-        self.count = 0
-        self.armed = False
-        me = weakref.ref(self)
-        for t, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda p, t=t: _fire(me, t, p))
 
-    def start(self, count: int, total: int) -> None:
-        if count != self.count:
-            self._views(count)
-        self.total, self.local = total, 0
+    def _begin(self, count: int) -> None:
         self.have = [[False] * len(self.params) for _ in range(count)]
-        self.done = [False] * len(self.params)
-        self.pending = [len(m) for m in self.buckets]
-        self.launched: list[Any] = []
-        self.next_bucket = 0
-        for p in self.params:
-            p.grad = None
-        self.armed = True
 
     def _views(self, count: int) -> None:
         """The step's buffers for ``count`` local micro-batches: the sum (the parameters'
@@ -513,9 +517,6 @@ class TreeSum:
         self.sums = [self.flat[lo : lo + k] for lo, k, _ in spans]
         self.grads = [self.flat[lo : lo + k].view(shape) for lo, k, shape in spans]
         self.kept = [[row[lo : lo + k] for lo, k, _ in spans] for row in kept]
-
-    def micro(self, local: int) -> None:
-        self.local = local
 
     def on_grad(self, t: int, p: torch.Tensor) -> None:
         """Tensor ``t``'s gradient of this micro-batch: an earlier micro-batch's kept, the
@@ -543,23 +544,13 @@ class TreeSum:
             terms.append(kept if self.have[local][t] else kept.zero_())
         terms.append(last if last is not None else torch.zeros_like(self.sums[t]))
         tree_sum(terms, self.sums[t])
-        self.pending[self.bucket_of[t]] -= 1
-        while self.next_bucket < len(self.buckets) and self.pending[self.next_bucket] == 0:
-            self._launch(self.next_bucket)  # in bucket order on every rank: gloo pairs calls
-            self.next_bucket += 1
+        self._summed(t)
 
     def _launch(self, b: int) -> None:
         if self.groups:
             lo, hi = self.spans[b]
             work = dist.all_reduce(self.flat[lo:hi], group=self.groups[0], async_op=True)
             self.launched.append(work)
-
-    def finish(self) -> None:
-        """This rank's backward passes are done: a tensor no gradient reached in the last
-        micro-batch is summed with zeros for it, and every bucket is on its way."""
-        for t in range(len(self.params)):
-            self._done(t)
-        self.armed = False
 
     def result(self) -> None:
         """Every parameter's ``.grad``: the tree's sum over all ranks (the levels above the

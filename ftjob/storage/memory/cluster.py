@@ -118,6 +118,7 @@ class RunHolders:
         fenced -- gone, silent, or of an older ftjob without a fence -- which are released: a
         holder that might take a deposed driver's snapshots is never read."""
         import ray
+        import ray.exceptions
 
         asked, outcome = {}, FenceOutcome()
         for node, handle in self.held().items():
@@ -129,7 +130,7 @@ class RunHolders:
         for node, (handle, ref) in asked.items():
             try:
                 answer = ray.get(ref, timeout=timeout_s) if ref is not None else None
-            except Exception as exc:  # the holder's boundary: whatever it was, it is not read
+            except (ray.exceptions.RayError, TimeoutError) as exc:  # gone, or silent
                 outcome.released[node], answer = f"{type(exc).__name__}: {exc}", None
             if isinstance(answer, Refused):
                 outcome.refused[node] = answer.reason
