@@ -124,7 +124,7 @@ class KillerActor:
         notice = chaos.notice
         self.killer = ChaosKiller(
             KillSchedule.from_config(chaos),
-            chaos.kind,
+            [k.value for k in chaos.kinds()],
             _LedgerView(ledger),
             set(protected_nodes),
             at_steps=list(chaos.at_steps),

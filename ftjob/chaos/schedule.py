@@ -110,7 +110,8 @@ class ChaosLedger(Protocol):
 class ChaosKiller:
     """Carries out a :class:`KillSchedule` (or ``at_steps``) against the run's training workers.
 
-    ``ledger`` is the run ledger (training workers, attempts, kill records); ``execute`` does a
+    ``kinds``: what each kill does, in turn (kill ``k`` is ``kinds[k % len(kinds)]``: one kind,
+    or ``chaos.mix``). ``ledger`` is the run ledger (training workers, attempts, kill records); ``execute`` does a
     kill, ``confirm`` tells whether a killed node is gone, and ``clock``/``wait`` are
     injectable so the logic is tested without Ray or sleeping. Every window ends in a kill or
     a skip record with its reason: chaos that did not happen is never silent.
@@ -119,7 +120,7 @@ class ChaosKiller:
     def __init__(
         self,
         schedule: KillSchedule,
-        kind: str,
+        kinds: list[str],
         ledger: ChaosLedger,
         protected_nodes: set[str],
         *,
@@ -133,7 +134,7 @@ class ChaosKiller:
         wait: Callable[[float], bool] | None = None,
         poll_s: float = 0.5,
     ) -> None:
-        self.schedule, self.kind, self.ledger = schedule, kind, ledger
+        self.schedule, self.kinds, self.ledger = schedule, list(kinds), ledger
         self.at_steps = sorted(at_steps or [])
         self.notice, self.slowdown = notice, slowdown
         self.target = target  # chaos.target
@@ -151,6 +152,10 @@ class ChaosKiller:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def kind(self, index: int) -> str:
+        """What kill ``index`` does."""
+        return self.kinds[index % len(self.kinds)]
 
     def _view(self) -> ChaosView:
         return self.ledger.chaos_view()
@@ -197,13 +202,13 @@ class ChaosKiller:
             self._strike(index, view)
 
     def _skip(self, index: int, view: ChaosView, reason: str) -> None:
-        record = ChaosSkip(self.clock(), self.kind, reason, view.attempt, window=index + 1)
+        record = ChaosSkip(self.clock(), self.kind(index), reason, view.attempt, window=index + 1)
         self.skipped.append(record)
         self.ledger.record_skip(record)
 
     def _strike(self, index: int, view: ChaosView) -> None:
-        attempt = view.attempt
-        targets = eligible_targets(self.kind, view.workers, self.protected)
+        attempt, kind = view.attempt, self.kind(index)
+        targets = eligible_targets(kind, view.workers, self.protected)
         if not targets:
             self._skip(
                 index,
@@ -213,23 +218,23 @@ class ChaosKiller:
                 "or more nodes give it one)",
             )
             return
-        target = choose_target(self.kind, targets, self.rng, self.target)
+        target = choose_target(kind, targets, self.rng, self.target)
         now = self.clock()
-        record = Kill(time=now, kind=self.kind, target=target, attempt=attempt)
-        if self.kind == "preempt":  # the drain is the notice; the node goes at the deadline
+        record = Kill(time=now, kind=kind, target=target, attempt=attempt)
+        if kind == "preempt":  # the drain is the notice; the node goes at the deadline
             record = replace(record, notice=now, deadline=now + self.notice)
-        if self.kind == "slow":
+        if kind == "slow":
             record = replace(record, slowdown=self.slowdown)
         try:
-            record = replace(record, killed_pid=self.execute(self.kind, target))
+            record = replace(record, killed_pid=self.execute(kind, target))
         except Exception as exc:  # a target that vanished on its own is not a kill
-            logger.warning("chaos: %s kill of %s failed: %s", self.kind, target, exc)
+            logger.warning("chaos: %s kill of %s failed: %s", kind, target, exc)
             self._skip(index, view, f"the kill of {target} failed: {type(exc).__name__}: {exc}")
             return
-        if self.kind in ENDS_ATTEMPT and attempt is not None:
+        if kind in ENDS_ATTEMPT and attempt is not None:
             self.last_attempt = attempt
         self.ledger.record_kill(record)  # now: a simulated cluster replaces the node from it
-        if self.kind not in NODE_KINDS:
+        if kind not in NODE_KINDS:
             self.kills.append(record)
             return
         # Ray takes a while to declare a node dead: confirm on the side, not blocking the

@@ -19,6 +19,7 @@ class ChaosKind(Choice):
     preempt = "preempt"  # a node is drained with notice, then killed at the deadline
     hang = "hang"  # one training worker stops making progress
     slow = "slow"  # one training worker sleeps part of every step
+    mixed = "mixed"  # the kinds of chaos.mix in turn: kill k is mix[k % len(mix)]
 
 
 class ChaosTarget(Choice):
@@ -32,6 +33,8 @@ NODE_KINDS = (ChaosKind.node, ChaosKind.preempt)  # chaos that takes a whole nod
 WORKER_KINDS = (ChaosKind.worker, ChaosKind.hang, ChaosKind.slow)  # hits one training worker
 # The next window waits for a restart.
 ENDS_ATTEMPT = (ChaosKind.node, ChaosKind.preempt, ChaosKind.worker, ChaosKind.hang)
+# What chaos.mix may hold: every kind that strikes (a mix of mixes means nothing).
+MIXABLE = (ChaosKind.worker, ChaosKind.node, ChaosKind.preempt, ChaosKind.hang, ChaosKind.slow)
 
 # The storage faults chaos.storage injects. ``chaos.storage.errors`` is a list, and OmegaConf
 # names a list's element (``chaos.storage.errors[0]``), not the key a user set, when it refuses
@@ -81,6 +84,9 @@ class ChaosConfig:
     at_steps: list[int] = field(default_factory=list)
     notice: float = 30.0
     slowdown: float = 0.5
+    # chaos.kind=mixed: the kinds its kills take in turn. A list, so OmegaConf would name an
+    # element (chaos.mix[0]) when refusing one: plain strings, checked here.
+    mix: list[str] = field(default_factory=lambda: [k.value for k in MIXABLE])
     # node and preempt kills take a raylet down with every tenant's work on it: on a cluster
     # ftjob did not start (ray.address) they need this explicit opt-in.
     allow_on_existing_cluster: bool = False
@@ -114,6 +120,14 @@ class ChaosConfig:
             self.at_steps,
             "steps are 1-based: each must be >= 1",
         )
+        mixable = [k.value for k in MIXABLE]
+        require(
+            bool(self.mix) and all(k in mixable for k in self.mix),
+            g,
+            "mix",
+            self.mix,
+            f"must list one or more of {mixable} (chaos.kind=mixed takes them in turn)",
+        )
         require(
             not self.at_steps or self.kind != ChaosKind.none,
             g,
@@ -121,6 +135,15 @@ class ChaosConfig:
             self.at_steps,
             "kills at steps need a kind: set chaos=node_killer or chaos=worker_killer",
         )
+
+    def kinds(self) -> list[ChaosKind]:
+        """The kinds this run's kills take: ``chaos.mix`` in turn for ``mixed``, else the one
+        ``chaos.kind``."""
+        return [ChaosKind(k) for k in self.mix] if self.kind == ChaosKind.mixed else [self.kind]
+
+    def takes_nodes(self) -> bool:
+        """Does any kill of this run take a whole node away?"""
+        return self.enabled and any(k in NODE_KINDS for k in self.kinds())
 
     @property
     def enabled(self) -> bool:

@@ -98,14 +98,15 @@ class JobConfig:
     def _check_chaos_has_what_it_needs(self) -> None:
         """Node chaos needs nodes to take away; a hang needs hang detection to end it."""
         chaos = self.chaos
-        if chaos.enabled and chaos.kind in NODE_KINDS:
+        if chaos.takes_nodes():
+            node_kinds = [k.value for k in chaos.kinds() if k in NODE_KINDS]
             require(
                 self.ray.local_nodes > 1 or self.ray.address is not None,
                 "chaos",
                 "kind",
                 chaos.kind,
-                f"{chaos.kind} chaos takes nodes away: it needs a multi-node cluster: set "
-                "ray.local_nodes=3 (simulated) or ray.address",
+                f"{'/'.join(node_kinds)} chaos takes nodes away: it needs a multi-node cluster: "
+                "set ray.local_nodes=3 (simulated) or ray.address",
             )
         require(
             self.ray.replace_after_steps is None or self.trainer.elastic,
@@ -117,12 +118,12 @@ class JobConfig:
             "set trainer.min_workers below trainer.num_workers, or ray.replace_after_steps=null",
         )
         require(
-            chaos.kind != ChaosKind.hang or not chaos.enabled or self.failure.hang.enabled,
+            ChaosKind.hang not in chaos.kinds() or not chaos.enabled or self.failure.hang.enabled,
             "failure.hang",
             "enabled",
             self.failure.hang.enabled,
-            "chaos.kind=hang stops a worker that nothing resumes: only hang detection ends it; "
-            "set failure.hang.enabled=true",
+            "a hang (chaos.kind=hang, or in chaos.mix) stops a worker that nothing resumes: "
+            "only hang detection ends it; set failure.hang.enabled=true",
         )
 
     def _check_storage_on_cluster(self) -> None:
@@ -153,14 +154,15 @@ class JobConfig:
     def _check_node_chaos_may_break_the_cluster(self) -> None:
         """Node and preempt kills take raylets down with every tenant's work on them: on a
         cluster ftjob did not start, only with an explicit opt-in."""
-        if not (self.chaos.enabled and self.chaos.kind in NODE_KINDS):
+        if not self.chaos.takes_nodes():
             return
         require(
             self.ray.address is None or self.chaos.allow_on_existing_cluster,
             "chaos",
             "allow_on_existing_cluster",
             self.chaos.allow_on_existing_cluster,
-            f"chaos.kind={self.chaos.kind} SIGKILLs raylets of the cluster at "
+            f"chaos.kind={self.chaos.kind} ({'/'.join(k.value for k in self.chaos.kinds())}) "
+            "SIGKILLs raylets of the cluster at "
             f"ray.address={self.ray.address!r}, and every other job's work on those nodes "
             "with them: set chaos.allow_on_existing_cluster=true if this cluster is yours "
             "to break (or test on a simulated one: drop ray.address, set ray.local_nodes=3)",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.chaos.killer import node_chaos_targets
-from ftjob.config import NODE_KINDS, RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
+from ftjob.config import RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset, epoch_plan
@@ -530,7 +530,7 @@ def _train_on_cluster(
 
         stop.install()  # ray.init put its own SIGTERM handler in
         check_resources(job, echo)  # an existing cluster: waits ray.resources_timeout
-        if job.chaos.enabled and job.chaos.kind in NODE_KINDS and not node_chaos_targets():
+        if job.chaos.takes_nodes() and not node_chaos_targets():
             echo(
                 f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
                 "the driver's node, which chaos never takes away; each window will be skipped"

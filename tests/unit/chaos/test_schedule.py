@@ -94,7 +94,7 @@ def test_killer_waits_for_training_then_kills_once_per_attempt():
     schedule = KillSchedule(interval=10, max_kills=2, jitter=False)
     killer = ChaosKiller(
         schedule,
-        "node",
+        ["node"],
         ledger,
         {"head"},
         execute=execute,
@@ -115,7 +115,7 @@ def test_killer_waits_for_training_then_kills_once_per_attempt():
 def test_killer_stops_when_told():
     ledger = FakeLedger()
     killer = ChaosKiller(
-        KillSchedule(10, 2), "worker", ledger, set(), execute=lambda k, t: 0, wait=lambda s: True
+        KillSchedule(10, 2), ["worker"], ledger, set(), execute=lambda k, t: 0, wait=lambda s: True
     )
     assert killer.run() == []
 
@@ -135,7 +135,7 @@ def test_failed_kill_is_not_counted_but_recorded_with_its_reason():
     clock = iter(range(0, 10_000)).__next__
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
-        "worker",
+        ["worker"],
         ledger,
         set(),
         execute=execute,
@@ -154,7 +154,7 @@ def test_a_window_without_an_eligible_target_is_skipped_and_says_why():
     clock = iter(range(0, 10_000)).__next__
     killer = ChaosKiller(
         KillSchedule(1, 2, jitter=False),
-        "node",
+        ["node"],
         ledger,
         {"head"},
         execute=lambda kind, target: pytest.fail("nothing may be killed"),
@@ -171,7 +171,7 @@ def test_a_node_kill_that_is_not_confirmed_is_not_counted():
     ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
-        "node",
+        ["node"],
         ledger,
         {"head"},
         execute=lambda kind, target: -1,
@@ -201,7 +201,7 @@ def test_kills_at_steps_wait_for_the_step_not_the_clock():
 
     killer = ChaosKiller(
         KillSchedule(interval=1e9, max_kills=0),
-        "worker",
+        ["worker"],
         ledger,
         set(),
         at_steps=[5, 12],
@@ -220,7 +220,7 @@ def test_a_broken_killer_reports_instead_of_dying_silently():
     )  # not a worker's place
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
-        "node",
+        ["node"],
         ledger,
         set(),
         execute=lambda kind, target: 0,
@@ -240,7 +240,7 @@ def test_slow_chaos_picks_a_rank_and_the_ledger_steers_its_heartbeat_to_sleep():
     signals: list[str] = []
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
-        "slow",
+        ["slow"],
         ledger,
         set(),
         slowdown=1.0,
@@ -266,7 +266,7 @@ def test_preempt_chaos_drains_then_counts_the_node_once_it_is_gone():
     done: list[tuple[str, dict[str, Any]]] = []
     killer = ChaosKiller(
         KillSchedule(1, 1, jitter=False),
-        "preempt",
+        ["preempt"],
         ledger,
         {"head"},
         notice=10.0,
@@ -279,3 +279,40 @@ def test_preempt_chaos_drains_then_counts_the_node_once_it_is_gone():
     assert done[0][0] == "preempt" and done[0][1].node_id != "head"
     assert (record.notice, record.deadline) == (100.0, 110.0)
     assert ledger.confirmed == [(100.0, True)]
+
+
+def test_mixed_chaos_takes_the_kinds_of_chaos_mix_in_turn():
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    done: list[str] = []
+
+    def execute(kind: str, target: KillTarget) -> int:
+        done.append(kind)
+        ledger.view["attempt"] += 1  # each kill's attempt is over; the next one trains
+        return 1
+
+    clock = iter(range(0, 10_000)).__next__
+    kinds = ChaosConfig(kind="mixed", mix=["worker", "node", "slow"]).kinds()
+    killer = ChaosKiller(
+        KillSchedule(1, 5, jitter=False),
+        [k.value for k in kinds],
+        ledger,
+        {"head"},
+        execute=execute,
+        clock=lambda: float(clock()),
+        wait=lambda s: False,
+    )
+    records = killer.run()
+    assert done == ["worker", "node", "slow", "worker", "node"]
+    assert [r.kind for r in records] == done  # each record names its own kind
+    assert all(r.target.node_id != "head" for r in records if r.kind == "node")
+
+
+def test_a_mix_is_checked_kind_by_kind():
+    with pytest.raises(Exception, match="chaos.mix"):
+        ChaosConfig(kind="mixed", mix=["worker", "mixed"])
+    with pytest.raises(Exception, match="chaos.mix"):
+        ChaosConfig(kind="mixed", mix=[])
+    assert ChaosConfig(kind="worker", max_kills=1).kinds() == ["worker"]
+    assert not ChaosConfig(kind="mixed", mix=["worker", "slow"], max_kills=2).takes_nodes()
+    assert ChaosConfig(kind="mixed", mix=["worker", "preempt"], max_kills=2).takes_nodes()

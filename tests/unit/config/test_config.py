@@ -313,6 +313,23 @@ def test_node_chaos_on_a_cluster_ftjob_did_not_start_needs_an_explicit_opt_in():
         assert "every other job's work" in err.value.rule
         precheck([*cluster, chaos, "chaos.allow_on_existing_cluster=true"])
     precheck([*cluster, "chaos=worker_killer"])  # only ftjob's own workers: no opt-in
+    with pytest.raises(ConfigError) as err:  # a mix that takes nodes: the same opt-in
+        precheck([*cluster, "chaos=mixed", "chaos.mix=[worker,preempt]"])
+    assert err.value.key == "chaos.allow_on_existing_cluster"
+    precheck([*cluster, "chaos=mixed", "chaos.mix=[worker,slow]"])
+
+
+def test_a_mixed_chaos_needs_what_each_of_its_kinds_needs():
+    with pytest.raises(ConfigError) as err:  # node kills without nodes to take
+        precheck(["chaos=mixed", "chaos.mix=[worker,node]"])
+    assert err.value.key == "chaos.kind" and "takes nodes away" in err.value.rule
+    with pytest.raises(ConfigError) as err:  # a hang that nothing would end
+        precheck(["chaos=mixed", "chaos.mix=[hang]", "failure.hang.enabled=false"])
+    assert err.value.key == "failure.hang.enabled"
+    with pytest.raises(ConfigError) as err:
+        precheck(["chaos=mixed", "chaos.mix=[worker,explode]"])
+    assert err.value.key == "chaos.mix"
+    precheck(["chaos=mixed", "ray.local_nodes=3"])
 
 
 def test_a_run_name_that_climbs_out_exits_2_before_ray_and_touches_nothing(tmp_path):
