@@ -11,6 +11,23 @@ from typing import Any, ClassVar
 from ftjob.config.choices import Choice, coerce_choices
 from ftjob.config.rules import at_least, require
 
+# Exact mode's micro-batches a global batch is cut into when trainer.micro_batch_size is null:
+# enough for the ranks of an 8-GPU node (1, 2, 4 or 8 ranks split them evenly), a power of two
+# (the float32 tree's sum) where the global batch allows it.
+EXACT_MICRO_BATCHES = 8
+
+
+def exact_micro_batch(global_batch: int) -> int:
+    """Exact mode's micro-batch for ``trainer.micro_batch_size=null``: a function of the global
+    batch alone -- the global batch in the fewest micro-batches from
+    :data:`EXACT_MICRO_BATCHES` up that divide it (all of it, one sample each, where none
+    does) -- so the same job trains the same arithmetic at every world size that splits them."""
+    count = next(
+        (c for c in range(EXACT_MICRO_BATCHES, global_batch + 1) if global_batch % c == 0),
+        global_batch,
+    )
+    return global_batch // count
+
 
 class LrSchedule(Choice):
     """``trainer.lr_schedule``: the learning rate after warm-up."""
@@ -53,7 +70,8 @@ class TrainerConfig:
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     epochs: int = 3
     batch_size: int = 32
-    micro_batch_size: int | None = None  # samples per forward/backward pass; null: batch_size
+    # Samples per forward/backward pass; null: batch_size (exact mode: exact_micro_batch).
+    micro_batch_size: int | None = None
     val_batch_size: int | None = None
     lr: float = 1e-3
     lr_schedule: LrSchedule = LrSchedule.cosine
@@ -222,12 +240,13 @@ class TrainerConfig:
             self._group,
             "micro_batch_size",
             micro,
-            "must be >= 1, or null for trainer.batch_size",
+            "must be >= 1, or null for trainer.batch_size (exact mode: the global batch in "
+            f"{EXACT_MICRO_BATCHES} or more micro-batches)",
         )
         if not self.exact:
             return
         size, worlds = (
-            micro or self.batch_size,
+            self.micro_batch,
             range(self.min_workers or self.num_workers, self.num_workers + 1),
         )
         shares = [self.global_batch_size // w for w in worlds if self.global_batch_size % w == 0]
@@ -239,7 +258,7 @@ class TrainerConfig:
             not uneven,
             self._group,
             "micro_batch_size",
-            micro if micro is not None else f"null (trainer.batch_size={self.batch_size})",
+            micro if micro is not None else f"null (exact mode's default for it: {size})",
             f"trainer.exact=true cuts the global batch {self.global_batch_size} (trainer.batch_size x "
             f"trainer.num_workers) into micro-batches of {size} samples, each rank a whole number "
             f"of them, at every world size from trainer.min_workers to trainer.num_workers: on "
@@ -248,17 +267,29 @@ class TrainerConfig:
         )
 
     @property
+    def micro_batch(self) -> int:
+        """Samples per forward/backward pass: ``micro_batch_size``, else ``batch_size`` -- in
+        exact mode :func:`exact_micro_batch` of the global batch, which no world size changes
+        (a rank's ``batch_size`` does: the same job at 1 x 64 and 2 x 32 would otherwise cut
+        its batches, and so its arithmetic, differently)."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return exact_micro_batch(self.global_batch_size) if self.exact else self.batch_size
+
+    @property
     def exact_note(self) -> str | None:
         """What exact mode says before training: its micro-batches and the sum they take
         (:mod:`ftjob.worker.exact_sum`: a float32 tree where their count is a power of two)."""
         if not self.exact:
             return None
-        micro = self.micro_batch_size or self.batch_size
+        micro = self.micro_batch
         count = self.global_batch_size // micro
         split = (
             f"exact mode: the global batch {self.global_batch_size} in {count} micro-batches "
             f"of {micro}"
         )
+        if self.micro_batch_size is None:
+            split += f" (trainer.micro_batch_size=null: the fewest from {EXACT_MICRO_BATCHES} up)"
         if count & (count - 1) == 0:
             return f"{split}, their gradients summed in float32 in one fixed tree"
         return (

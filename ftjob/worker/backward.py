@@ -72,7 +72,7 @@ def data_parallel(
     ``prepare_model``) by default; with ``trainer.exact`` the bare model on the device -- the
     exact sum replaces DDP's all-reduce and its broadcast of buffers -- and ``ready`` stamped
     when this rank's gradients are ready, before it waits for the others."""
-    micro = trainer.micro_batch_size or trainer.batch_size
+    micro = trainer.micro_batch
     if not trainer.exact:
         return ctx.prepare_model(model), MicroBatchBackward(micro)
     exact = ExactBackward(ctx.rank, ctx.world, micro, trainer.seed, ready)

@@ -100,3 +100,20 @@ def test_six_micro_batches_a_step_on_the_grid_train_the_same_weights_at_world_1_
     one = run(tmp_path / "one", *six, "trainer.num_workers=1", "trainer.batch_size=48")
     three = run(tmp_path / "three", *six, "trainer.num_workers=3", "trainer.batch_size=16")
     assert differing(final_weights(one.summary), final_weights(three.summary)) == []
+
+
+def test_without_a_micro_batch_size_the_same_job_trains_the_same_weights_at_world_1_and_2(
+    tmp_path: Path,
+):
+    # trainer.micro_batch_size unset: exact mode cuts the global batch of 64 by itself alone
+    # (8 micro-batches of 8), not by a rank's batch_size (64 at world 1, 32 at world 2).
+    job = tuple(o for o in JOB if not o.startswith("trainer.micro_batch_size="))
+    runs = {
+        world: run_locally(compose_job(*job, *EXACT, *shape), tmp_path / str(world))
+        for world, shape in {1: WORLD_1, 2: WORLD_2}.items()
+    }
+    for done in runs.values():
+        assert done.summary["status"] == "succeeded", (done.summary["error"], done.errors)
+    assert differing(final_weights(runs[1].summary), final_weights(runs[2].summary)) == []
+    for done in runs.values():
+        assert "the global batch 64 in 8 micro-batches of 8" in " ".join(done.prep.notes)
