@@ -411,6 +411,7 @@ class ChaosView(Record):
     training: bool
     workers: tuple[WorkerPlace, ...]
     step: int
+    started_at: int = 0  # the step this driver's first attempt restored: a continued run's
 
 
 # -- the watch: hangs and stragglers ----------------------------------------------------------

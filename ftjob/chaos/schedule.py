@@ -186,7 +186,8 @@ class ChaosKiller:
     def _run(self) -> None:
         start = self._wait_until(lambda v: v.training_started)
         count = len(self.at_steps) if self.at_steps else self.schedule.max_kills
-        for index in range(count if start is not None else 0):
+        passed = self._passed_steps() if start is not None else 0
+        for index in range(passed, count if start is not None else 0):
             # Due, and an attempt the previous kill did not already hit is training.
             view = self._wait_until(
                 lambda v, i=index: (
@@ -200,6 +201,21 @@ class ChaosKiller:
             if view is None:
                 return
             self._strike(index, view)
+
+    def _passed_steps(self) -> int:
+        """``at_steps`` a continued run (``resume``) had trained past when this driver started
+        it: their kills were its earlier driver's, each recorded as skipped with that reason.
+        The same command, run again after a driver's death, keeps its schedule by step."""
+        view = self._view()
+        passed = [s for s in self.at_steps if s <= view.started_at]
+        for index, step in enumerate(passed):
+            self._skip(
+                index,
+                view,
+                f"the run had trained past step {step} (it continued from step "
+                f"{view.started_at}): that kill was its earlier driver's",
+            )
+        return len(passed)
 
     def _skip(self, index: int, view: ChaosView, reason: str) -> None:
         record = ChaosSkip(self.clock(), self.kind(index), reason, view.attempt, window=index + 1)

@@ -68,6 +68,7 @@ class FakeLedger:
             "training": False,
             "workers": [],
             "step": 0,
+            "started_at": 0,
         }
         self.recorded: list[Kill] = []
         self.confirmed: list[tuple[float, bool]] = []

@@ -78,4 +78,5 @@ def chaos_view(attempts: list[Attempt], done: bool) -> ChaosView:
         training=latest.first_step is not None and not done,
         workers=workers,
         step=latest.max_step,
+        started_at=attempts[0].restored.step if attempts[0].restored else 0,
     )

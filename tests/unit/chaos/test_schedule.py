@@ -213,6 +213,41 @@ def test_kills_at_steps_wait_for_the_step_not_the_clock():
     assert kills == [5, 12]
 
 
+def test_a_continued_run_skips_the_kills_at_steps_its_earlier_driver_had_passed():
+    """The same command run again after a driver's death (resume=auto) keeps its schedule by
+    step: kills at steps the run had trained past were the dead driver's."""
+    ledger = FakeLedger()
+    ledger.view.update(training_started=0.0, attempt=0, training=True, workers=WORKERS)
+    ledger.view.update(step=21, started_at=20)  # this driver restored step 20
+    kills: list[int] = []
+
+    def world(now: float) -> None:
+        ledger.view["step"] += 1
+        if kills and ledger.view["attempt"] == len(kills) - 1:
+            ledger.view["attempt"] = len(kills)
+
+    t = FakeTime(world)
+
+    def execute(kind: str, target: KillTarget) -> int:
+        kills.append(ledger.view["step"])
+        return 1
+
+    killer = ChaosKiller(
+        KillSchedule(interval=1e9, max_kills=0),
+        ["worker"],
+        ledger,
+        set(),
+        at_steps=[5, 20, 25, 30],
+        execute=execute,
+        clock=t.clock,
+        wait=t.wait,
+    )
+    assert len(killer.run()) == 2
+    assert kills == [25, 30]  # not one at once for each step already passed
+    assert [s.window for s in ledger.skipped] == [1, 2]
+    assert all("trained past step" in s.reason for s in ledger.skipped)
+
+
 def test_a_broken_killer_reports_instead_of_dying_silently():
     ledger = FakeLedger()
     ledger.view.update(
