@@ -45,18 +45,49 @@ def inside(fs: Any, base: str, follow_links: bool = False) -> Callable[[str], bo
     return lambda path: os.path.realpath(path).startswith(real_root)
 
 
+def list_files(fs: Any, root: str) -> list[str]:
+    """Every file under ``root``. On local disk links to folders are followed at any depth, as
+    torchvision's ImageFolder follows them (``os.walk(followlinks=True)``): fsspec's ``find``
+    lists such a link as one entry that is not a folder, so a class folder that is a link --
+    one class of a tree kept on another disk -- would be dropped without a word. A link back
+    up the tree (a loop) is not walked again; object stores have no links."""
+    if not is_local(fs):
+        try:
+            return list(fs.find(root))
+        except FileNotFoundError:
+            return []
+    out: list[str] = []
+    todo = [(root, frozenset({os.path.realpath(root)}))]
+    while todo:
+        folder, above = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            full = posixpath.join(folder, entry.name)
+            if not entry.is_dir():  # a file, a link to one, or a link to nothing
+                out.append(full)
+                continue
+            real = os.path.realpath(full)
+            if real not in above:
+                todo.append((full, above | {real}))
+    return out
+
+
 def list_split(
     fs: Any, root: str, folder: str, path: str, base: str, follow_links: bool = False
 ) -> SplitListing:
     """The samples under ``root`` (the split folder ``folder`` of the dataset at ``path``,
     whose root on ``fs`` is ``base``): every image file at any depth under a class folder, as
     torchvision's ImageFolder -- except hidden files (a name starting with ``.``: macOS's
-    AppleDouble ``._x.jpg``...), files directly in the split folder, and links to outside the
-    dataset, each said in a note. A class folder without images is refused by name."""
-    try:
-        files = fs.find(root)
-    except FileNotFoundError:
-        files = []
+    AppleDouble ``._x.jpg``...), files directly in the split folder, and files whose links
+    lead outside the dataset, each said in a note. Links are followed to where they lead, at
+    any level (a class folder, a file): what lies inside the dataset's root is read; what lies
+    outside only with ``follow_links`` -- a class folder that leads outside, or to nothing, is
+    refused by name. A class folder without images is refused by name."""
+    linked = check_linked_folders(fs, root, folder, path, base, follow_links)
+    files = list_files(fs, root)
     by_class: dict[str, list[str]] = {}
     hidden: list[str] = []
     loose: list[str] = []
@@ -77,6 +108,11 @@ def list_split(
     linked_out = {posixpath.relpath(p, folder).split("/")[0] for p in outside}
     check_class_folders(fs, root, folder, path, by_class, linked_out)
     notes = []
+    if linked:
+        notes.append(
+            f"dataset.path={path}: {len(linked)} class folder(s) under {folder}/ are links, "
+            f"read where they lead (e.g. {linked[0]})"
+        )
     if hidden:
         notes.append(
             f"dataset.path={path}: skipped {len(hidden)} hidden/AppleDouble file(s) "
@@ -96,6 +132,40 @@ def list_split(
     return SplitListing(by_class, notes)
 
 
+def check_linked_folders(
+    fs: Any, root: str, folder: str, path: str, base: str, follow_links: bool
+) -> list[str]:
+    """The class folders under ``root`` that are links (local disk), as ``name -> target``;
+    refused by name: links that lead nowhere (a disk not mounted: the class would vanish),
+    and, unless ``follow_links``, links that lead outside the dataset's root ``base`` -- the
+    rule a file that is a link to outside follows, at the class level."""
+    if not is_local(fs):
+        return []
+    try:
+        entries = [e for e in os.scandir(root) if e.is_symlink() and not e.name.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    within = inside(fs, base, follow_links)
+    said = {e.name: f"{e.name} -> {os.readlink(e.path)}" for e in entries}
+    dangling = sorted(e.name for e in entries if not os.path.exists(e.path))
+    if dangling:
+        raise ValueError(
+            f"dataset.path={path!r}: class folder link(s) under {folder}/ lead to nothing: "
+            f"{names([said[n] for n in dangling])}; mount or restore what they lead to, or "
+            "remove the links (the class would be missing from the data)"
+        )
+    folders = sorted(e.name for e in entries if e.is_dir())
+    out = [n for n in folders if not within(posixpath.join(root, n, "x"))]
+    if out:
+        raise ValueError(
+            f"dataset.path={path!r}: class folder(s) under {folder}/ are links to outside "
+            f"dataset.path: {names([said[n] for n in out])}; nothing is read from outside the "
+            "dataset's root unless dataset.follow_links=true: set it to read them where they "
+            "lead, or copy them in"
+        )
+    return [said[n] for n in folders]
+
+
 def check_class_folders(
     fs: Any,
     root: str,
@@ -107,15 +177,7 @@ def check_class_folders(
     """Every class folder holds images: an empty one would be a class with no samples that
     shifts the label space (torchvision's ImageFolder refuses it too). One whose images are
     all links to outside the dataset (``linked_out``) is said as such."""
-    try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        return
-    folders = (
-        posixpath.basename(str(e["name"]).rstrip("/"))
-        for e in entries
-        if e.get("type") == "directory"
-    )
+    folders = class_folder_names(fs, root)
     empty = sorted(n for n in folders if not n.startswith(".") and n not in by_class)
     linked = [n for n in empty if n in linked_out]
     if linked:
@@ -130,6 +192,22 @@ def check_class_folders(
             f"{names(empty)}; a class needs at least one image "
             f"({', '.join(IMAGE_EXTENSIONS)}): add its images or remove the folder"
         )
+
+
+def class_folder_names(fs: Any, root: str) -> list[str]:
+    """The folders directly under ``root``; on local disk links to folders are folders too
+    (fsspec lists them as neither)."""
+    try:
+        if is_local(fs):
+            return [e.name for e in os.scandir(root) if e.is_dir()]
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [
+        posixpath.basename(str(e["name"]).rstrip("/"))
+        for e in entries
+        if e.get("type") == "directory"
+    ]
 
 
 def check_same_classes(

@@ -561,14 +561,16 @@ def test_links_to_outside_the_dataset_are_not_samples(tmp_path: Path):
     root = tmp_path / "data"
     ds = tree_of(root, GOOD)
     (root / "train" / "a" / "link.png").symlink_to(outside / "secret.png")
-    (root / "train" / "b" / "elsewhere").symlink_to(outside, target_is_directory=True)  # not listed
+    # A folder that is a link is followed: its files are judged as links are, by where they lie.
+    (root / "train" / "b" / "elsewhere").symlink_to(outside, target_is_directory=True)
     (root / "train" / "b" / "same.png").symlink_to(root / "train" / "a" / "1.png")
     ds = ImageFolderDataset(path=str(root), image_size=8, resize_size=8)
     paths = ds.catalog(TRAIN).column("path").to_pylist()
     assert not any("link.png" in p or "elsewhere" in p for p in paths)
     assert str(root / "train" / "b" / "same.png") in paths  # a link inside the root is fine
     [note] = [n for n in ds.catalog_notes() if "links to outside" in n]
-    assert "skipped 1 file(s) under train/ that are links to outside dataset.path" in note
+    assert "skipped 2 file(s) under train/ that are links to outside dataset.path" in note
+    assert "(e.g. train/a/link.png)" in note
 
 
 def test_a_tree_of_links_into_an_image_pool_is_refused_with_the_key_or_read_when_asked(
