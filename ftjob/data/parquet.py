@@ -50,9 +50,11 @@ from ftjob.data.shards import (
     class_names,
     image_field,
     label_kind,
+    large_groups_note,
     list_shards,
     read_group_images,
     read_labels,
+    unify_labels,
 )
 
 SHARD, GROUP, ROW = "shard", "group", "row"  # catalog columns: a sample's position
@@ -179,9 +181,34 @@ class ParquetDataset(ImageFolderDataset):
                     raise ValueError(f"dataset.path={self.path!r}: {exc}") from exc
 
             threads = 1 if is_local(self.fs) else FOOTER_THREADS
+            shards = self.shards(split)
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                self._read[split] = list(pool.map(read, self.shards(split)))
+                read_all = list(pool.map(read, shards))
+            urls = [self._url(s.path) for s in shards]
+            try:
+                read_all = unify_labels(read_all, urls, self.label_column)
+            except ValueError as exc:
+                raise ValueError(f"dataset.path={self.path!r} ({split}): {exc}") from exc
+            if split != TRAIN:
+                self._same_label_type(read_all[0], urls[0])
+            self._read[split] = read_all
+            note = large_groups_note(read_all, shards, self._split_dir(split), self.path)
+            if note:
+                self._notes.setdefault(split, []).append(note)
         return self._read[split]
+
+    def _same_label_type(self, got: ShardLabels, url: str) -> None:
+        """The validation split's labels are of the training split's kind: its class ids are
+        the training split's, found the same way."""
+        train = self._read_split(TRAIN)
+        if got.labels.type != train[0].labels.type:
+            first = self._url(self.shards(TRAIN)[0].path)
+            raise ValueError(
+                f"dataset.path={self.path!r}: the label column {self.label_column!r} holds "
+                f"{got.labels.type} in shard {url} ({VAL}) and {train[0].labels.type} in shard "
+                f"{first} ({TRAIN}): write both splits' labels as class ids (whole numbers) or "
+                "as class names (strings)"
+            )
 
     def _kind(self) -> str:
         label_type = self._read_split(TRAIN)[0].labels.type
@@ -256,7 +283,7 @@ class ParquetDataset(ImageFolderDataset):
     def catalog_notes(self) -> list[str]:
         notes: list[str] = []
         for split in (TRAIN, VAL):
-            self.shards(split)
+            self._read_split(split)  # listed and read once: its notes come with them
             notes.extend(self._notes.get(split, []))
         return notes
 

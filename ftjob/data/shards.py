@@ -5,9 +5,11 @@ labels turned into class ids."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import posixpath
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,8 +46,9 @@ class ShardLabels:
     """What a shard's footer and label column give the catalog."""
 
     groups: np.ndarray  # rows per row group
-    labels: pa.Array  # the label column, as stored
+    labels: pa.Array  # the label column, as stored (as one type across a split: unify_labels)
     hf_names: list[str] | None  # the label's ClassLabel names (Hugging Face), if kept
+    group_bytes: np.ndarray  # the image column's bytes per row group, in memory
 
 
 def check_parquet_args(kwargs: dict[str, Any]) -> None:
@@ -160,6 +163,67 @@ def hf_names(meta: pq.FileMetaData, label_column: str) -> list[str] | None:
         return None
 
 
+def check_columns(meta: pq.FileMetaData, columns: dict[str, str], url: str) -> None:
+    """The shard has both columns, of types that can be images and labels: from its footer,
+    before a byte of data is read -- a column of another type would make every row a bad
+    one, a run that trains on nothing."""
+    schema = meta.schema.to_arrow_schema()
+    for key, column in columns.items():
+        if column not in schema.names:
+            raise ConfigError(
+                f"dataset.{key}",
+                column,
+                f"is not a column of shard {url} (its columns: {names(schema.names)})",
+            )
+    image, label = (schema.field(columns[k]).type for k in ("image_column", "label_column"))
+    if not _encoded_images(image):
+        paths = " (file paths? ftjob reads each image's own bytes from the shard)"
+        raise ConfigError(
+            "dataset.image_column",
+            columns["image_column"],
+            f"column of shard {url} holds {image}"
+            f"{paths if _is_text(image) else ''}, not encoded images: expected binary (a JPEG, "
+            "PNG... file's bytes) or a struct with a binary 'bytes' field (Hugging Face's "
+            "Image); python -m ftjob.data.to_parquet writes shards from an image folder",
+        )
+    if _label_kind_of(label) is None:
+        raise ConfigError(
+            "dataset.label_column",
+            columns["label_column"],
+            f"column of shard {url} holds {label}, not labels: expected whole numbers (class "
+            "ids) or strings (class names)",
+        )
+
+
+def _encoded_images(kind: pa.DataType) -> bool:
+    if pa.types.is_struct(kind):
+        at = kind.get_field_index("bytes")
+        return at >= 0 and _encoded_images(kind.field(at).type)
+    return pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or _is_view(kind, "binary")
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_view(kind, "string")
+
+
+def _is_view(kind: pa.DataType, name: str) -> bool:
+    return str(kind) == f"{name}_view"
+
+
+def _label_kind_of(kind: pa.DataType) -> str | None:
+    """``int``, ``float``, ``string`` or ``null`` (a column of nulls only): what a label
+    column holds, by its type; None for a type that cannot hold labels."""
+    if pa.types.is_dictionary(kind):
+        return _label_kind_of(kind.value_type)
+    if pa.types.is_integer(kind):
+        return "int"
+    if pa.types.is_floating(kind):
+        return "float"
+    if _is_text(kind):
+        return "string"
+    return "null" if pa.types.is_null(kind) else None
+
+
 def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> ShardLabels:
     """One shard's footer and label column: on local disk its column chunks only (no image
     bytes); on an object store in few requests (:mod:`ftjob.data.ranged_reads`).
@@ -168,14 +232,7 @@ def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> Sha
     label_column = columns["label_column"]
 
     def check(meta: pq.FileMetaData) -> None:
-        have = meta.schema.to_arrow_schema().names
-        for key, column in columns.items():
-            if column not in have:
-                raise ConfigError(
-                    f"dataset.{key}",
-                    column,
-                    f"is not a column of shard {url} (its columns: {names(have)})",
-                )
+        check_columns(meta, columns, url)
 
     try:
         if not is_local(fs):  # an object store: few requests, all at once
@@ -196,7 +253,89 @@ def read_labels(fs: Any, shard: Shard, columns: dict[str, str], url: str) -> Sha
     groups = np.array(
         [meta.row_group(g).num_rows for g in range(meta.num_row_groups)], dtype=np.int64
     )
-    return ShardLabels(groups, table.column(0).combine_chunks(), hf_names(meta, label_column))
+    labels = table.column(0).combine_chunks()
+    sizes = image_group_bytes(meta, image_field(meta, columns["image_column"]))
+    return ShardLabels(groups, labels, hf_names(meta, label_column), sizes)
+
+
+def image_group_bytes(meta: pq.FileMetaData, field: str) -> np.ndarray:
+    """The image column's bytes in each row group (uncompressed: what a decoder holds), from
+    the footer."""
+    at = [i for i in range(meta.num_columns) if meta.schema.column(i).path == field]
+    return np.array(
+        [
+            sum(meta.row_group(g).column(i).total_uncompressed_size for i in at)
+            for g in range(meta.num_row_groups)
+        ],
+        dtype=np.int64,
+    )
+
+
+# A row group whose image column holds more than this is said at catalog time: a decoder reads
+# and holds a whole group to decode any one of its samples (ImageNet's JPEGs in the 64-row
+# groups python -m ftjob.data.to_parquet writes: ~7 MiB).
+LARGE_GROUP_BYTES = 64 * 2**20
+
+
+def large_groups_note(read: list[ShardLabels], shards: list[Shard], folder: str, path: str) -> str:
+    """One line when some row groups of a split hold more image bytes than
+    :data:`LARGE_GROUP_BYTES` (the largest named, with its figures), else ''."""
+    sizes = [(int(b), k, g) for k, got in enumerate(read) for g, b in enumerate(got.group_bytes)]
+    large = [size for size in sizes if size[0] > LARGE_GROUP_BYTES]
+    if not large:
+        return ""
+    size, k, g = max(large)
+    return (
+        f"dataset.path={path}: {len(large)} row group(s) under {folder}/ hold more than "
+        f"{LARGE_GROUP_BYTES // 2**20} MiB of images each, the largest {size / 2**20:.0f} MiB "
+        f"({int(read[k].groups[g])} rows: shard {shards[k].name} row group {g}): a decoder reads "
+        "and holds a whole row group to decode any one of its samples; rewrite the shards with "
+        "small row groups (pyarrow.parquet.write_table(..., row_group_size=64), or python -m "
+        "ftjob.data.to_parquet from the image folder: 64 rows a group)"
+    )
+
+
+def unify_labels(read: list[ShardLabels], urls: list[str], label_column: str) -> list[ShardLabels]:
+    """A split's label columns as one type, so that shards written by different writers (int32
+    here, int64 there) make one split: whole numbers as int64 -- floats too, when every value
+    is whole (2.0 is class id 2; NaN is no label) -- and names as strings. Shards of another
+    kind (numbers here, names there) are refused naming one of each, and a float that is not
+    a whole number naming its shard: either would be a class mapping nobody asked for."""
+    kinds = [_label_kind_of(got.labels.type) for got in read]
+    found = {k: i for i, k in reversed(list(enumerate(kinds)))}  # each kind's first shard
+    numbers, text = [k for k in ("int", "float") if k in found], "string" in found
+    if numbers and text:
+        a, b = found[numbers[0]], found["string"]
+        raise ValueError(
+            f"the label column {label_column!r} holds numbers in shard {urls[a]} "
+            f"({read[a].labels.type}) and strings in shard {urls[b]} ({read[b].labels.type}): "
+            "write every shard's labels as class ids (whole numbers) or as class names (strings)"
+        )
+    target = pa.string() if text else pa.int64()
+    out = []
+    for got, url in zip(read, urls, strict=True):
+        labels = got.labels
+        if pa.types.is_dictionary(labels.type):
+            labels = labels.dictionary_decode()
+        if pa.types.is_floating(labels.type):
+            labels = _whole_numbers(labels, url, label_column)
+        out.append(dataclasses.replace(got, labels=labels.cast(target)))
+    return out
+
+
+def _whole_numbers(labels: pa.Array, url: str, label_column: str) -> pa.Array:
+    """Float labels as whole numbers (NaN: no label), or refused naming the first that is not."""
+    values = labels.to_numpy(zero_copy_only=False)  # a null is NaN here
+    nan = np.isnan(values)
+    broken = np.flatnonzero(~nan & (np.floor(values) != values))
+    if len(broken):
+        row = int(broken[0])
+        raise ValueError(
+            f"the label column {label_column!r} of shard {url} holds {labels.type} labels and "
+            f"row {row}'s, {float(values[row])!r}, is not a whole number: a label is a class id (a whole "
+            "number) or a class name (a string), not a measurement; write the labels as class ids"
+        )
+    return pa.array(np.where(nan, 0, values).astype(np.int64), mask=nan)
 
 
 def image_field(meta: pq.FileMetaData, image_column: str) -> str:
@@ -237,7 +376,7 @@ def class_names(kind: str, read: list[ShardLabels], declared: int | None) -> lis
     values = [s.labels for s in read]
     if kind == "sorted":
         unique = pc.unique(pa.chunked_array(values).cast(pa.string())).drop_null()
-        return sorted(unique.to_pylist())
+        return sorted_labels(unique.to_pylist())
     if not pa.types.is_integer(values[0].type):
         raise ConfigError(
             "dataset.label_kind",
@@ -251,6 +390,17 @@ def class_names(kind: str, read: list[ShardLabels], declared: int | None) -> lis
         return read[0].hf_names
     top = max((pc.max(v).as_py() or 0) for v in values)
     return [str(i) for i in range(int(top) + 1)]
+
+
+def sorted_labels(labels: list[str]) -> list[str]:
+    """Class names in class-id order: by value when every name is a whole number ("2" before
+    "10", as the numbers they are), else as strings (ImageNet's wnids sort to its class ids)."""
+    if all(_WHOLE.fullmatch(name) for name in labels):
+        return sorted(labels, key=lambda name: (int(name), name))
+    return sorted(labels)
+
+
+_WHOLE = re.compile(r"[+-]?[0-9]+")
 
 
 def class_ids(
