@@ -91,6 +91,7 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._offered: Snapshot | None = None  # rank 0: the snapshot a restore chose
         self.skipped = 0
+        self.busy: str | None = None  # why the ring had no slot for the last snapshot
 
     # -- taking ---------------------------------------------------------------------------
 
@@ -141,6 +142,8 @@ class MemoryTier:
             except Ring.Fenced as exc:
                 self._deposed(str(exc))
                 return
+            except Ring.Busy as exc:
+                return self._no_slot(step, str(exc))
             arena = Arena(payload)
         try:
             copied = {
@@ -228,6 +231,9 @@ class MemoryTier:
                 except Ring.Fenced as exc:
                     self._deposed(str(exc))
                     return
+                except Ring.Busy as exc:  # the claim is no longer this writer's
+                    return self._no_slot(step, str(exc))
+                self.busy = None
                 self.ring.keep_newest(self.keep, self.generation)
                 self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
                 return
@@ -264,6 +270,13 @@ class MemoryTier:
                 peer.put_part.remote(part, self.generation)
             except holder_errors():
                 continue  # a peer gone with its node
+
+    def _no_slot(self, step: int, why: str) -> None:
+        """No ring slot for this snapshot: skipped, said once until a snapshot gets one."""
+        self.skipped += 1
+        if self.busy is None:
+            self.log(f"memory tier: the snapshot of step {step} is skipped: {why}")
+        self.busy = why
 
     def _turn_off(self, why: str) -> None:
         if self.enabled:

@@ -5,6 +5,7 @@ slot's payload so its tensors are copied straight into the memory the holder rea
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -12,13 +13,13 @@ import re
 import secrets
 import stat
 import struct
-import time
-from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import numpy as np
 
 from ftjob.storage.memory.format import ALIGN, Buffer, Snapshot
+from ftjob.storage.memory.slots import SlotEntry, Slots
 
 
 def machine() -> str:
@@ -32,23 +33,10 @@ def machine() -> str:
         return ""
 
 
-@dataclass(frozen=True)
-class SlotEntry:
-    """A committed slot as its fixed header has it: the step, the lease generation of the
-    driver whose worker wrote it (0: unknown -- no lease, or a ring without them) and the
-    random ``nonce`` its commit drew (which commit of the slot this is: a slot written again
-    draws another)."""
-
-    slot: int
-    step: int
-    generation: int
-    nonce: int
-
-
 _PAGE_LOCKED: list[mmap.mmap] = []  # mappings page-locked for a GPU, kept mapped until unlocked
 
 
-class Ring:
+class Ring(Slots):
     """Snapshot slots in one block of shared memory: the channel from a rank to the holder on
     its machine that costs no call per snapshot (the Ray path costs an actor call carrying the
     snapshot and the holder's copy of it, each time).
@@ -59,34 +47,18 @@ class Ring:
     (:meth:`attach`) and checks the random token at its start: another machine, or another
     process behind the same pid (a container's), finds no token and uses the Ray path.
 
-    Slot ``i``: a header -- its state, its step, the JSON's length, the writer's lease
-    generation and the commit's nonce, then JSON naming each file's offset, length and digest
-    -- and ``slot_bytes`` of payload. The writer marks a slot being written before
-    it touches it and committed after every byte and the header are in, so a writer that dies
-    half-way leaves a slot no reader takes; and a reader trusts a slot only when every file
-    matches its digest. One writer at a time (the rank taking snapshots); a reader reads while
-    no snapshot is being written (a restore, before training resumes).
+    Its slots, their claims, commits and retention, each fenced by the run's lease generation
+    and by the writer's claim: :class:`~ftjob.storage.memory.slots.Slots`. A reader trusts a
+    slot only when every file matches its digest, and reads while no snapshot is being
+    written into the slot it reads (a restore, before training resumes)."""
 
-    The ring's head holds the run's fence (:mod:`ftjob.storage.memory.fence`): the lease
-    generation the holder was told holds the run. A writer of an older generation is refused
-    (:class:`Fenced`) before it claims a slot and again before it commits one; what a slow
-    writer commits between the check and the holder's fence carries its generation, and the
-    holder never offers it."""
-
-    MAGIC = b"ftjob-snapshots2"  # 2: slot headers carry the writer's generation and a nonce
-    TOKEN = 16
-    HEAD = 64  # magic, token, taken, dropped, fence
-    SLOT_HEAD = 64 * 1024  # state, step, JSON length, generation, nonce, JSON
-    JSON_AT = 40
-    EMPTY, WRITING, COMMITTED = 0, 1, 2
-
-    class Fenced(RuntimeError):
-        """The ring's holder is fenced by a newer lease generation than the writer's."""
-
-    def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int | None = None) -> None:
-        self.memory, self.address, self.fd = memory, address, fd  # fd: the holder's, kept open
+    def __init__(self, memory: mmap.mmap, address: dict[str, Any], fd: int) -> None:
+        # fd: this mapping's own open file description of the memory file, kept open: its
+        # claims' locks are held through it (the holder's keeps the memory alive besides).
+        super().__init__(memory, address["slots"], address["slot_bytes"], fd)
+        self.address = address
+        self._close_fd = weakref.finalize(self, os.close, fd)
         self.locked: int | None = None  # where the mapping is page-locked (:meth:`page_lock`)
-        self.slots, self.slot_bytes = address["slots"], address["slot_bytes"]
 
     @classmethod
     def size(cls, slots: int, slot_bytes: int) -> int:
@@ -134,16 +106,16 @@ class Ring:
             size = cls.size(address["slots"], address["slot_bytes"])
             found = os.fstat(fd)
             if not stat.S_ISREG(found.st_mode) or found.st_size != size:
-                return None
+                raise OSError(errno.EINVAL, "not a ring of this size")
             memory = mmap.mmap(fd, size)
         except OSError:
+            os.close(fd)
             return None
-        finally:
-            os.close(fd)  # the mapping keeps the memory
         if memory[: len(cls.MAGIC) + cls.TOKEN] != cls.MAGIC + bytes.fromhex(address["token"]):
             memory.close()
+            os.close(fd)
             return None
-        return cls(memory, address)
+        return cls(memory, address, fd)  # fd kept: this writer's locks are held through it
 
     def page_lock(self) -> bool:
         """In a process that trains on a GPU (CUDA initialised), this mapping page-locked
@@ -181,149 +153,11 @@ class Ring:
             torch.cuda.cudart().cudaHostUnregister(self.locked)
             self.locked = None
             _PAGE_LOCKED.remove(self.memory)
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._close_fd()  # its locks go with it (once the mapping goes too)
         try:
             self.memory.close()
         except BufferError:  # arrays still view it: the mapping goes with the last of them
             pass
-
-    # -- counts and slot headers ------------------------------------------------------------
-
-    def _count(self, which: int, add: int = 0) -> int:
-        at = len(self.MAGIC) + self.TOKEN + 8 * which  # one writer: its rank
-        value = struct.unpack_from("<Q", self.memory, at)[0] + add
-        if add:
-            struct.pack_into("<Q", self.memory, at, value)
-        return value
-
-    def counts(self) -> tuple[int, int]:
-        """Snapshots committed and dropped over the ring's life."""
-        return self._count(0), self._count(1)
-
-    def fence(self) -> int:
-        """The lease generation the holder was told holds the run (0: none yet)."""
-        return self._count(2)
-
-    def set_fence(self, generation: int) -> None:
-        """The holder's alone: writers of an older generation are refused from now on."""
-        struct.pack_into("<Q", self.memory, len(self.MAGIC) + self.TOKEN + 16, generation)
-
-    def check_fence(self, generation: int | None) -> None:
-        """Raises :class:`Fenced` when the ring is fenced by a newer generation than
-        ``generation`` (None: a writer without a lease, refused by any fence)."""
-        fence = self.fence()
-        if fence and (generation is None or generation < fence):
-            raise Ring.Fenced(
-                f"the snapshot holder is fenced by lease generation {fence} and this worker's "
-                f"driver held generation {generation}: another driver took the run"
-            )
-
-    def _start(self, slot: int) -> int:
-        return self.HEAD + slot * (self.SLOT_HEAD + self.slot_bytes)
-
-    def _state(self, slot: int) -> tuple[int, int]:
-        return struct.unpack_from("<QQ", self.memory, self._start(slot))  # type: ignore[return-value]
-
-    def _set_state(self, slot: int, state: int, step: int = 0) -> None:
-        struct.pack_into("<QQ", self.memory, self._start(slot), state, step)
-
-    def committed(self) -> dict[int, int]:
-        """Step -> slot of every committed snapshot."""
-        return {entry.step: entry.slot for entry in self.entries()}
-
-    def entries(self) -> list[SlotEntry]:
-        """Every committed slot, with its writer's generation and its commit's nonce."""
-        found = []
-        for slot in range(self.slots):
-            state, step, _, generation, nonce = struct.unpack_from(
-                "<QQQQQ", self.memory, self._start(slot)
-            )
-            if state == self.COMMITTED:
-                found.append(SlotEntry(slot, step, generation, nonce))
-        return found
-
-    # -- writing ----------------------------------------------------------------------------
-
-    def claim(self, generation: int | None = None) -> tuple[int, np.ndarray]:
-        """A slot to write the next snapshot into, marked as being written, and its payload: an
-        empty one (a deposed worker may be writing its own), else one a dead writer left being
-        written. Raises :class:`Fenced` for a writer of a generation older than the fence."""
-        self.check_fence(generation)
-        states = [self._state(s)[0] for s in range(self.slots)]
-        free = [s for s, state in enumerate(states) if state == self.EMPTY]
-        slot = free[0] if free else states.index(self.WRITING)
-        self._set_state(slot, self.WRITING)
-        return slot, self.payload(slot)
-
-    def payload(self, slot: int) -> np.ndarray:
-        start = self._start(slot) + self.SLOT_HEAD
-        return np.frombuffer(self.memory, np.uint8, self.slot_bytes, start)
-
-    def commit(
-        self,
-        slot: int,
-        step: int,
-        layout: dict[str, tuple[int, int, bool]],
-        digests: dict[str, str],
-        generation: int | None = None,
-    ) -> None:
-        """Slot ``slot`` holds the snapshot of ``step``, written by a worker of lease
-        ``generation``: each file at (offset, length, is an array) of the payload, with its
-        digest. Raises :class:`Fenced` (the slot emptied) when the fence is newer by now."""
-        header = json.dumps(
-            {"step": step, "files": layout, "digests": digests, "taken": time.time()}
-        ).encode()
-        if self.JSON_AT + len(header) > self.SLOT_HEAD:
-            raise ValueError(f"a snapshot header of {len(header)} bytes does not fit a slot's")
-        start, nonce = self._start(slot), secrets.randbits(63) + 1
-        struct.pack_into("<QQQ", self.memory, start + 16, len(header), generation or 0, nonce)
-        self.memory[start + self.JSON_AT : start + self.JSON_AT + len(header)] = header
-        try:
-            self.check_fence(generation)
-        except Ring.Fenced:
-            self.release(slot)
-            raise
-        self._set_state(slot, self.COMMITTED, step)
-        self._count(0, add=1)
-
-    def release(self, slot: int) -> None:
-        """A slot whose snapshot was not committed (not finite, too big): empty again."""
-        self._set_state(slot, self.EMPTY)
-
-    def discard(self, slot: int, nonce: int) -> bool:
-        """Slot ``slot`` emptied if it still holds the commit ``nonce`` (the holder's: one no
-        restore may read)."""
-        state, _, _, _, found = struct.unpack_from("<QQQQQ", self.memory, self._start(slot))
-        if state != self.COMMITTED or found != nonce:
-            return False
-        self._set_state(slot, self.EMPTY)
-        self._count(1, add=1)
-        return True
-
-    def keep_newest(self, keep: int, generation: int | None = None) -> list[int]:
-        """Drops committed snapshots older than the newest ``keep``; their steps. With the
-        writer's ``generation``, first every slot of another one (a deposed driver's worker's
-        commit that slipped past the fence: its later step must not count as the newest)."""
-        if generation is not None:
-            for e in self.entries():
-                if e.generation != generation:
-                    self.discard(e.slot, e.nonce)
-        held = self.committed()
-        old = sorted(held, reverse=True)[keep:]
-        for step in old:
-            self.drop(step)
-        return old
-
-    def drop(self, step: int) -> bool:
-        """Every committed slot of ``step`` emptied (a writer of another generation may have
-        committed the same step in a slot of its own)."""
-        slots = [entry.slot for entry in self.entries() if entry.step == step]
-        for slot in slots:
-            self._set_state(slot, self.EMPTY)
-            self._count(1, add=1)
-        return bool(slots)
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -6,25 +6,36 @@ tests/unit/worker/test_node_holders.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
 from ftjob.storage.memory.fence import Refused
 
 HERE = machine()
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def snapshot(step: int) -> Snapshot:
     return Snapshot.of(step, {"model.pt": bytes([step]) * 100, "state.json": b"{}"})
 
 
-def write(ring: Ring, step: int, generation: int | None) -> None:
-    """A snapshot of ``step`` into ``ring`` as a rank of lease ``generation`` writes it."""
+def write(ring: Ring, step: int, generation: int | None, keep: int | None = None) -> None:
+    """A snapshot of ``step`` into ``ring`` as a rank of lease ``generation`` writes it; with
+    ``keep``, its pruning as a writer's (of its generation's), else the newest 4 of any."""
     slot, payload = ring.claim(generation)
     payload[:8] = step
     files = {"model.pt#tensors": payload[:8]}
     ring.commit(slot, step, {"model.pt#tensors": (0, 8, True)}, digest_all(files), generation)
-    ring.keep_newest(4)
+    if keep is None:
+        ring.keep_newest(4)
+    else:
+        ring.keep_newest(keep, generation)
 
 
 def test_a_stale_generations_writes_are_refused_and_a_restore_reads_only_fenced_snapshots(
@@ -129,17 +140,117 @@ def test_a_newer_reader_moves_the_fence_on_and_is_offered_nothing_a_deposed_work
     assert holder.steps(2) == [5, 4]
 
 
-def test_a_writer_claims_an_empty_slot_before_one_another_writer_has_half_written():
-    # A deposed driver's worker claimed a slot just before the fence and is still writing it:
-    # the live writer takes an empty slot, not that one; a slot whose writer died mid-write is
-    # taken back once no slot is empty.
-    holder = SnapshotHolder(cap_bytes=2**20, keep=1)  # two slots
-    zombie = Ring.attach(holder.channel(4096, HERE, 1))
-    half, _ = zombie.claim(1)
+def claim_and_die(address: dict[str, Any]) -> int:
+    """A writer in a process of its own that claims a slot and is killed writing it: the
+    slot."""
+    dies = subprocess.run(
+        [sys.executable, "-c", DIES, json.dumps(address)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert dies.returncode == -9, dies.stderr
+    return int(dies.stdout)
+
+
+DIES = """
+import json, os, sys
+from ftjob.storage.memory import Ring
+slot, payload = Ring.attach(json.loads(sys.argv[1])).claim(2)  # the live run's
+payload[:8] = 99
+print(slot, flush=True)
+os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_slot_a_live_writer_claimed_is_never_taken_and_one_whose_writer_died_is():
+    # A deposed driver's worker claimed a slot just before the fence and was frozen there
+    # (SIGSTOP, a paused VM): it lives, so its slot stays its own however long it sleeps; a
+    # slot whose writer was killed mid-write is taken back.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)  # three slots
+    frozen = Ring.attach(holder.channel(4096, HERE, 1))
+    half, _ = frozen.claim(1)
     holder.fence(2)
     live = Ring.attach(holder.channel(4096, HERE, 2))
+    write(live, 7, 2)
+    dead = claim_and_die(holder.ring.address)
+    assert dead not in (half, holder.ring.committed()[7])
     slot, _ = live.claim(2)
-    assert slot != half
+    assert slot == dead and slot != half
     live.release(slot)
-    write(live, 7, 2)  # commits into the empty slot: none left empty now
-    assert live.claim(2)[0] == half
+    write(live, 8, 2)  # no slot is empty now: the frozen writer's and two snapshots
+    other = Ring.attach(holder.ring.address)  # another writer of the live run
+    oldest, _ = other.claim(2)  # frees the oldest snapshot, never the frozen writer's slot
+    assert oldest not in (half, holder.ring.committed()[8]) and holder.steps(2) == [8]
+    with pytest.raises(Ring.Busy, match="newest snapshot is kept"):
+        live.claim(2)  # the newest is never given up: this snapshot is skipped
+    assert frozen.release(oldest) is False and other.release(oldest) is True  # its own only
+    assert frozen.release(half) is True
+
+
+def test_a_frozen_deposed_writer_never_writes_into_the_live_runs_slot_nor_empties_it():
+    # Three slots, no empty one left: the live writer's next claim frees its oldest snapshot,
+    # never the frozen writer's slot. When that writer thaws, its bytes land in its own slot
+    # (the live run's digests describe the live run's bytes), and its commit, refused by the
+    # fence, empties only its own claim.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=2)
+    zombie = Ring.attach(holder.channel(4096, HERE, 1))
+    zombie_slot, zombie_payload = zombie.claim(1)
+    assert holder.fence(2) is None
+    live = Ring.attach(holder.channel(4096, HERE, 2))
+    for step in (20, 21):
+        write(live, step, 2, keep=2)
+    slot, payload = live.claim(2)
+    assert slot != zombie_slot and slot == holder.ring.committed().get(20, slot)
+    payload[:8] = 22
+    zombie_payload[:8] = 99  # the zombie thaws and copies its weights
+    files = {"model.pt#tensors": payload[:8]}
+    live.commit(slot, 22, {"model.pt#tensors": (0, 8, True)}, digest_all(files), 2)
+    live.keep_newest(2, 2)
+    ref = holder.get(22, 2)
+    restored = live.read(22, ref.nonce)
+    assert (
+        restored.verify() is None and bytes(restored.files["model.pt#tensors"]) == bytes([22]) * 8
+    )
+    with pytest.raises(Ring.Fenced):
+        zombie.commit(
+            zombie_slot,
+            30,
+            {"model.pt#tensors": (0, 8, True)},
+            digest_all({"model.pt#tensors": zombie_payload[:8]}),
+            1,
+        )
+    assert holder.steps(2) == [22, 21]  # the live run's newest is still there
+    assert zombie.keep_newest(1, 1) == [] and holder.steps(2) == [22, 21]  # nor does it prune
+
+
+def test_a_full_ring_frees_its_oldest_snapshot_of_the_writers_generation_never_the_newest():
+    # Every slot committed (a resumed run keeps more than the surviving holder's ring was
+    # made for; a writer killed between its commit and its pruning): the next claim frees the
+    # oldest snapshot, and the ring goes on holding the newest ones.
+    holder = SnapshotHolder(cap_bytes=2**20, keep=1)  # two slots
+    ring = Ring.attach(holder.channel(4096, HERE, 3))
+    for step in (1, 2, 3, 4, 5):
+        write(ring, step, 3, keep=2)  # more than the ring holds
+        assert max(holder.steps(3)) == step
+    assert holder.steps(3) == [5, 4]
+    # A newer generation's snapshots are never freed by an older writer's claim (it is
+    # fenced anyway), and the newest is never freed by anyone: with nothing else, refused.
+    older = SnapshotHolder(cap_bytes=2**20, keep=1)
+    newest = Ring.attach(older.channel(4096, HERE, 1))
+    write(newest, 9, 1, keep=2)
+    half, _ = Ring.attach(older.ring.address).claim(1)  # a live writer's claim
+    with pytest.raises(Ring.Busy, match="newest snapshot is kept"):
+        newest.claim(1)
+    assert older.steps(1) == [9]
+
+
+def test_the_holder_never_empties_a_slot_a_writer_is_claiming():
+    holder = SnapshotHolder(cap_bytes=2**20, keep=1)
+    ring = Ring.attach(holder.channel(4096, HERE, 1))
+    write(ring, 4, 1)
+    write(ring, 5, 1)
+    entry = next(e for e in holder.ring.entries() if e.step == 4)
+    slot, _ = ring.claim(1)  # takes the oldest snapshot's slot: step 4's
+    assert slot == entry.slot
+    assert holder.ring.discard(entry.slot, entry.nonce) is False  # that commit is gone
+    assert holder.drop_after(4, 1) == [5] and holder.ring.committed() == {}
+    ring.commit(slot, 6, {}, {}, 1)  # still this writer's claim
+    assert holder.steps(1) == [6]

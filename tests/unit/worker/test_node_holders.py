@@ -247,6 +247,63 @@ def test_a_deposed_drivers_workers_are_refused_and_the_live_run_restores_what_ca
     assert live.fenced is None and held["node1"].steps() == [5, 4]
 
 
+def writer(holder: SnapshotHolder, keep: int, lines: list[str]) -> MemoryTier:
+    """Rank 0 of a driver of lease generation 1, writing into ``holder`` with
+    ``checkpoint.memory.keep=keep``."""
+    place = NodeHolders(LocalHolders({"node0": DirectHandle(holder)}), "node0", True, 1)
+    config = MemoryConfig(enabled=True, max_mb=64.0, keep=keep)
+    return MemoryTier(place, config, 0, M.MetricSet(), lambda v: v, lines.append)
+
+
+def test_a_full_ring_takes_every_snapshot_in_its_oldests_place() -> None:
+    # A holder that outlived its driver made its ring for keep=1 (two slots); the resumed run
+    # keeps 2. Then a writer killed between a commit and its pruning leaves every slot
+    # committed. Neither fails a snapshot (the attempt would fail with it, every attempt).
+    model, optimizer = with_buffers(0)
+    lines: list[str] = []
+    holder = SnapshotHolder(cap_bytes=2**24, keep=1)
+    memory = writer(holder, 2, lines)
+    for step in range(1, 6):
+        snap(memory, step, model, optimizer, 0)
+        assert memory.enabled and holder.steps(1) == [step, step - 1][: min(step, 2)]
+    holder = SnapshotHolder(cap_bytes=2**24, keep=2)
+    memory = writer(holder, 2, lines)
+    for step in (1, 2):
+        snap(memory, step, model, optimizer, 0)
+    memory.ring.keep_newest = lambda *args: []  # SIGKILL right after the commit of step 3
+    snap(memory, 3, model, optimizer, 0)
+    assert sorted(holder.ring.committed()) == [1, 2, 3]
+    restarted = writer(holder, 2, lines)  # the next attempt's rank 0
+    choice = restarted.offer(lambda: [])
+    assert choice is not None and choice.step == 3
+    restarted.files(choice)
+    restarted.restored(3)
+    snap(restarted, 4, model, optimizer, 0)
+    assert restarted.enabled and holder.steps(1) == [4, 3], lines
+    assert not any("off" in line for line in lines), lines
+
+
+def test_a_snapshot_with_no_slot_to_take_is_skipped_and_said_once() -> None:
+    # Another live writer holds the ring's other slot (a previous attempt's rank 0, frozen
+    # mid-write): the newest snapshot is kept, the next ones are skipped -- training goes on
+    # -- until a slot is free again.
+    model, optimizer = with_buffers(0)
+    lines: list[str] = []
+    holder = SnapshotHolder(cap_bytes=2**24, keep=1)
+    memory = writer(holder, 1, lines)
+    snap(memory, 1, model, optimizer, 0)
+    frozen = Ring.attach(holder.ring.address)
+    slot, _ = frozen.claim(1)
+    snap(memory, 2, model, optimizer, 0)
+    snap(memory, 3, model, optimizer, 0)
+    assert holder.steps(1) == [1] and memory.enabled and memory.skipped == 2
+    assert sum("snapshot of step 2 is skipped" in line for line in lines) == 1, lines
+    assert not any("step 3" in line for line in lines), lines
+    frozen.release(slot)
+    snap(memory, 4, model, optimizer, 0)
+    assert holder.steps(1) == [4] and memory.busy is None
+
+
 def test_per_rank_keys_travel_apart_and_come_back_whole() -> None:
     records = {STATE_FILE: {"step": 3, "metrics": {"a": 1}, "time": 2.0}, "config.json": {"x": 1}}
     split = split_per_rank(records, writer=2)
