@@ -3,10 +3,13 @@ refuses changes its checkpoint cannot follow.
 
 Two checks, cheap first: :func:`check_run_name` (before the dataset is listed: does the run
 exist, may it be continued; for ``resume=auto``, whether it is continued or started) and :func:`check_resume` (after: the config and the training data
-the newest checkpoint was trained on). Exact-once rests on the epoch order, which is a function
-of the train catalog (its rows, ids, labels and sources), the global batch and the seed; any
-change there is refused with the diff. Changes that only reshape the rest of training (more
-epochs, another learning rate) are allowed and stated.
+the newest checkpoint was trained on). Every key of the config is one of two
+kinds on a resume (the table in docs/fault-tolerance.md, "What a resume may change"): refused
+where the newest checkpoint was made with it and cannot be followed -- its weights (``model``),
+its data order (the train catalog, ``dataset``, the global batch, the seed), its optimizer state
+(``optimizer``, the parameter groups) and exact mode's arithmetic -- with the diff, before Ray
+starts; honoured everywhere else (more epochs, another learning rate, other storage, chaos or
+cluster), each change said in one line at the run's start. None is kept silently.
 """
 
 from __future__ import annotations
@@ -22,28 +25,42 @@ from typing import Any
 import pyarrow as pa
 
 from ftjob.config import RESUME_AUTO, JobConfig, fsspec_protocol, to_plain
+from ftjob.config.trainer import exact_micro_batch
 from ftjob.data.datasets import GONE, SOURCES
 from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
 from ftjob.storage.lease import LEASE_DIR
 
-# Dataset keys that say where the data is, not what it is: moving the data is not a change.
+# Dataset keys that say where the data is, not what it is: moving the data is honoured (said).
 LOCATION_KEYS = ("path", "storage_options")
-# Allowed on resume, but stated: they change the rest of the run (its length, its learning
-# rate schedule), not what it trained so far.
-STATED_KEYS = (
-    "trainer.epochs",
-    "trainer.lr",
-    "trainer.lr_schedule",
-    "trainer.lr_reference_batch",
-    "trainer.warmup_steps",
-    "trainer.warmup_epochs",
-    "dataset.bad_files",
-    "dataset.max_image_pixels",
-)
-# What a file that does not decode does (a policy, stated when changed), not what the data is.
+# What a file that does not decode does (a policy, honoured and said), not what the data is.
 DECODE_POLICY_KEYS = ("bad_files", "max_image_pixels")
+# Groups whose every key the checkpoint was made with (``_target_`` nodes: a key added or
+# dropped is a change too), and why each is refused.
+REFUSED_GROUPS = {
+    "model": "the checkpoint's weights are this model's",
+    "dataset": "the data the checkpoint trained on, and its order",
+    # torch's load_state_dict puts the checkpoint's hyperparameters back with its moments: a
+    # change would be written in config.json and never trained with.
+    "optimizer": "the checkpoint's optimizer state puts its own back",
+}
+# Which run, and how it was asked: not a change of what it does.
+NOT_CHANGES = ("name", "resume")
 # Steps a run is told to act at: the ones a checkpoint is past are never reached again.
 STEP_LISTS = ("chaos.fail_at_steps", "chaos.at_steps")
+GLOBAL_BATCH = "trainer.batch_size x trainer.num_workers (global batch)"
+SEED = "trainer.seed (data order)"
+GROUPS = "trainer.weight_decay_norm_and_bias (the optimizer state's parameter groups)"
+EXACT = "trainer.exact (exact mode's arithmetic, from the run's first step)"
+MICRO = "trainer.micro_batch_size (exact mode's micro-batch: its arithmetic)"
+# Trainer keys the checkpoint was made with: refused, their lines above.
+REFUSED_TRAINER_KEYS = ("seed", "weight_decay_norm_and_bias", "exact")
+# Honoured keys with a limit worth saying: a memory-tier holder is made once per node and run
+# (storage.memory.cluster: get_if_exists), so one that outlived the last driver keeps its own.
+HONOURED_WITH = {
+    f"checkpoint.memory.{key}": "a snapshot holder that outlived the last driver on this "
+    "cluster keeps its own until it is released"
+    for key in ("max_mb", "keep", "orphan_timeout_s")
+}
 
 
 class ResumeError(RuntimeError):
@@ -60,17 +77,25 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _fingerprint(config: dict[str, Any]) -> dict[str, Any]:
-    """What a checkpoint depends on: the model, the dataset, the data order."""
+    """What a checkpoint depends on: the model, the dataset, the data order, the optimizer
+    state's making, exact mode's arithmetic. Keys a checkpoint written before they existed
+    lacks are read at their defaults."""
     t = config["trainer"]
     dataset = {
         k: v for k, v in config["dataset"].items() if k not in LOCATION_KEYS + DECODE_POLICY_KEYS
     }
+    global_batch = t["batch_size"] * t["num_workers"]
+    exact = bool(t.get("exact", False))
+    micro = t.get("micro_batch_size") or exact_micro_batch(global_batch)
     return {
         **_flatten(config["model"], "model"),
         **_flatten(dataset, "dataset"),
-        "trainer.batch_size x trainer.num_workers (global batch)": t["batch_size"]
-        * t["num_workers"],
-        "trainer.seed (data order)": t["seed"],
+        **_flatten(config.get("optimizer") or {}, "optimizer"),
+        GLOBAL_BATCH: global_batch,
+        SEED: t["seed"],
+        GROUPS: t.get("weight_decay_norm_and_bias", True),
+        EXACT: exact,
+        **({MICRO: micro} if exact else {}),
     }
 
 
@@ -83,14 +108,34 @@ def _diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def breaking_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Lines ``key: saved -> current`` for every difference that breaks the checkpoint."""
-    return _diff(_fingerprint(saved), _fingerprint(current))
+    """Lines ``key: saved -> current (why)`` for every difference that breaks the checkpoint."""
+    lines = []
+    for line in _diff(_fingerprint(saved), _fingerprint(current)):
+        why = REFUSED_GROUPS.get(line.split(".", 1)[0])
+        lines.append(f"{line} ({why})" if why else line)
+    return lines
+
+
+def _refused(key: str) -> bool:
+    """Is ``key`` (dotted) one whose change :func:`breaking_changes` refuses?"""
+    group, _, rest = key.partition(".")
+    if group == "dataset":
+        return rest.split(".", 1)[0] not in LOCATION_KEYS + DECODE_POLICY_KEYS
+    return group in REFUSED_GROUPS or (group == "trainer" and rest in REFUSED_TRAINER_KEYS)
 
 
 def stated_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """Allowed differences, to be said in the run's output."""
+    """Every other difference: honoured by the resumed run, and said in its output. A key the
+    checkpoint's config lacks (written before the key existed) is said as such."""
     old, new = _flatten(saved), _flatten(current)
-    return _diff({k: old.get(k) for k in STATED_KEYS}, {k: new.get(k) for k in STATED_KEYS})
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if key in NOT_CHANGES or _refused(key) or old.get(key) == new.get(key):
+            continue
+        before = repr(old[key]) if key in old else "(not in the checkpoint's config)"
+        limit = f" ({HONOURED_WITH[key]})" if key in HONOURED_WITH else ""
+        lines.append(f"{key}: {before} -> {new.get(key)!r}{limit}")
+    return lines
 
 
 def catalog_fingerprint(table: pa.Table, num_classes: int) -> dict[str, Any]:

@@ -79,3 +79,47 @@ def test_the_same_command_with_resume_auto_starts_the_run_then_continues_it_exac
     assert epoch0["unique"] == (22 - stopped) * 64 and exactly_once(epoch0)
     assert epoch1["unique"] == 1408 and exactly_once(epoch1)
     assert s["validation"][-1]["step"] == 44
+
+
+@pytest.mark.worker
+def test_a_resume_refuses_another_optimizer_before_training_and_says_what_it_honours(
+    tmp_path: Path,
+):
+    # The checkpoint's optimizer state would put its own hyperparameters back (torch's
+    # load_state_dict): a new weight decay would be written in config.json, never trained with.
+    common = (
+        "+experiment=digits_ft",
+        "name=wd",
+        f"checkpoint.storage_path={tmp_path / 's'}",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "chaos=disabled",
+        "checkpoint.memory.enabled=false",
+    )
+    first = run_locally(
+        compose_job(*common, "trainer.epochs=1", "optimizer.weight_decay=0.0"), tmp_path / "a"
+    )
+    assert first.summary["status"] == "succeeded", first.errors
+    adam = ("optimizer._target_=torch.optim.Adam", "optimizer.weight_decay=0.3")
+    with pytest.raises(ResumeError) as err:
+        run_locally(compose_job(*common, "resume=true", "trainer.epochs=2", *adam), tmp_path / "b")
+    said = str(err.value)
+    assert "optimizer._target_: 'torch.optim.AdamW' -> 'torch.optim.Adam'" in said
+    assert "optimizer.weight_decay: 0.0 -> 0.3 (the checkpoint's optimizer state" in said
+    assert not (tmp_path / "b" / "summary.json").exists()  # refused before training
+    # What it honours it says, one line a key, before training.
+    second = run_locally(
+        compose_job(
+            *common,
+            "resume=true",
+            "trainer.epochs=2",
+            "optimizer.weight_decay=0.0",
+            "trainer.label_smoothing=0.1",
+        ),
+        tmp_path / "c",
+    )
+    assert second.summary["status"] == "succeeded", second.errors
+    assert [n for n in second.prep.notes if n.startswith("resume: ")] == [
+        "resume: trainer.epochs: 1 -> 2 (changed since the checkpoint; allowed)",
+        "resume: trainer.label_smoothing: 0.0 -> 0.1 (changed since the checkpoint; allowed)",
+    ]

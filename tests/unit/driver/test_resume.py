@@ -136,7 +136,8 @@ def test_chaos_steps_behind_the_checkpoint_are_said_not_to_be_reached(tmp_path: 
     store = store_with_checkpoint(tmp_path, job(epochs=5), ROWS_640, step=25)
     resumed = replace(job(epochs=5), chaos=ChaosConfig(fail_at_steps=[5, 25, 30]))
     assert check_resume(resumed, store, "u", ROWS_640) == [
-        "chaos.fail_at_steps: [5, 25] are at or behind the checkpoint's step 25: not reached"
+        "chaos.fail_at_steps: [] -> [5, 25, 30] (changed since the checkpoint; allowed)",
+        "chaos.fail_at_steps: [5, 25] are at or behind the checkpoint's step 25: not reached",
     ]
 
 
@@ -349,3 +350,109 @@ def test_a_finished_run_rerun_with_resume_auto_succeeds_without_training(
     command, _ = resume_command(["+experiment=digits_ft", "resume=auto", "name=done"], prep)
     assert command.startswith("python -m ftjob +experiment=digits_ft name=done resume=true ")
     assert "resume=auto" not in command
+
+
+# -- what a resume may change: refused, or honoured and said (docs/fault-tolerance.md) ---------
+
+ROWS_64 = {"train_rows": 64, "train_sha256": "x", "num_classes": 10}
+
+
+def refused_lines(tmp_path: Path, saved: JobConfig, resumed: JobConfig) -> list[str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    store = store_with_checkpoint(tmp_path, saved, ROWS_64, step=1)
+    with pytest.raises(ResumeError) as err:
+        check_resume(resumed, store, "u", ROWS_64)
+    said = str(err.value)
+    assert "revert these changes, or start a new run" in said
+    return [line.strip() for line in said.splitlines()[1:-1]]
+
+
+def test_a_changed_optimizer_is_refused_naming_each_key_its_state_would_override(tmp_path):
+    # torch's load_state_dict puts the checkpoint's hyperparameters back with its moments: a
+    # new weight decay would be written in config.json and never trained with.
+    saved = replace(job(), optimizer={"_target_": "torch.optim.AdamW", "weight_decay": 0.0})
+    resumed = replace(job(), optimizer={"_target_": "torch.optim.Adam", "weight_decay": 0.3})
+    why = "(the checkpoint's optimizer state puts its own back)"
+    assert refused_lines(tmp_path, saved, resumed) == [
+        f"optimizer._target_: 'torch.optim.AdamW' -> 'torch.optim.Adam' {why}",
+        f"optimizer.weight_decay: 0.0 -> 0.3 {why}",
+    ]
+    momentum = replace(saved, optimizer={**saved.optimizer, "betas": [0.8, 0.9]})
+    assert refused_lines(tmp_path / "added", saved, momentum) == [
+        f"optimizer.betas: None -> [0.8, 0.9] {why}"
+    ]
+
+
+def test_trainer_keys_the_checkpoint_was_made_with_are_refused(tmp_path: Path):
+    assert refused_lines(tmp_path / "groups", job(), job(weight_decay_norm_and_bias=False)) == [
+        "trainer.weight_decay_norm_and_bias (the optimizer state's parameter groups): True -> False"
+    ]
+    exact = {"exact": True, "num_workers": 2, "batch_size": 32}
+    assert refused_lines(tmp_path / "exact", job(), job(**exact)) == [
+        "trainer.exact (exact mode's arithmetic, from the run's first step): False -> True",
+        "trainer.micro_batch_size (exact mode's micro-batch: its arithmetic): None -> 8",
+    ]
+    # Exact mode's micro-batch is what counts, not how it is spelled: null is 8 of a 64.
+    assert refused_lines(tmp_path / "micro", job(**exact), job(**exact, micro_batch_size=16)) == [
+        "trainer.micro_batch_size (exact mode's micro-batch: its arithmetic): 8 -> 16"
+    ]
+    (tmp_path / "same").mkdir()
+    store = store_with_checkpoint(tmp_path / "same", job(**exact), ROWS_64, step=1)
+    assert check_resume(job(**exact, micro_batch_size=8), store, "u", ROWS_64) == [
+        "trainer.micro_batch_size: None -> 8 (changed since the checkpoint; allowed)"
+    ]
+
+
+def test_every_other_changed_key_is_honoured_and_said_one_line_each(tmp_path: Path):
+    # One key of each other group, the world size at the same global batch, and the data moved.
+    common = ("+experiment=digits_ft", "name=r", "trainer.num_workers=2", "trainer.batch_size=32")
+    saved = compose_job(*common)
+    resumed = compose_job(
+        *common,
+        "resume=true",
+        "trainer.num_workers=1",
+        "trainer.batch_size=64",
+        "trainer.label_smoothing=0.1",
+        "checkpoint.num_to_keep=5",
+        "chaos=worker_killer",
+        "failure.max_failures=9",
+        "ray.log_to_driver=true",
+        "logger.live=true",
+    )
+    saved = replace(saved, dataset={**saved.dataset, "path": "/data/a"})
+    resumed = replace(resumed, dataset={**resumed.dataset, "path": "/data/b"})
+    store = store_with_checkpoint(tmp_path, saved, ROWS_64, step=1)
+    stated = check_resume(resumed, store, "u", ROWS_64)
+    keys = [line.split(":")[0] for line in stated]
+    assert keys == [
+        "chaos.interval",
+        "chaos.kind",
+        "chaos.max_kills",
+        "checkpoint.num_to_keep",
+        "dataset.path",
+        "failure.max_failures",
+        "logger.live",
+        "ray.log_to_driver",
+        "trainer.batch_size",
+        "trainer.label_smoothing",
+        "trainer.num_workers",
+    ]
+    assert "trainer.num_workers: 2 -> 1 (changed since the checkpoint; allowed)" in stated
+    assert "dataset.path: '/data/a' -> '/data/b' (changed since the checkpoint; allowed)" in stated
+
+
+def test_a_key_the_checkpoints_config_predates_is_said_as_such_and_the_run_is_not_a_change(
+    tmp_path: Path,
+):
+    saved = to_plain(replace(job(), resume=False))
+    del saved["trainer"]["audit_samples"]
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(saved))
+    (local / "state.json").write_text(json.dumps({"step": 1, "data": ROWS_64}))
+    store = CheckpointStore(LocalFileSystem(), str(tmp_path / "storage" / "r"))
+    store.commit(str(local), 1)
+    assert check_resume(job(), store, "u", ROWS_64) == [
+        "trainer.audit_samples: (not in the checkpoint's config) -> False (changed since the "
+        "checkpoint; allowed)"
+    ]
