@@ -33,6 +33,7 @@ FOUR_NODES = [
     "ray.node_cpus=3",
     "trainer.resources_per_worker={CPU: 2}",  # one worker per node
     f"trainer.num_workers={NODES}",
+    "ray.oversubscribe=true",  # 4 training processes on a machine of fewer cores: bytes, not speed
     "checkpoint.memory.enabled=true",
     "checkpoint.memory.every_n_steps=1",
     "chaos=disabled",

@@ -22,6 +22,9 @@ class RayConfig:
     # many steps (a return tied to the run's progress, not to the machine's speed).
     replace_after_steps: int | None = None
     log_to_driver: bool = False
+    # A cluster ftjob starts on this machine may run more training workers (or their CPUs)
+    # than the machine has cores: refused unless this says so.
+    oversubscribe: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
     # Existing cluster: seconds to wait for nodes the job needs (an autoscaler may add them).
     resources_timeout: float = 600.0

@@ -19,10 +19,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from ftjob.config import NODE_KINDS, JobConfig, JobError, RayConfig
+from ftjob.driver.machine import Machine, usable_cpus
 from ftjob.record import Kill
 
 logger = logging.getLogger("ftjob.driver.cluster")
@@ -199,7 +199,7 @@ def cluster(job: JobConfig) -> Iterator[Any]:
             else:
                 ray.init(
                     address="local",
-                    num_cpus=embedded_cpus(job, os.cpu_count() or 1),
+                    num_cpus=embedded_cpus(job, usable_cpus()),
                     include_dashboard=False,
                     _system_config=system_config(r),
                     **common,
@@ -245,22 +245,6 @@ def check_local_gpus(job: JobConfig) -> None:
 
     if torch.cuda.device_count() == 0:
         _check_gpu_count(job, 0.0, "this machine (where ftjob starts the cluster) has")
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What this machine has, for the clusters ftjob starts on it."""
-
-    cpus: int
-    gpus: int
-    memory: float  # bytes
-
-    @classmethod
-    def here(cls) -> Machine:
-        import torch
-
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(os.cpu_count() or 1, torch.cuda.device_count(), float(memory))
 
 
 def worker_bundle(job: JobConfig) -> dict[str, float]:
@@ -325,7 +309,7 @@ def shortfall(job: JobConfig, nodes: list[dict[str, float]], where: str) -> str 
             f"{key}={n}: {n} workers of {bundle} do not fit on {where}, which holds {fits}: lower "
             f"{key} or trainer.resources_per_worker, or add nodes"
         )
-    decode = 0.0 if t.decode_in == "worker" else t.decode_cpus
+    decode = 0.0 if t.decode_in in ("worker", "device") else t.decode_cpus  # no Ray Data task
     have, need_cpu = sum(node.get("CPU", 0.0) for node in nodes), n * (t.worker_cpus + decode)
     if have < need_cpu:
         return (
@@ -353,6 +337,48 @@ def check_machine(job: JobConfig, machine: Machine | None = None) -> None:
     why = shortfall(job, *started_nodes(job, machine))
     if why is not None:
         raise JobError(why)
+    shared = oversubscription(job, machine)
+    if shared is not None and not job.ray.oversubscribe:
+        raise JobError(
+            f"{shared}: lower trainer.num_workers (or trainer.resources_per_worker.CPU), run on "
+            "a cluster of that size (ray.address), or set ray.oversubscribe=true to share the "
+            "cores anyway (each worker slower, start-up and recoveries much slower)"
+        )
+
+
+def oversubscription(job: JobConfig, machine: Machine) -> str | None:
+    """Why the training workers of a cluster ftjob starts here would share this machine's real
+    cores (one line naming the key, what they need and the cores), or None. Ray places workers
+    by the CPUs it is told of, and ftjob tells the embedded Ray the machine's cores plus the
+    workers' (room for decoding), a simulated cluster's nodes what ``ray.node_cpus`` says: a
+    check against those passes 32 workers on 2 cores, which start 32 processes that train
+    nothing for minutes. On the embedded Ray each worker needs the cores it reserves, at
+    least one; on a simulated cluster, whose CPUs are declared, a core for each training
+    process."""
+    if job.ray.address is not None:
+        return None
+    t = job.trainer
+    if job.ray.local_nodes > 1:
+        need, what = float(t.num_workers), "training processes, a core each"
+    else:
+        each = max(1.0, t.worker_cpus)
+        need = t.num_workers * each
+        what = f"workers x {each:g} cores (trainer.resources_per_worker.CPU={t.worker_cpus:g})"
+    if need <= machine.cpus:
+        return None
+    return (
+        f"trainer.num_workers={t.num_workers}: {t.num_workers} {what} need {need:g} cores, and "
+        f"this machine has {machine.cpus} (its CPU affinity and cgroup quota)"
+    )
+
+
+def oversubscribed_note(job: JobConfig, machine: Machine | None = None) -> str:
+    """What the run's first line adds when ``ray.oversubscribe`` let its workers share the
+    machine's cores: the sharing, said where nobody misses it."""
+    if not job.ray.oversubscribe:
+        return ""
+    shared = oversubscription(job, machine or Machine.here())
+    return f" (sharing the cores, ray.oversubscribe=true: {shared})" if shared else ""
 
 
 def check_resources(

@@ -35,6 +35,7 @@ from ftjob.driver.cluster import (
     check_machine,
     check_resources,
     cluster,
+    oversubscribed_note,
     probe_cluster,
 )
 from ftjob.driver.holders import held_snapshots
@@ -318,7 +319,7 @@ def _train(
             f"run {prep.name}: {prep.dataset.describe()} ({prep.catalogs[TRAIN].num_rows} train / "
             f"{prep.catalogs[VAL].num_rows} val), {job.trainer.num_workers} workers x batch "
             f"{job.trainer.batch_size}, {prep.plan.steps_per_epoch} steps/epoch x "
-            f"{job.trainer.epochs} epochs"
+            f"{job.trainer.epochs} epochs{oversubscribed_note(job)}"
         )
         echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
         out.outputs = outputs_mirror(job, prep, run_dir)

@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 
 from ftjob.config import JobError
-from ftjob.driver.cluster import Machine, check_machine, shortfall, wait_for_resources
+from ftjob.driver.cluster import (
+    Machine,
+    check_machine,
+    oversubscribed_note,
+    shortfall,
+    wait_for_resources,
+)
+from ftjob.driver.machine import usable_cpus, usable_memory
 from tests.support.jobs import compose_job
+from tests.support.processes import ray_temp_dir, run_ftjob
 
 GIB = 2.0**30
 TWO_CORES = Machine(cpus=2, gpus=0, memory=8 * GIB)
@@ -62,6 +70,91 @@ def test_a_job_a_cluster_started_here_can_never_place_is_refused_before_ray(over
 def test_a_job_that_fits_the_machine_passes():
     check_machine(job(), TWO_CORES)  # embedded: its CPUs are sized to the job
     check_machine(job("ray.local_nodes=3", "trainer.decode_in=worker"), TWO_CORES)
+
+
+@pytest.mark.parametrize(
+    "overrides, said",
+    [
+        (  # the embedded Ray is told 2 + 32 CPUs: Ray would start 32 workers on 2 cores
+            ("trainer.num_workers=32",),
+            "trainer.num_workers=32: 32 workers x 1 cores (trainer.resources_per_worker.CPU=1) "
+            "need 32 cores, and this machine has 2 (its CPU affinity and cgroup quota)",
+        ),
+        (  # each worker's reservation is real cores
+            ("trainer.resources_per_worker.CPU=2",),
+            "trainer.num_workers=2: 2 workers x 2 cores (trainer.resources_per_worker.CPU=2) "
+            "need 4 cores, and this machine has 2",
+        ),
+        (  # a simulated cluster declares its CPUs; a training process needs a real core
+            ("ray.local_nodes=9", "ray.node_cpus=4", "trainer.num_workers=8"),
+            "trainer.num_workers=8: 8 training processes, a core each need 8 cores, and this "
+            "machine has 2",
+        ),
+    ],
+)
+def test_more_workers_than_the_machines_cores_are_refused_unless_oversubscribe_says_so(
+    overrides, said
+):
+    with pytest.raises(JobError) as err:
+        check_machine(job(*overrides), TWO_CORES)
+    assert said in str(err.value) and "\n" not in str(err.value)
+    assert "or set ray.oversubscribe=true to share the cores" in str(err.value)
+    shared = job(*overrides, "ray.oversubscribe=true")
+    check_machine(shared, TWO_CORES)
+    note = oversubscribed_note(shared, TWO_CORES)  # what the run's first line adds
+    assert note.startswith(" (sharing the cores, ray.oversubscribe=true: trainer.num_workers=")
+    assert said.split(" (its")[0] in note
+    assert oversubscribed_note(job(), TWO_CORES) == ""
+
+
+def test_too_many_workers_exit_2_with_one_line_before_ray_starts(tmp_path):
+    ray_env, ray_started = ray_temp_dir(tmp_path)
+    workers = usable_cpus() * 4
+    proc, _ = run_ftjob(
+        ["+experiment=digits_ft", f"trainer.num_workers={workers}"], tmp_path, 120, ray_env
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert not ray_started.exists()  # refused before Ray started
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"ftjob: error: trainer.num_workers={workers}: {workers} workers")
+    assert f"and this machine has {usable_cpus()}" in line
+
+
+def cgroup(tmp_path, files: dict[str, str], membership: str) -> tuple[str, str]:
+    """A cgroup tree written by hand: (its root, the process's membership file)."""
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "membership").write_text(membership)
+    return str(root), str(tmp_path / "membership")
+
+
+def test_the_machines_cores_and_memory_are_its_cgroups_where_it_limits_them(tmp_path):
+    # cgroup v2: a quota of half a core and 1 GiB on the process's own cgroup.
+    v2 = cgroup(
+        tmp_path / "v2",
+        {"job/cpu.max": "50000 100000\n", "job/memory.max": "1073741824\n", "cpu.max": "max"},
+        "0::/job\n",
+    )
+    assert usable_cpus(*v2) == 1 and usable_memory(*v2) == GIB
+    # cgroup v1: the quota on an ancestor of the process's cgroup applies to it.
+    v1 = cgroup(
+        tmp_path / "v1",
+        {
+            "cpu/kube/cpu.cfs_quota_us": "100000",
+            "cpu/kube/cpu.cfs_period_us": "100000",
+            "cpu/kube/pod/cpu.cfs_quota_us": "-1",
+            "cpu/kube/pod/cpu.cfs_period_us": "100000",
+        },
+        "4:cpu,cpuacct:/kube/pod\n3:memory:/kube/pod\n",
+    )
+    assert usable_cpus(*v1) == 1
+    # In a container the named path is the host's: the mount's own root is the container's.
+    container = cgroup(tmp_path / "c", {"cpu.max": "100000 100000"}, "0::/host/path\n")
+    assert usable_cpus(*container) == 1
+    # No limit anywhere: the cores this process may run on.
+    assert usable_cpus(*cgroup(tmp_path / "none", {"cpu.max": "max 100000"}, "0::/\n")) >= 1
 
 
 def test_a_memory_tier_larger_than_the_machine_is_refused_before_its_ring_is_reserved():
