@@ -231,13 +231,46 @@ def precheck(argv: list[str]) -> None:
         return cfg
 
     cfg = check(first, hydra=True)
-    if "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN:
+    multirun = "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN
+    check_output_dir(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
+    if multirun:
         node = cfg.hydra.sweeper.get("params")
         params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
         swept = sweep_values(params, overrides)  # type: ignore[arg-type]
         for key, values in swept.values.items():
             for value in values[1:]:  # the first value is in the combination checked above
                 check([o for o in first if override_key(o) != key] + [value])
+
+
+def check_output_dir(cfg: DictConfig, key: str) -> None:
+    """The directory Hydra makes for the run (``hydra.run.dir``; a sweep's ``hydra.sweep.dir``)
+    can be made, or is a directory this user may write in: Hydra's own failure is a traceback
+    ending in "Set the environment variable HYDRA_FULL_ERROR=1". A value that does not resolve
+    here is left to Hydra."""
+    try:
+        path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException:
+        return
+    why = cannot_make_dir(str(path)) if path else None
+    if why is not None:
+        raise ConfigError(key, str(path), f"{why}: choose a directory you may create ({key}=DIR)")
+
+
+def cannot_make_dir(path: str) -> str | None:
+    """Why ``path`` cannot be made a directory this user writes in, or None."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            return "it exists and is not a directory"
+        return None if os.access(target, os.W_OK | os.X_OK) else "this user may not write in it"
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent) and parent != os.path.dirname(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory, so nothing can be made under it"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"this user may not create it in {parent}"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

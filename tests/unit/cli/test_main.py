@@ -1,17 +1,21 @@
 """The command line without traps: ``experiment=NAME`` with or without the ``+``, Hydra's hint
-kept where a config has no experiment default, and an ftjob ``--help``."""
+kept where a config has no experiment default, an ftjob ``--help``, and a run dir that cannot be
+made refused in one line."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
 
-from ftjob.cli.main import main, precheck, spell_argv
+from ftjob.cli.main import cannot_make_dir, main, precheck, spell_argv
 from ftjob.config import ConfigError, to_plain
 from tests.support.jobs import compose_job
+from tests.support.processes import ray_temp_dir
 
 
 def test_an_experiment_is_chosen_with_or_without_the_plus() -> None:
@@ -57,3 +61,40 @@ def test_an_argument_that_is_no_override_stops_with_one_line_naming_it(capsys) -
     )
     with pytest.raises(ConfigError, match=r"^argument='trainer.epochs=\[1': not an override "):
         precheck(["experiment=digits_ft", "trainer.epochs=[1"])
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_run_dir_that_cannot_be_made_exits_2_with_one_line_naming_it(tmp_path, sweep):
+    # Under a regular file: nothing can be made there, whoever runs the test (root included).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    key = "hydra.sweep.dir" if sweep else "hydra.run.dir"
+    args = ["-m", "trainer.epochs=1,2"] if sweep else []
+    ray_env, ray_started = ray_temp_dir(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ftjob", "+experiment=digits_ft", *args, f"{key}={blocker}/run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **ray_env},
+    )
+    assert proc.returncode == 2, proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert line == (
+        f"ftjob: config error: {key}='{blocker}/run': {blocker} is not a directory, so nothing "
+        f"can be made under it: choose a directory you may create ({key}=DIR)"
+    )
+    assert "HYDRA_FULL_ERROR" not in proc.stdout + proc.stderr
+    assert not ray_started.exists() and blocker.read_text() == "not a directory"
+
+
+def test_what_may_be_made_a_run_dir(tmp_path):
+    (tmp_path / "f").write_text("")
+    assert cannot_make_dir(str(tmp_path / "f")) == "it exists and is not a directory"
+    assert cannot_make_dir(str(tmp_path / "f" / "a" / "b")) == (
+        f"{tmp_path / 'f'} is not a directory, so nothing can be made under it"
+    )
+    assert cannot_make_dir(str(tmp_path)) is None
+    assert cannot_make_dir(str(tmp_path / "new" / "deeper")) is None
+    assert not (tmp_path / "new").exists()  # looked at, not made
