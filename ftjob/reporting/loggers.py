@@ -244,8 +244,10 @@ class WandbLogger:
             notes=config.wandb_notes,
             job_type=config.wandb_job_type,
             name=name,
-            # The run's id, kept with the run: a resumed run continues this W&B run.
-            id=run_id or secrets.token_hex(4),
+            # The run's id, kept with the run: a resumed run continues this W&B run. 64 random
+            # bits: with resume="allow" two runs of a project that drew the same id would log
+            # into one W&B run, said nowhere.
+            id=run_id or secrets.token_hex(8),
             resume="allow",
             dir=os.path.abspath(run_dir),
             mode=mode,

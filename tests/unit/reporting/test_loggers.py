@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import glob
 import math
+import re
 
 import pytest
 
@@ -82,6 +83,8 @@ def test_wandb_offline_run_holds_one_point_per_step_the_config_events_and_the_ou
     assert summary["status"] == "succeeded" and summary["summary/goodput/ettr"] == 0.5
     assert [r["exit"]["exit_code"] for r in records if r.get("type") == "exit"] == [0]
     assert wandb_config(records)["trainer.epochs"] == "1"  # the params, flat
+    # Its id, kept with the run for its resumes: 64 random bits, never another run's.
+    assert re.fullmatch(r"[0-9a-f]{16}", feed.loggers[0].run_ids["wandb_id"])
 
 
 def test_a_wandb_mode_that_does_not_exist_is_refused_naming_the_key():
