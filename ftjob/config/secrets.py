@@ -40,8 +40,8 @@ REDACTED = "<redacted>"
 # when its last word is one of these, when any word is one of the unambiguous ones, or when
 # its words run together into one of the compounds (``apikey``, ``sessiontoken``).
 _LAST_WORDS = frozenset(
-    "key secret token password passwd pwd passphrase credential credentials signature sig sas "
-    "auth authorization cookie cookies bearer".split()
+    "key secret token password passwd pwd pass pw passphrase credential credentials signature sig "
+    "sas auth authorization cookie cookies bearer".split()
 )
 _ANY_WORDS = frozenset(
     "secret secrets password passwd passphrase credential credentials authorization".split()
@@ -77,16 +77,33 @@ def _words(key: str) -> list[str]:
 
 
 def is_secret_key(key: str) -> bool:
-    """Does the last part of a dotted key name a credential (in any case or spelling)?"""
+    """Does the last part of a dotted key name a credential (in any case or spelling, plurals
+    too: ``tokens``, ``api_keys``; a bare ``keys`` is a list of names)?"""
     words = _words(str(key).rsplit(".", 1)[-1])
     if not words:
         return False
-    joined = "".join(words)
+    joined, last = "".join(words), words[-1]
+    plural = last.endswith("s") and (last[:-1] in _LAST_WORDS) and words != ["keys"]
     return (
-        words[-1] in _LAST_WORDS
+        last in _LAST_WORDS
+        or plural
         or any(w in _ANY_WORDS for w in words)
         or joined.endswith(_COMPOUNDS)
+        or joined.endswith(tuple(c + "s" for c in _COMPOUNDS))
     )
+
+
+def secret_pair(node: Any) -> tuple[str, Any] | None:
+    """``(name, value)`` where ``node`` holds a credential by naming it beside its value rather
+    than under it: a pair ``[Authorization, 'Bearer ...']`` (HTTP headers given as a list of
+    pairs, as aiohttp takes them) or ``{name: Authorization, value: ...}``; else None."""
+    if isinstance(node, list | tuple) and len(node) == 2 and isinstance(node[0], str):
+        name, value = node
+    elif isinstance(node, dict) and set(node) == {"name", "value"}:
+        name, value = node["name"], node["value"]
+    else:
+        return None
+    return (name, value) if isinstance(name, str) and is_secret_key(name) else None
 
 
 def names_secret(path: str) -> bool:
@@ -204,6 +221,10 @@ class Redactor:
         return redactor
 
     def _collect(self, node: Any, path: str) -> None:
+        pair = secret_pair(node)
+        if pair is not None:  # collected as if under its name: a secret path
+            self._collect(pair[1], f"{path}.{pair[0]}" if path else pair[0])
+            return
         if isinstance(node, dict):
             for k, v in node.items():
                 self._collect(v, f"{path}.{k}" if path else str(k))
@@ -248,6 +269,12 @@ class Redactor:
         key) replaced."""
         if path in self.env:
             return self.env[path]
+        pair = secret_pair(node)
+        if pair is not None:
+            value = self.config(pair[1], f"{path}.{pair[0]}" if path else pair[0])
+            if isinstance(node, dict):
+                return {"name": pair[0], "value": value}
+            return [pair[0], value]
         if isinstance(node, dict):
             return {k: self.config(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
         if isinstance(node, list):
@@ -257,6 +284,11 @@ class Redactor:
         if isinstance(node, str):
             return self.text(node)
         return node
+
+    def holds(self, text: str) -> bool:
+        """Does ``text`` hold a secret value seen (a header's value in a list of pairs, say) --
+        one long enough to be told apart from an ordinary word (:data:`SCRUBBED_ANYWHERE`)?"""
+        return any(value in text for value in self.values)
 
     def text(self, text: str) -> str:
         """``text`` without any secret value seen, URL password, secret query parameter or
@@ -294,7 +326,7 @@ class Redactor:
         bare = key.lstrip("+~")
         if not sep or _ENV_INTERPOLATION.search(value):
             return self.text(override), None
-        if not is_secret_path(bare) and not holds_secret_key(value):
+        if not is_secret_path(bare) and not holds_secret_key(value) and not self.holds(value):
             return self.text(override), None
         variable = "FTJOB_" + re.sub(r"[^A-Za-z0-9]", "_", bare).upper()
         structured = value.lstrip()[:1] in ("{", "[")

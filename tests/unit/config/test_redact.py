@@ -170,6 +170,21 @@ SECRET_ROWS: list[tuple[str, tuple[str, ...]]] = [
         "{AccessKeyId: AKIAEXAMPLECHILD, SecretAccessKey: childSECRETvalue, expiry: '2030-01-01T00:00Z'}",
         ("AKIAEXAMPLECHILD", "childSECRETvalue", "2030-01-01T00:00Z"),
     ),
+    (  # HTTP headers as a list of pairs (aiohttp takes them so): the secret is by its name's side
+        "+checkpoint.storage_options.headers="
+        "[[Authorization, 'Bearer hdrPAIRtokenVALUE1'], [Accept, text/plain]]",
+        ("hdrPAIRtokenVALUE1",),
+    ),
+    (  # a header as {name, value}
+        "+checkpoint.storage_options.extra_headers=[{name: X-Api-Key, value: namedVALUEsecret9}]",
+        ("namedVALUEsecret9",),
+    ),
+    # Plural and short spellings of a credential key.
+    (
+        "+checkpoint.storage_options.tokens=[ghp_abcdefghijklmnopqrstuvwxyz0123]",
+        ("ghp_abcdefghijklmnopqrstuvwxyz0123",),
+    ),
+    ("+checkpoint.storage_options.pass=s3cr3tPASSvalue", ("s3cr3tPASSvalue",)),
 ]
 SECRET_OVERRIDES = [row[0] for row in SECRET_ROWS]
 SECRET_VALUES = [value for row in SECRET_ROWS for value in row[1]]
@@ -185,7 +200,8 @@ SECRET_VALUES = [value for row in SECRET_ROWS for value in row[1]]
         "SAS_TOKEN", "sas", "privateKey", "private_key", "passphrase", "Passphrase", "passwd",
         "Authorization", "authorization", "Proxy-Authorization", "Cookie", "cookie",
         "Set-Cookie", "refresh_token", "client_secret", "clientSecret", "X-Amz-Security-Token",
-        "signature", "auth",
+        "signature", "auth", "tokens", "pass", "db_pass", "pw", "passwords", "api_keys",
+        "apiKeys", "secrets", "access_tokens", "signatures", "ssh_keys",
     ],
 )  # fmt: skip
 def test_every_spelling_of_a_credential_key_is_a_secret(key: str) -> None:
@@ -259,6 +275,9 @@ def test_the_config_checkpoints_loggers_and_ray_see_has_no_secret(prepared: Any)
     assert options["token"] == [REDACTED, REDACTED]
     assert set(options["credentials"].values()) == {REDACTED}
     assert options["client_kwargs"]["headers"] == {"Authorization": REDACTED, "Cookie": REDACTED}
+    assert options["headers"] == [["Authorization", REDACTED], ["Accept", "text/plain"]]
+    assert options["extra_headers"] == [{"name": "X-Api-Key", "value": REDACTED}]
+    assert options["tokens"] == [REDACTED] and options["pass"] == REDACTED
     feed = LogFeed(build_loggers(job.logger, str(run_dir), prep.name))
     feed.params(public)
     assert _dir_leaks(run_dir) == {}
@@ -439,17 +458,19 @@ def test_a_workers_log_records_lose_the_jobs_secrets(restore_logging: None) -> N
     job = compose_job(
         "+checkpoint.storage_options.secret=wJalrXUtnFEMIK7MDENG",
         "+ray.runtime_env.env_vars.HF_TOKEN=hf_0123456789abcdef",
+        "+checkpoint.storage_options.headers=[[Authorization, 'Bearer hdrPAIRtokenVALUE1']]",
     )
     guard_worker_logging(job)
     with written_by("ftjob.storage.retry") as (log, stream):
         log.warning(
-            "storage retry: put_file https://ci:Sup3rS3cretPw@store.example/x failed (%s, %s)",
+            "storage retry: put_file https://ci:Sup3rS3cretPw@store.example/x failed (%s, %s, %s)",
             "SignatureDoesNotMatch for wJalrXUtnFEMIK7MDENG",
             "token hf_0123456789abcdef",
+            "sent Bearer hdrPAIRtokenVALUE1",
         )
     out = stream.getvalue()
     assert "storage retry: put_file" in out and "store.example/x" in out
-    for secret in ("Sup3rS3cretPw", "wJalrXUtnFEMIK7MDENG", "hf_0123456789abcdef"):
+    for secret in ("Sup3rS3cretPw", "wJalrXUtnFEMIK7MDENG", "hf_0123456789abcdef", "hdrPAIR"):
         assert secret not in out, out
 
 
@@ -511,3 +532,30 @@ def test_the_sweep_report_reads_redacted_overrides_unresolved(tmp_path: Path) ->
     row = read_job(str(tmp_path), "0")
     assert row.overrides["a"] == "1"
     assert row.overrides["checkpoint.storage_options.secret"].startswith("${oc.env:")
+
+
+def test_a_secret_named_beside_its_value_is_redacted_and_scrubbed_wherever_it_appears() -> None:
+    """A header given as a pair names the credential beside its value, not above it: the value
+    is redacted where it stands and, being known, scrubbed from any other string -- another
+    key of the config, an error line, a log record."""
+    config = {
+        "headers": [
+            ["Authorization", "Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIGSIGSIG"],
+            ["Accept", "*/*"],
+        ],
+        "note": "sent Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIGSIGSIG upstream",
+        "tags": ["Accept", "gzip"],  # a pair, but its name is no credential's
+    }
+    redactor = Redactor(resolved=config)
+    assert redactor.config(config) == {
+        "headers": [["Authorization", REDACTED], ["Accept", "*/*"]],
+        "note": f"sent {REDACTED} upstream",
+        "tags": ["Accept", "gzip"],
+    }
+    line = "request failed: Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIGSIGSIG"
+    assert redactor.text(line) == f"request failed: Authorization: {REDACTED}"
+    # The printed command reads such a value from the environment, not as "<redacted>".
+    override = "+checkpoint.storage_options.headers=[[Authorization, 'Bearer eyJhbGciOiJIUzI1NiJ9.e30.SIGSIGSIG']]"
+    printed, note = Redactor.for_overrides([override]).override(override)
+    assert "eyJhbGci" not in printed and REDACTED not in printed
+    assert "FTJOB_CHECKPOINT_STORAGE_OPTIONS_HEADERS" in printed and note is not None
