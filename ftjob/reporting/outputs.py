@@ -60,47 +60,67 @@ COMMIT_LINE = re.compile(r"^checkpoint step \d+ committed\b")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
 
-def mirrored_files(run_dir: str) -> Iterator[str]:
-    """Paths relative to ``run_dir`` of what is mirrored, as they are now."""
+def mirrored_files(run_dir: str, links: set[str] | None = None) -> Iterator[str]:
+    """Paths relative to ``run_dir`` of what is mirrored, as they are now. A symbolic link is
+    never followed -- ``notes.log`` linking to a private file, ``.hydra`` to another folder, a
+    run dir that is a working directory full of links (``hydra.run.dir=.``) would otherwise
+    send what lies outside the run dir into its storage --: each one met is added to
+    ``links`` instead."""
+    links = set() if links is None else links
     try:
         top = sorted(os.listdir(run_dir))
     except FileNotFoundError:
         return
     for name in top:
-        if (name in MIRRORED_FILES or name.endswith(".log")) and os.path.isfile(
-            os.path.join(run_dir, name)
-        ):
-            yield name
+        if name in MIRRORED_FILES or name.endswith(".log"):
+            if _regular_file(run_dir, name, links):
+                yield name
     hydra = os.path.join(run_dir, HYDRA_DIR)
-    if os.path.isdir(hydra):
+    if os.path.islink(hydra):
+        links.add(HYDRA_DIR)
+    elif os.path.isdir(hydra):
         for name in sorted(os.listdir(hydra)):
-            if os.path.isfile(os.path.join(hydra, name)):
+            if _regular_file(run_dir, f"{HYDRA_DIR}/{name}", links):
                 yield f"{HYDRA_DIR}/{name}"
     for tree, prefix in LOGGER_TREES.items():
-        yield from _tree_files(run_dir, tree, prefix)
+        yield from _tree_files(run_dir, tree, prefix, links)
 
 
-def _tree_files(run_dir: str, tree: str, prefix: str) -> Iterator[str]:
+def _regular_file(run_dir: str, rel: str, links: set[str]) -> bool:
+    """Is ``rel`` a file of the run dir itself (a link is noted in ``links``, never followed)?"""
+    path = os.path.join(run_dir, *rel.split("/"))
+    if os.path.islink(path):
+        links.add(rel)
+        return False
+    return os.path.isfile(path)
+
+
+def _tree_files(run_dir: str, tree: str, prefix: str, links: set[str]) -> Iterator[str]:
     """A logger's files under ``run_dir/tree`` (only below children named ``prefix*``): plain
-    names only (no hidden ``.trash``, no odd characters), no symbolic links followed, at most
-    :data:`MAX_DEPTH` parts deep."""
+    names only (no hidden ``.trash``, no odd characters), no symbolic links followed (each
+    noted in ``links``), at most :data:`MAX_DEPTH` parts deep."""
     top = os.path.join(run_dir, tree)
-    if os.path.islink(top) or not os.path.isdir(top):
+    if os.path.islink(top):
+        links.add(tree)
+        return
+    if not os.path.isdir(top):
         return
     for here, dirs, files in os.walk(top):
         rel = os.path.relpath(here, run_dir).split(os.sep)
-        dirs[:] = sorted(
+        wanted = [
             d
             for d in dirs
             if plain_name(d)
             and d.startswith(prefix if len(rel) == 1 else "")
             and len(rel) < MAX_DEPTH - 1
-            and not os.path.islink(os.path.join(here, d))
-        )
+        ]
+        linked = {d for d in wanted if os.path.islink(os.path.join(here, d))}
+        links.update("/".join([*rel, d]) for d in linked)
+        dirs[:] = sorted(d for d in wanted if d not in linked)
         if prefix and len(rel) == 1:
             continue  # the files beside those folders (W&B's debug.log links) stay
         for name in sorted(files):
-            if plain_name(name) and not os.path.islink(os.path.join(here, name)):
+            if plain_name(name) and _regular_file(run_dir, "/".join([*rel, name]), links):
                 yield "/".join([*rel, name])
 
 
@@ -122,6 +142,7 @@ class OutputsMirror:
         self.kept_earlier: str | None = None  # where another driver's copy was set aside
         self._looked = False  # for another driver's copy, before the first write
         self.failed: dict[str, str] = {}  # path -> its last error, while it stays unsent
+        self.links: set[str] = set()  # symbolic links in the run dir: left out, said at close
         self._lock = threading.Lock()  # one sync at a time
         self._wake = threading.Event()
         self._closing = False
@@ -157,10 +178,10 @@ class OutputsMirror:
                 self._looked = True
                 self._keep_earlier()
             copied = 0
-            for rel in list(mirrored_files(self.run_dir)):
+            for rel in list(mirrored_files(self.run_dir, self.links)):
                 local = os.path.join(self.run_dir, rel)
                 try:
-                    stat = os.stat(local)
+                    stat = os.lstat(local)
                     seen = (stat.st_mtime_ns, stat.st_size)
                     if self.sent.get(rel) == seen:
                         continue
@@ -203,7 +224,8 @@ class OutputsMirror:
         self.kept_earlier = str(self.fs.unstrip_protocol(dest))
 
     def _copy(self, rel: str, local: str) -> None:
-        with open(local, "rb") as f:
+        # O_NOFOLLOW: a file made a link since it was listed is refused, not followed.
+        with os.fdopen(os.open(local, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
             data = f.read()
         data = scrubbed(data, rel, self.redactor)
         path = posixpath.join(self.target, rel)
@@ -223,14 +245,21 @@ class OutputsMirror:
             self._thread.join(timeout=120)
         if final:
             self.sync()
-        if not self.failed:
-            return None
-        rel, error = next(iter(self.failed.items()))
-        first = (error.strip().splitlines() or [""])[0][:300]
-        return self.redactor.text(
-            f"warning: {len(self.failed)} output file(s) could not be copied to {self.url} "
-            f"({rel}: {first}); the run dir keeps them"
-        )
+        said = []
+        if self.links:
+            named = ", ".join(sorted(self.links)[:3]) + (", ..." if len(self.links) > 3 else "")
+            said.append(
+                f"{len(self.links)} symbolic link(s) in the run dir left out of the copy in "
+                f"{self.url} ({named}): a link is never followed out of the run dir"
+            )
+        if self.failed:
+            rel, error = next(iter(self.failed.items()))
+            first = (error.strip().splitlines() or [""])[0][:300]
+            said.append(
+                f"warning: {len(self.failed)} output file(s) could not be copied to {self.url} "
+                f"({rel}: {first}); the run dir keeps them"
+            )
+        return self.redactor.text("; ".join(said)) if said else None
 
 
 # Started mirrors not closed yet, by run dir: a driver that stops on an error its runner did

@@ -184,7 +184,10 @@ def test_the_loggers_files_are_mirrored_and_read_back_by_their_own_readers(
     fs, target = build_filesystem(str(storage / "run" / OUTPUTS_DIR), {}, FAST_RETRY)
     redactor = Redactor()
     redactor.add(SECRET)
-    assert OutputsMirror(fs, target, str(run_dir), redactor).close() is None
+    assert OutputsMirror(fs, target, str(run_dir), redactor).close() == (
+        f"1 symbolic link(s) in the run dir left out of the copy in {fs.unstrip_protocol(target)} "
+        "(logs/elsewhere): a link is never followed out of the run dir"
+    )
     keys = sorted(str(p.relative_to(storage)) for p in storage.rglob("*") if p.is_file())
     assert "run/outputs/logs/metrics.csv" in keys
     assert any(k.startswith("run/outputs/logs/tensorboard/run/events.") for k in keys)
@@ -241,3 +244,36 @@ def test_a_continued_runs_driver_keeps_the_earlier_drivers_copy_aside(tmp_path):
     assert earlier_copies(str(local)) == [
         f"earlier drivers' outputs: {local / 'earlier' / '1'}, {local / 'earlier' / '2'}"
     ]
+
+
+def test_links_in_the_run_dir_are_never_followed_out_of_it_and_said_once(tmp_path):
+    # hydra.run.dir=. makes a working directory the run dir: whatever its *.log and .hydra/
+    # entries link to must stay where it is.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "private.txt").write_text("outside the run dir: id_rsa contents\n")
+    (outside / "hydra").mkdir()
+    (outside / "hydra" / "config.yaml").write_text("elsewhere: true\n")
+    run_dir = tmp_path / "run_dir"
+    a_run_dir(run_dir, draw=False)
+    (run_dir / "console.log").write_text("run\n")
+    (run_dir / "notes.log").symlink_to(outside / "private.txt")
+    (run_dir / ".hydra" / "host.yaml").symlink_to(outside / "private.txt")
+    (run_dir / "mlruns").symlink_to(outside / "hydra")  # a logger's whole tree
+    storage = tmp_path / "storage"
+    fs, target = build_filesystem(str(storage / "run" / OUTPUTS_DIR), {}, FAST_RETRY)
+    mirror = OutputsMirror(fs, target, str(run_dir), Redactor())
+    assert mirror.sync() == 3 and mirror.sync() == 0  # summary, console log, overrides
+    out = storage / "run" / OUTPUTS_DIR
+    copied = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert copied == [".hydra/overrides.yaml", "console.log", "summary.json"]
+    # Said once, at the end, with what was left out.
+    assert mirror.close() == (
+        f"3 symbolic link(s) in the run dir left out of the copy in {mirror.url} (.hydra/host.yaml, "
+        "mlruns, notes.log): a link is never followed out of the run dir"
+    )
+    # A file made a link after it was listed is refused at its opening, not followed.
+    (run_dir / "console.log").unlink()
+    (run_dir / "console.log").symlink_to(outside / "private.txt")
+    with pytest.raises(OSError):
+        mirror._copy("console.log", str(run_dir / "console.log"))
