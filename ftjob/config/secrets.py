@@ -4,8 +4,10 @@ command, progress lines, config errors, log records) never holds a credential.
 
 A value is secret when a key on its path names one, in any spelling (``key``, ``secret``,
 ``token``, ``password``, ``passphrase``, ``credentials``, ``SessionToken``, ``apiKey``,
-``sasToken``, ``Authorization``, ``Cookie``, ``*_key``, ...): everything under such a key --
-a whole dict or list -- is secret. So is every environment variable handed to the workers
+``sasToken``, ``Authorization``, ``Cookie``, ``*_key``, plurals such as ``tokens``, short
+ones such as ``pass``): everything under such a key -- a whole dict or list -- is secret, and
+so is a value named beside it (:func:`secret_pair`: a header as ``[Authorization, '...']`` or
+``{name: ..., value: ...}``). So is every environment variable handed to the workers
 (``ray.runtime_env.env_vars``) or set for the job by Hydra (``hydra.job.env_set``). A value
 that came from the environment (``${oc.env:...}``) is written as that interpolation, which
 says where it comes from. Passwords in URLs (``https://user:pw@host``), secret-named query
