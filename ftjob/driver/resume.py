@@ -27,7 +27,8 @@ import pyarrow as pa
 from ftjob.config import RESUME_AUTO, JobConfig, fsspec_protocol, to_plain
 from ftjob.config.trainer import exact_micro_batch
 from ftjob.data.datasets import GONE, SOURCES
-from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint
+from ftjob.storage.catalog import Listed
+from ftjob.storage.checkpoint import CheckpointStore, CorruptCheckpoint, NewerFormat
 from ftjob.storage.lease import LEASE_DIR
 
 # Dataset keys that say where the data is, not what it is: moving the data is honoured (said).
@@ -168,16 +169,25 @@ def catalog_fingerprint(table: pa.Table, num_classes: int) -> dict[str, Any]:
 
 
 def _latest(store: CheckpointStore) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """(config, state) saved in the newest committed checkpoint."""
-    for step in store.steps():
+    """(config, state) saved in the newest committed checkpoint that reads, in the run's
+    order (lease generation, then step: what the workers restore); one pruned while it was
+    read is passed for the newer one that replaced it. A newest checkpoint of a newer
+    format is refused (:class:`ResumeError`, naming both formats)."""
+
+    def read(entry: Listed) -> tuple[dict[str, Any], dict[str, Any]]:
+        manifest = store.read_manifest(entry.step)
         try:
-            store.read_manifest(step)
-            config = json.loads(store.read_file(step, "config.json"))
-            state = json.loads(store.read_file(step, "state.json"))
-            return config, state
-        except (CorruptCheckpoint, FileNotFoundError, ValueError):
-            continue
-    return None
+            config = json.loads(store.read_file(entry.step, "config.json", manifest))
+            state = json.loads(store.read_file(entry.step, "state.json", manifest))
+        except ValueError as exc:
+            raise CorruptCheckpoint(f"unreadable config or state ({exc})") from None
+        return config, state
+
+    try:
+        found = store.newest(read)
+    except NewerFormat as exc:
+        raise ResumeError(str(exc)) from None
+    return found[1] if found else None
 
 
 def latest_config(store: CheckpointStore) -> dict[str, Any] | None:

@@ -478,7 +478,7 @@ def settle_latest(
     upload in flight then may still commit. And a resumed run that committed nothing new
     continues from the one it restored (``restored_step``)."""
     try:
-        newest = max(store.committed_steps(), default=-1)
+        newest = next(iter(store.committed_steps()), -1)  # the run's order: what restores
     except StorageError as exc:
         echo(f"warning: could not list the checkpoints after the stop ({exc})")
         return

@@ -2,11 +2,14 @@
 and the files it names are confirmed.
 
 A checkpoint is a directory ``{run}/checkpoints/step_{step:09d}/`` holding the files the
-training loop wrote plus ``manifest.json`` -- each file's size and SHA-256 -- published *last*.
-Restoring downloads the newest checkpoint and verifies it against its manifest; an incomplete
-or corrupt one (missing manifest, missing or truncated file, checksum mismatch) is skipped,
-logged, and the next older one is tried. What does not verify is moved to
-``{run}/quarantine/`` with a note, never deleted.
+training loop wrote plus its manifest -- each file's size and SHA-256 -- published *last*
+(the format: :mod:`ftjob.storage.manifest`). Restoring downloads the newest checkpoint in the
+run's order -- lease generation, then step (:mod:`ftjob.storage.catalog`) -- and verifies it
+against its manifest; an incomplete or corrupt one (missing manifest, missing or truncated
+file, checksum mismatch) is skipped, logged, and the next older one is tried. What does not
+verify is moved to ``{run}/quarantine/`` with a note, never deleted. One that changed while
+it was read (pruned by a newer commit) is not damage: the run's checkpoints are listed again.
+One of a newer format stops the restore, untouched.
 
 **A zombie writer cannot touch a live writer's checkpoint.** Every commit uploads its files
 under object names of its own -- ``model.g{generation}a{attempt}-{random}.pt``: the run lease's
@@ -16,17 +19,20 @@ them, and a manifest is published by an exclusive create, or replaces only a man
 *older* writer (lower generation, or the same generation's earlier attempt): a deposed
 driver or a previous attempt's rank 0 that wakes up finds the newer writer's manifest and
 stops. The run lease's fence runs before the first upload, before every retry of every
-request of the commit, and before the manifest.
+request of the commit, and before the manifest. A deposed driver's commit of a *later* step
+ranks below every checkpoint of the generation that took the run over.
 
 **Retention and quarantine never remove the newest checkpoint that verifies.** Before its
 manifest is published a commit confirms its files by one listing (every object there, with its
 size); :meth:`CheckpointStore.prune` keeps every checkpoint down to the ``keep``-th one that
 verifies (manifest against one listing of sizes), so a newest checkpoint that is damaged,
-truncated or half-written never costs an older good one. Quarantine is fenced, leaves alone a
-directory without a manifest whose newest object is younger than ``settle_s`` (an upload
-still in flight: the lease timeout), moves by rename where the filesystem has one (no space
-needed), and on object stores deletes only the objects it copied. A quarantine that fails is
-said, and the restore goes on.
+truncated or half-written never costs an older good one; a checkpoint a newer generation left
+behind is neither counted nor deleted, but quarantined with a note. A directory is deleted
+manifest first: from its first delete on it is no checkpoint. Quarantine is fenced, leaves
+alone a directory without a manifest whose newest object is younger than ``settle_s`` (an
+upload still in flight: the lease timeout), moves by rename where the filesystem has one (no
+space needed), and on object stores deletes only the objects it copied. A quarantine that
+fails is said, and the restore goes on.
 
 Nothing here hands fsspec a pattern: its recursive ``rm``/``mv`` glob-expand their path on
 object stores and the memory filesystem (``run[1]`` would match ``run1``), so directories are
@@ -42,107 +48,62 @@ import json
 import logging
 import os
 import posixpath
-import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsspec import AbstractFileSystem
 
+from ftjob.storage.catalog import CHECKPOINTS_DIR, CheckpointCatalog, Listed, left_behind, sizes
 from ftjob.storage.errors import is_storage_error
 from ftjob.storage.lease import LeaseLost
+from ftjob.storage.manifest import (
+    FORMAT,
+    MANIFEST,
+    MANIFEST_FILE,
+    CorruptCheckpoint,
+    NewerFormat,
+    UncommittedCheckpoint,
+    Writer,
+    build_manifest,
+    check_sizes,
+    file_digest,
+    manifest_of,
+    object_of,
+)
 from ftjob.storage.urls import is_object_store
 
 logger = logging.getLogger("ftjob.storage.checkpoint")
 
-MANIFEST = "manifest.json"  # format 1's one manifest; format 2: manifest.<writer tag>.json
-_MANIFEST_FILE = re.compile(r"^manifest(?:\.g(\d+)a(-?\d+)-([0-9a-f]+))?\.json$")
-CHECKPOINTS_DIR = "checkpoints"
+__all__ = [
+    "CHECKPOINTS_DIR",
+    "FORMAT",
+    "MANIFEST",
+    "QUARANTINE_DIR",
+    "QUARANTINE_NOTE",
+    "CheckpointStore",
+    "CorruptCheckpoint",
+    "NewerFormat",
+    "RestoreChoice",
+    "RestoreResult",
+    "StepTaken",
+    "UncommittedCheckpoint",
+    "Writer",
+    "build_manifest",
+    "checkpoint_file",
+    "file_digest",
+    "manifest_of",
+    "move_tree",
+    "object_of",
+    "remove_tree",
+    "written_ago",
+]
+
 QUARANTINE_DIR = "quarantine"  # beside checkpoints/: directories that did not verify
 QUARANTINE_NOTE = "QUARANTINED.json"
-FORMAT = 2  # 1: files stored under their own names, no writer
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
-_CHUNK = 8 * 1024 * 1024
-
-
-def file_digest(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class Writer:
-    """Who commits a checkpoint: the run lease's generation (a driver) and the attempt (a
-    worker group of that driver). A newer writer is a higher ``key``; ``tag`` makes its object
-    names its own."""
-
-    generation: int = 0
-    attempt: int = 0
-    nonce: str = ""
-
-    @property
-    def key(self) -> tuple[int, int]:
-        return (self.generation, self.attempt)
-
-    @property
-    def tag(self) -> str:
-        return f"g{self.generation}a{self.attempt}-{self.nonce}"
-
-    def object_name(self, name: str) -> str:
-        """``model.pt`` -> ``model.g3a1-5f0c2e9a.pt``: the name this writer stores it under."""
-        stem, ext = posixpath.splitext(name)
-        return f"{stem}.{self.tag}{ext}"
-
-    @property
-    def manifest(self) -> str:
-        """The name this writer publishes its manifest under (created, never replaced)."""
-        return f"manifest.{self.tag}.json"
-
-    def as_json(self) -> dict[str, Any]:
-        return {"generation": self.generation, "attempt": self.attempt, "nonce": self.nonce}
-
-    @classmethod
-    def of(cls, manifest: dict[str, Any]) -> Writer:
-        """The writer a manifest names (a format-1 manifest: the oldest possible)."""
-        record = manifest.get("writer")
-        if not isinstance(record, dict):
-            return cls()
-        generation, attempt = record.get("generation"), record.get("attempt")
-        if not isinstance(generation, int) or not isinstance(attempt, int):
-            return cls()
-        return cls(generation, attempt, str(record.get("nonce", "")))
-
-
-def build_manifest(local_dir: str, step: int, writer: Writer | None = None) -> dict[str, Any]:
-    writer = writer or Writer(nonce=secrets.token_hex(4))
-    files = {}
-    for name in sorted(os.listdir(local_dir)):
-        full = os.path.join(local_dir, name)
-        if _MANIFEST_FILE.match(name) or not os.path.isfile(full):
-            continue
-        files[name] = {
-            "size": os.path.getsize(full),
-            "sha256": file_digest(full),
-            "object": writer.object_name(name),
-        }
-    return {
-        "format": FORMAT,
-        "step": step,
-        "created": time.time(),
-        "writer": writer.as_json(),
-        "files": files,
-    }
-
-
-def object_of(name: str, meta: dict[str, Any]) -> str:
-    """Where a manifest's file is stored in its directory."""
-    return str(meta.get("object", name))
 
 
 def _is_local(fs: AbstractFileSystem) -> bool:
@@ -181,38 +142,13 @@ def _listing(fs: AbstractFileSystem, root: str) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(dirs)
 
 
-def _sizes(fs: AbstractFileSystem, directory: str) -> dict[str, int]:
-    """The objects directly in ``directory`` and their sizes, from one fresh listing."""
-    try:
-        entries = fs.ls(directory, detail=True, refresh=True)
-    except FileNotFoundError:
-        return {}
-    return {
-        posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
-        for e in entries
-        if e.get("type") != "directory"
-    }
-
-
-def manifest_of(names: Iterable[str]) -> str | None:
-    """Of the file names in a checkpoint directory, its manifest: the newest writer's
-    (highest lease generation, then attempt; format 1's ``manifest.json`` is the oldest). A
-    late manifest of an older writer is never the checkpoint's."""
-    ranked = []
-    for name in names:
-        found = _MANIFEST_FILE.match(name)
-        if found:
-            generation, attempt, nonce = found.groups()
-            key = (-1, -1, "") if generation is None else (int(generation), int(attempt), nonce)
-            ranked.append((key, name))
-    return max(ranked)[1] if ranked else None
-
-
 def _remove_files(fs: AbstractFileSystem, root: str, files: list[str], dirs: list[str]) -> None:
-    """Delete exactly ``files`` (from a listing of ``root``), then -- on filesystems with
-    directories -- those of ``dirs`` and ``root`` that are empty now, deepest first: a file
-    that arrived since the listing stays, and so does its directory."""
-    for name in files:
+    """Delete exactly ``files`` (from a listing of ``root``), manifests first (from the first
+    delete on, a checkpoint directory is no checkpoint: a reader never sees one with a
+    manifest and files missing), then -- on filesystems with directories -- those of ``dirs``
+    and ``root`` that are empty now, deepest first: a file that arrived since the listing
+    stays, and so does its directory."""
+    for name in sorted(files, key=lambda n: not MANIFEST_FILE.match(posixpath.basename(n))):
         with contextlib.suppress(FileNotFoundError):
             fs.rm_file(name)
     if not is_object_store(fs.protocol):
@@ -285,55 +221,9 @@ def written_ago(fs: AbstractFileSystem, directory: str, probe_dir: str) -> float
             fs.rm_file(probe)
 
 
-class CorruptCheckpoint(Exception):
-    """A checkpoint that is incomplete or does not match its manifest."""
-
-
-class UncommittedCheckpoint(CorruptCheckpoint):
-    """A directory without a manifest: an upload that never completed (never a checkpoint)."""
-
-
 class StepTaken(LeaseLost):
     """A newer writer (a later driver, or a later attempt of this one) committed this step:
     this writer is a zombie and stops."""
-
-
-def _plain(name: Any) -> bool:
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not _MANIFEST_FILE.match(name)
-        and "/" not in name
-        and "\\" not in name
-    )
-
-
-def _check_manifest(manifest: Any, step: int) -> None:
-    """A manifest names plain files (no paths: they are joined to local directories) with a
-    size, a checksum and the plain name it is stored under, for the step of the directory it
-    is in."""
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict):
-        raise CorruptCheckpoint("malformed manifest: no file table")
-    if manifest.get("step") != step:
-        raise CorruptCheckpoint(f"manifest is for step {manifest.get('step')}, not {step}")
-    for name, meta in files.items():
-        if not _plain(name) or not isinstance(meta, dict) or not _plain(object_of(name, meta)):
-            raise CorruptCheckpoint(f"malformed manifest entry {name!r}")
-        if not isinstance(meta.get("size"), int) or not isinstance(meta.get("sha256"), str):
-            raise CorruptCheckpoint(f"manifest entry {name!r} lacks a size or a checksum")
-
-
-def _check_sizes(manifest: dict[str, Any], sizes: dict[str, int]) -> None:
-    """Every file of ``manifest`` listed with its size (the cheap verification: one listing)."""
-    for name, meta in manifest["files"].items():
-        stored = object_of(name, meta)
-        if stored not in sizes:
-            raise CorruptCheckpoint(f"{name} is missing")
-        if sizes[stored] != meta["size"]:
-            raise CorruptCheckpoint(
-                f"{name} has {sizes[stored]} bytes, manifest says {meta['size']}"
-            )
 
 
 @dataclass(frozen=True)
@@ -361,8 +251,9 @@ class RestoreResult:
     skipped: list[dict[str, Any]] = field(default_factory=list)
 
 
-class CheckpointStore:
-    """Writes, lists, verifies, quarantines and prunes the checkpoints of one run on ``fs``.
+class CheckpointStore(CheckpointCatalog):
+    """Writes, lists, verifies, restores, quarantines and prunes the checkpoints of one run on
+    ``fs``.
 
     ``fence`` raises (:class:`~ftjob.storage.lease.LeaseLost`) once this driver no longer holds
     the run; its ``generation`` (a :class:`~ftjob.storage.lease.LeaseFence`'s) and ``attempt``
@@ -378,25 +269,13 @@ class CheckpointStore:
         attempt: int = 0,
         settle_s: float = 60.0,
     ) -> None:
-        self.fs = fs
-        self.root = posixpath.join(run_path.rstrip("/"), CHECKPOINTS_DIR)
+        super().__init__(fs, run_path)
         self.fence = fence or (lambda: None)
         self.generation = int(getattr(fence, "generation", 0) or 0)
         self.attempt, self.settle_s = attempt, settle_s
         self._confirmed: int | None = None  # the step this store last committed (listed)
         self._commits = 0
-
-    def dir_name(self, step: int) -> str:
-        return f"step_{step:09d}"
-
-    def path_for(self, step: int) -> str:
-        return posixpath.join(self.root, self.dir_name(step))
-
-    def manifest_path(self, step: int) -> str:
-        """The manifest that makes ``step``'s directory a checkpoint (the newest writer's);
-        where format 1's would be when it has none."""
-        name = manifest_of(_sizes(self.fs, self.path_for(step)))
-        return posixpath.join(self.path_for(step), name or MANIFEST)
+        self.moved_aside: list[dict[str, Any]] = []  # left behind, by the last prune
 
     # -- write ----------------------------------------------------------------------------
 
@@ -436,9 +315,9 @@ class CheckpointStore:
                 self.fs.put_file(os.path.join(local_dir, name), target)
                 if local:
                     _sync(self.fs._strip_protocol(target))
-            listed = _sizes(self.fs, remote)
+            listed = sizes(self.fs, remote)
             try:
-                _check_sizes(manifest, listed)
+                check_sizes(manifest, listed)
             except CorruptCheckpoint as exc:  # a storage fault: a failed upload
                 raise OSError(errno.EIO, f"{remote}: uploaded, but {exc}") from None
             writer, body = Writer.of(manifest), json.dumps(manifest, indent=1).encode()
@@ -451,7 +330,7 @@ class CheckpointStore:
                 _sync(self.fs._strip_protocol(path))
         # One listing confirms it: there at its size (else a storage fault: a failed upload),
         # and no newer writer's beside it (readers take the newest writer's manifest).
-        listed = _sizes(self.fs, remote)
+        listed = sizes(self.fs, remote)
         if listed.get(writer.manifest) != len(body):
             raise OSError(errno.EIO, f"the manifest of {remote} is not there at its size")
         self._refuse_if_newer(step, writer, listed)
@@ -461,11 +340,8 @@ class CheckpointStore:
     def _refuse_if_newer(self, step: int, writer: Writer, listed: dict[str, int]) -> None:
         """:class:`StepTaken` when ``step``'s directory (``listed``) has a newer writer's
         manifest: this commit would name a checkpoint nobody restores."""
-        found = _MANIFEST_FILE.match(manifest_of(listed) or "")
-        if not found or found.group(1) is None:
-            return
-        other = Writer(int(found.group(1)), int(found.group(2)), found.group(3))
-        if other.key > writer.key:
+        other = Writer.named(manifest_of(listed) or "")
+        if other is not None and other.key > writer.key:
             raise StepTaken(
                 f"step {step} of {self.path_for(step)} was committed by a newer writer (lease "
                 f"generation {other.generation}, attempt {other.attempt}); this one "
@@ -474,73 +350,36 @@ class CheckpointStore:
 
     # -- read -----------------------------------------------------------------------------
 
-    def steps(self) -> list[int]:
-        """Steps of all checkpoint directories, committed or not, newest first."""
-        try:
-            # refresh: s3fs caches listings, and another process (the previous attempt, the
-            # driver) may have written or pruned checkpoints since this one last looked.
-            entries = self.fs.ls(self.root, detail=False, refresh=True)
-        except FileNotFoundError:
-            return []
-        found = [_STEP_DIR.match(posixpath.basename(str(e).rstrip("/"))) for e in entries]
-        return sorted((int(m.group(1)) for m in found if m), reverse=True)
-
-    def committed_steps(self) -> list[int]:
-        """Steps whose upload completed (they have a manifest), newest first; not verified."""
-        return [s for s in self.steps() if manifest_of(_sizes(self.fs, self.path_for(s)))]
-
-    @staticmethod
-    def step_of(path: str) -> int | None:
-        found = _STEP_DIR.match(posixpath.basename(path.rstrip("/")))
-        return int(found.group(1)) if found else None
-
-    def read_manifest(self, step: int, listed: dict[str, int] | None = None) -> dict[str, Any]:
-        """The manifest of ``step``'s checkpoint (``listed``: its directory's listing, if the
-        caller has one), checked for shape; raises :class:`CorruptCheckpoint`."""
-        listed = _sizes(self.fs, self.path_for(step)) if listed is None else listed
-        name = manifest_of(listed)
-        if name is None:
-            raise UncommittedCheckpoint("no manifest: the upload never completed")
-        try:
-            raw = self.fs.cat_file(posixpath.join(self.path_for(step), name))
-        except FileNotFoundError:
-            raise UncommittedCheckpoint("no manifest: the upload never completed") from None
-        try:
-            manifest = json.loads(raw)
-        except ValueError as exc:
-            raise CorruptCheckpoint(f"unreadable manifest ({exc})") from None
-        _check_manifest(manifest, step)
-        if name != MANIFEST and Writer.of(manifest).manifest != name:
-            raise CorruptCheckpoint(f"{name} names another writer")
-        return manifest
-
-    def read_file(self, step: int, name: str, manifest: dict[str, Any] | None = None) -> bytes:
-        """The stored bytes of file ``name`` of the checkpoint of ``step`` (not verified)."""
-        manifest = manifest or self.read_manifest(step)
-        meta = manifest["files"].get(name)
-        if meta is None:
-            raise CorruptCheckpoint(f"the manifest names no {name}")
-        return self.fs.cat_file(posixpath.join(self.path_for(step), object_of(name, meta)))
+    def _check(self, entry: Listed) -> None:
+        """Raises :class:`CorruptCheckpoint` unless ``entry``'s manifest is there and its files
+        are all listed at their sizes (one listing)."""
+        if entry.step == self._confirmed:  # its files and manifest were listed moments ago
+            return
+        listed = sizes(self.fs, self.path_for(entry.step))
+        check_sizes(self.read_manifest(entry.step, listed), listed)
 
     def verifies(self, step: int) -> bool:
         """Does the checkpoint of ``step`` have a manifest whose files are all there, at their
         sizes (one listing)? Said when not. Storage errors propagate."""
-        if step == self._confirmed:  # its files and manifest were listed moments ago
-            return True
         try:
-            listed = _sizes(self.fs, self.path_for(step))
-            _check_sizes(self.read_manifest(step, listed), listed)
+            self._check(Listed(step, 0, None))
         except UncommittedCheckpoint:  # an upload not done (or in flight): no checkpoint yet
             return False
-        except CorruptCheckpoint as exc:
+        except (CorruptCheckpoint, NewerFormat) as exc:
             logger.warning("checkpoint %s does not verify: %s", self.path_for(step), exc)
             return False
         return True
 
     def newest_verified(self) -> list[int]:
-        """[the newest committed step that :meth:`verifies`], or [] (what a memory snapshot
-        must be newer than: a damaged newest checkpoint is no reason to pass one over)."""
-        return next(([s] for s in self.committed_steps() if self.verifies(s)), [])
+        """[the newest committed step that verifies], or [] (what a memory snapshot must be
+        newer than: a damaged newest checkpoint is no reason to pass one over). Raises
+        :class:`NewerFormat` when the newest is of a format this ftjob does not read."""
+
+        def said(entry: Listed, exc: CorruptCheckpoint) -> None:
+            logger.warning("checkpoint %s does not verify: %s", self.path_for(entry.step), exc)
+
+        found = self.newest(self._check, said)
+        return [found[0].step] if found else []
 
     def download(self, step: int, local_dir: str) -> dict[str, Any]:
         """Download and verify the checkpoint of ``step`` into ``local_dir`` (each file under
@@ -564,37 +403,38 @@ class CheckpointStore:
     def restore_latest(
         self, local_root: str, skipped: list[dict[str, Any]] | None = None
     ) -> RestoreResult | None:
-        """The newest valid checkpoint, downloaded under ``local_root``; None if there is none.
-        Invalid newer ones are reported in the result's ``skipped`` (and appended to
-        ``skipped`` if given, also when there is no valid one): step, path, reason, and
-        whether it had been committed. Storage errors that outlast the retry policy propagate:
-        an unreachable store must not pass for a corrupt checkpoint (that would restart
-        training from an older one)."""
+        """The newest valid checkpoint in the run's order, downloaded under ``local_root``;
+        None if there is none. Invalid newer ones are reported in the result's ``skipped``
+        (and appended to ``skipped`` if given, also when there is no valid one): step, path,
+        reason, and whether it had been committed. One pruned while it was read is none of
+        them: the run's checkpoints are listed again. Storage errors that outlast the retry
+        policy propagate: an unreachable store must not pass for a corrupt checkpoint (that
+        would restart training from an older one); so does :class:`NewerFormat`."""
         skipped = [] if skipped is None else skipped
-        for step in self.steps():
-            local_dir = os.path.join(local_root, self.dir_name(step))
+
+        def download(entry: Listed) -> str:
+            local_dir = os.path.join(local_root, self.dir_name(entry.step))
             try:
-                self.download(step, local_dir)
-            except CorruptCheckpoint as exc:
-                logger.warning(
-                    "checkpoint %s is not usable (%s); trying an older one",
-                    self.path_for(step),
-                    exc,
-                )
-                skipped.append(
-                    {
-                        "step": step,
-                        "path": self.path_for(step),
-                        "reason": str(exc),
-                        "committed": not isinstance(exc, UncommittedCheckpoint),
-                    }
-                )
+                self.download(entry.step, local_dir)
+            except CorruptCheckpoint:
                 shutil.rmtree(local_dir, ignore_errors=True)
-                continue
-            return RestoreResult(
-                step=step, path=self.path_for(step), local_dir=local_dir, skipped=skipped
+                raise
+            return local_dir
+
+        def unusable(entry: Listed, exc: CorruptCheckpoint) -> None:
+            path = self.path_for(entry.step)
+            logger.warning("checkpoint %s is not usable (%s); trying an older one", path, exc)
+            committed = not isinstance(exc, UncommittedCheckpoint)
+            skipped.append(
+                {"step": entry.step, "path": path, "reason": str(exc), "committed": committed}
             )
-        return None
+
+        found = self.newest(download, unusable, committed_only=False)
+        if found is None:
+            return None
+        entry, local_dir = found
+        skipped[:] = [bad for bad in skipped if bad["step"] != entry.step]  # completed since
+        return RestoreResult(entry.step, self.path_for(entry.step), local_dir, skipped)
 
     # -- lifecycle: ftjob is the one owner of the run's checkpoint directories ----------------
 
@@ -643,18 +483,44 @@ class CheckpointStore:
             logger.warning("left %s in place: %s", bad["path"], bad["left"])
 
     def prune(self, keep: int) -> list[int]:
-        """Delete committed checkpoints older than the newest ``keep`` that verify (Ray Train's
-        own retention is off: one owner): a newest checkpoint that does not verify never costs
-        an older one that does, and when fewer than ``keep`` verify nothing is deleted.
-        Directories without a manifest are left. Fenced before each delete: a driver that lost
-        the run deletes nothing."""
+        """Delete committed checkpoints older, in the run's order, than the newest ``keep``
+        that verify (Ray Train's own retention is off: one owner): a newest checkpoint that
+        does not verify never costs an older one that does, and when fewer than ``keep``
+        verify nothing is deleted. Directories without a manifest are left. A checkpoint a
+        newer lease generation left behind is neither counted nor deleted -- nothing shows it
+        superseded: it is of another timeline -- but quarantined with a note, and said
+        (:attr:`moved_aside`). Fenced before each delete and move: a driver that lost the
+        run deletes nothing."""
+        self.moved_aside = []
+        committed = [e for e in self.listing() if e.committed]
+        behind = left_behind(committed)
         verified, removed = 0, []
-        for step in self.steps():
+        for entry in committed:
+            if entry.step in behind:
+                continue
             if verified < keep:
-                verified += self.verifies(step)
-            elif manifest_of(_sizes(self.fs, self.path_for(step))):
-                removed.append(step)
+                verified += self.verifies(entry.step)
+            else:
+                removed.append(entry.step)
         for step in removed:
             self.fence()
             remove_tree(self.fs, self.path_for(step))
+        self.moved_aside = [
+            self._left_behind(e, behind[e.step]) for e in committed if e.step in behind
+        ]
         return removed
+
+    def _left_behind(self, entry: Listed, newer: Listed) -> dict[str, Any]:
+        """Quarantine ``entry``, which ``newer`` (a newer generation's checkpoint at or below
+        its step) left behind; the record, as :meth:`set_aside` leaves it."""
+        reason = (
+            f"left behind: written by lease generation {entry.generation} at step {entry.step}, "
+            f"but generation {newer.generation} took the run over and committed step "
+            f"{newer.step}: a deposed driver's commit, not on the run's timeline"
+        )
+        path = self.path_for(entry.step)
+        bad = {"step": entry.step, "path": path, "reason": reason, "committed": True}
+        self.set_aside([bad])  # said there when it stays
+        if "quarantined_to" in bad:
+            logger.warning("checkpoint %s was %s; moved to %s", path, reason, bad["quarantined_to"])
+        return bad

@@ -12,8 +12,8 @@ Ray Train (a barrier, with the step; the checkpoint stays ftjob's alone) or retu
 Retention is ftjob's too (:meth:`~ftjob.storage.checkpoint.CheckpointStore.prune`).
 
 Restoring: rank 0 picks the newest checkpoint whose manifest verifies (moving aside any newer
-one that does not) and broadcasts the choice; every rank downloads and loads it (timed:
-download, load).
+one that does not; one of a newer format stops the job) and broadcasts the choice; every rank
+downloads and loads it (timed: download, load).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import CheckpointRecord, Fallback, Holder, JitCheckpoint, Restore, Tier
-from ftjob.storage.checkpoint import CheckpointStore, RestoreChoice
+from ftjob.storage.checkpoint import CheckpointStore, NewerFormat, RestoreChoice
 from ftjob.storage.lease import LeaseLost
 from ftjob.storage.memory.format import unpack
 from ftjob.worker.node_holders import BUFFERS_SUFFIX
@@ -130,12 +130,13 @@ def choose_checkpoint(
 ) -> RestoreChoice | str | None:
     """Rank 0: the checkpoint to restore, None to start from step 0, or the error that stops
     the job. Whatever does not verify is quarantined on the way
-    (:meth:`~ftjob.storage.checkpoint.CheckpointStore.set_aside`)."""
+    (:meth:`~ftjob.storage.checkpoint.CheckpointStore.set_aside`); a newest checkpoint of a
+    newer format is the error, and nothing is set aside."""
     skipped: list[dict[str, Any]] = []
     try:
         result = store.restore_latest(local_root, skipped)
         store.set_aside(skipped)
-    except LeaseLost as exc:  # a deposed driver's workers touch nothing
+    except (LeaseLost, NewerFormat) as exc:  # a deposed driver's workers touch nothing
         return str(exc)
     if result is not None:
         return RestoreChoice(result.step, result.path, "storage", result.local_dir, tuple(skipped))
@@ -149,6 +150,28 @@ def choose_checkpoint(
         f"they are in {', '.join(where)}. Inspect them, or set "
         "checkpoint.restart_if_unrecoverable=true to start over from step 0"
     )
+
+
+def choose_restore(
+    store: CheckpointStore, memory: MemoryTier | None, local_root: str, config: Any
+) -> RestoreChoice | str | None:
+    """Rank 0: a memory snapshot newer than every committed checkpoint, else
+    :func:`choose_checkpoint`'s choice; the error that stops the job when the newest
+    checkpoint is of a newer format (no snapshot is newer than what this ftjob cannot read)."""
+    try:
+        chosen = memory.offer(store.newest_verified) if memory is not None else None
+    except NewerFormat as exc:
+        return str(exc)
+    return chosen or choose_checkpoint(store, local_root, config)
+
+
+def prune(store: CheckpointStore, keep: int, say: Callable[[str], None]) -> None:
+    """Retention after a commit (:func:`~ftjob.worker.uploads.prune_quietly`); what it moved
+    aside as left behind by this generation -- a deposed driver's late commit -- is said."""
+    prune_quietly(store, keep)
+    for aside in store.moved_aside:
+        where = aside.get("quarantined_to") or f"left in place: {aside.get('left')}"
+        say(f"checkpoint {aside['path']}: {aside['reason']} ({where})")
 
 
 def load_state(state_of: Callable[[str], Any], module: Any, optimizer: Any) -> None:
@@ -259,8 +282,7 @@ class Checkpointer:
         checkpoints exist but none verifies (unless checkpoint.restart_if_unrecoverable)."""
         start, memory, chosen = time.perf_counter(), self.memory, None
         if not self.rank:  # a memory snapshot newer than storage, else storage's newest
-            chosen = memory.offer(self.store.newest_verified) if memory is not None else None
-            chosen = chosen or choose_checkpoint(self.store, self.local_root, self.config)
+            chosen = choose_restore(self.store, memory, self.local_root, self.config)
         chosen = self.broadcast(chosen)
         if isinstance(chosen, str):
             raise NoUsableCheckpoint(chosen)
@@ -371,7 +393,7 @@ class Checkpointer:
         outcome = upload_checkpoint(self.store, local_dir, step)
         if outcome.path is not None:
             try:
-                prune_quietly(self.store, self.config.num_to_keep)
+                prune(self.store, self.config.num_to_keep, self.recorder.log)
             except LeaseLost as exc:  # committed just before another driver took the run
                 outcome.error, outcome.fatal = str(exc), True
         return self._record(outcome)

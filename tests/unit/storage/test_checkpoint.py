@@ -24,6 +24,7 @@ from ftjob.storage.checkpoint import (
     QUARANTINE_NOTE,
     CheckpointStore,
     CorruptCheckpoint,
+    RestoreChoice,
     StepTaken,
 )
 from ftjob.storage.fs import RetryingFileSystem
@@ -529,6 +530,213 @@ def test_restore_leaves_an_upload_in_flight_alone_and_its_commit_then_holds(
     assert result is not None and result.step == 10 and result.skipped == []
 
 
+# -- a listing is a moment: another writer commits and prunes while a reader goes down it -------
+
+
+def _lingering_upload(
+    base: AbstractFileSystem, run_path: str, scratch: str, op: str, path_part: str
+) -> tuple[CheckpointStore, list[str]]:
+    """The previous attempt's rank 0 has committed step 15; a reader's store that, at its
+    first ``op`` on a path with ``path_part`` in it, lets that rank 0 (the same driver: the
+    fence passes for both) finish its async upload of step 20 and prune to one checkpoint.
+    Returns the reader's store and what landed."""
+    previous = CheckpointStore(RetryingFileSystem(base, no_sleep_policy()), run_path, attempt=1)
+    previous.commit(tagged_checkpoint(scratch, "attempt-1", 15), 15)
+    landed: list[str] = []
+
+    def upload_lands(seen: str, path: str) -> None:
+        if seen == op and path_part in path and not landed:
+            landed.append(previous.commit(tagged_checkpoint(scratch, "attempt-1", 20), 20))
+            assert previous.prune(keep=1) == [15]
+
+    reader = RecordingFileSystem(base, upload_lands)
+    return CheckpointStore(
+        RetryingFileSystem(reader, no_sleep_policy()), run_path, attempt=2
+    ), landed
+
+
+def test_a_checkpoint_pruned_while_a_restore_reads_it_gives_way_to_the_newer_one(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # The restore listed step 15 as the newest; while it downloaded it, step 20 was committed
+    # and step 15 pruned. Step 15 was not damaged, and step 20 verifies: the run goes on
+    # from step 20 (it used to stop: "no committed checkpoint of this run verifies").
+    base, run_path = storage
+    restorer, landed = _lingering_upload(base, run_path, str(tmp_path), "get_file", "step_")
+    chosen = choose_checkpoint(restorer, str(tmp_path / "restore"), CheckpointConfig())
+    assert landed and isinstance(chosen, RestoreChoice), chosen
+    assert chosen.step == 20 and chosen.set_aside == ()  # step 15: not "skipped"
+    assert Path(chosen.local_dir, "model.pt").read_text() == "attempt-1 model.pt step 20\n"
+    assert not base.exists(restorer.quarantine_root)  # nothing quarantined as damaged
+    assert sorted(os.listdir(tmp_path / "restore")) == ["step_000000020"]
+
+
+def test_the_newest_verified_checkpoint_is_looked_for_again_when_one_is_pruned_meanwhile(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # What a memory snapshot must be newer than: step 20, not "none" (a snapshot of step 16
+    # would have been restored over step 20).
+    base, run_path = storage
+    reader, landed = _lingering_upload(base, run_path, str(tmp_path), "cat_file", "/manifest.")
+    assert reader.newest_verified() == [20] and landed
+
+
+def test_a_directory_is_deleted_manifest_first(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # From its first delete on, a directory being pruned is no checkpoint: a reader never
+    # sees a manifest whose files are half gone (once read as damage, and quarantined).
+    base, run_path = storage
+    recorder = RecordingFileSystem(base)
+    store = CheckpointStore(RetryingFileSystem(recorder, no_sleep_policy()), run_path)
+    local = write_checkpoint(tmp_path / "local", 10)
+    Path(local, "config.json").write_text("{}")  # sorts before the manifest's name
+    store.commit(local, 10)
+    store.commit(write_checkpoint(tmp_path / "local", 20), 20)
+    recorder.calls.clear()
+    assert store.prune(keep=1) == [10]
+    deleted = [path for op, path in recorder.calls if op == "rm_file"]
+    assert len(deleted) == 5 and "/manifest." in deleted[0]
+
+
+# -- the run's order: lease generation, then step ----------------------------------------------
+
+
+def _zombie_commits_a_later_step(
+    base: AbstractFileSystem, run_path: str, scratch: str
+) -> tuple[CheckpointStore, CheckpointStore]:
+    """Driver A (lease generation 1) commits step 5, passes the fence for step 15 and pauses
+    before its manifest; meanwhile its lease lapses, driver B (generation 2) takes the run
+    over, restores step 5, commits step 10 and prunes to one checkpoint; then A wakes and
+    publishes step 15 (nothing stops it: its fence ran). Returns (A's store, B's store)."""
+    from ftjob.storage.lease import RunLease
+
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    a = RunLease(fs, run_path, 60.0, owner="host-a:1")
+    a.acquire()
+    CheckpointStore(fs, run_path, a.fence()).commit(tagged_checkpoint(scratch, "A", 5), 5)
+    stores: list[CheckpointStore] = []
+
+    def b_takes_over(op: str, path: str) -> None:
+        if op == "pipe_file" and "/manifest." in path and not stores:
+            a.release()  # as the store sees it, the same as a lease that expired
+            b = RunLease(fs, run_path, 60.0, owner="host-b:2")
+            b.acquire()
+            stores.append(CheckpointStore(fs, run_path, b.fence()))
+            assert stores[0].restore_latest(os.path.join(scratch, "restore-b")).step == 5
+            stores[0].commit(tagged_checkpoint(scratch, "B", 10), 10)
+            assert stores[0].prune(1) == [5]
+
+    fence = a.fence()
+    passed = StaleFence(fence.generation)  # A's fence ran just before B took over
+    zombie = CheckpointStore(
+        RetryingFileSystem(RecordingFileSystem(base, b_takes_over), no_sleep_policy()),
+        run_path,
+        passed,
+    )
+    zombie.commit(tagged_checkpoint(scratch, "A", 15), 15)
+    return zombie, stores[0]
+
+
+def test_a_deposed_drivers_later_step_never_becomes_the_runs_newest(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    base, run_path = storage
+    _, live = _zombie_commits_a_later_step(base, run_path, str(tmp_path))
+    reader = CheckpointStore(RetryingFileSystem(base, no_sleep_policy()), run_path)
+    assert reader.committed_steps() == [10, 15]  # generation 2's step 10 first
+    assert reader.newest_verified() == [10]
+    restored = reader.restore_latest(str(tmp_path / "r1"))
+    assert restored.step == 10 and restored.skipped == []
+    assert Path(restored.local_dir, "model.pt").read_text() == "B model.pt step 10\n"
+    # B's next commit and its prune to one checkpoint: B's own step 12 is kept (it used to
+    # delete it and keep A's step 15), A's step 15 is quarantined with a note, not deleted.
+    live.commit(tagged_checkpoint(str(tmp_path), "B", 12), 12)
+    assert live.prune(1) == [10]
+    assert reader.committed_steps() == [12]
+    [aside] = live.moved_aside
+    assert aside["step"] == 15 and "left behind" in aside["reason"]
+    assert "generation 2 took the run over and committed step 10" in aside["reason"]
+    note = json.loads(base.cat_file(posixpath.join(aside["quarantined_to"], QUARANTINE_NOTE)))
+    assert note["step"] == 15 and "lease generation 1" in note["reason"]
+    assert model_in(reader, aside["quarantined_to"])
+    restored = reader.restore_latest(str(tmp_path / "r2"))
+    assert Path(restored.local_dir, "model.pt").read_text() == "B model.pt step 12\n"
+
+
+def test_a_checkpoint_left_behind_is_not_counted_against_num_to_keep(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # With two to keep, B's step 10 and the step B continued from (A's step 5, committed
+    # before the takeover) are the two: A's later step 15 is another timeline's.
+    base, run_path = storage
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    for generation, step in ((1, 5), (1, 15), (2, 10)):
+        store = CheckpointStore(fs, run_path, StaleFence(generation))
+        store.commit(tagged_checkpoint(str(tmp_path), f"g{generation}", step), step)
+    assert store.prune(2) == []
+    assert store.committed_steps() == [10, 5]
+    assert [a["step"] for a in store.moved_aside] == [15]
+    assert store.prune(2) == [] and store.moved_aside == []  # said once
+
+
+def test_a_previous_attempts_later_step_is_the_same_drivers_and_restored(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    # Within a lease generation the order is by step: a previous attempt's late commit is
+    # this driver's own training, never left behind.
+    base, run_path = storage
+    fs = RetryingFileSystem(base, no_sleep_policy())
+    later = CheckpointStore(fs, run_path, StaleFence(3), attempt=2)
+    later.commit(tagged_checkpoint(str(tmp_path), "a2", 12), 12)
+    CheckpointStore(fs, run_path, StaleFence(3), attempt=1).commit(
+        tagged_checkpoint(str(tmp_path), "a1", 15), 15
+    )
+    assert later.prune(1) == [12] and later.moved_aside == []
+    assert later.restore_latest(str(tmp_path / "r")).step == 15
+
+
+# -- a checkpoint of a newer format -------------------------------------------------------------
+
+
+def _as_format_3(store: CheckpointStore, step: int) -> None:
+    """What a newer ftjob might leave: ``model.pt`` stored gzip-encoded, its manifest (format
+    3) saying so -- sizes and checksums all true."""
+    import gzip
+    import hashlib
+
+    manifest = store.read_manifest(step)
+    meta = manifest["files"]["model.pt"]
+    where = posixpath.join(store.path_for(step), meta["object"])
+    blob = gzip.compress(store.fs.cat_file(where))
+    store.fs.pipe_file(where, blob)
+    meta.update(size=len(blob), sha256=hashlib.sha256(blob).hexdigest(), encoding="gzip")
+    manifest["format"] = 3
+    store.fs.pipe_file(store.manifest_path(step), json.dumps(manifest).encode())
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_before_anything_is_loaded(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path
+) -> None:
+    store = committed_store(storage, tmp_path, [5, 10])
+    _as_format_3(store, 10)
+    chosen = choose_checkpoint(store, str(tmp_path / "restore"), CheckpointConfig())
+    assert chosen == (
+        f"checkpoint {store.path_for(10)} is of checkpoint format 3, written by a newer ftjob; "
+        "this ftjob reads formats up to 2: continue the run with that newer ftjob (nothing "
+        "was loaded, moved or deleted)"
+    )
+    assert not (tmp_path / "restore").exists()  # nothing downloaded; step 5 not restored
+    assert store.committed_steps() == [10, 5]  # not quarantined: it is not damaged
+    assert not store.fs.exists(store.quarantine_root)
+    from ftjob.storage.checkpoint import NewerFormat
+
+    fresh = CheckpointStore(store.fs, posixpath.dirname(store.root))  # knows nothing verified
+    with pytest.raises(NewerFormat, match="format 3"):
+        fresh.newest_verified()  # and no memory snapshot passes for newer than it
+    assert fresh.prune(1) == []  # nor does what it cannot read make room for a prune
+
+
 @pytest.mark.parametrize("full_at", ["cp_file", "pipe_file"])
 def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
     storage: tuple[AbstractFileSystem, str], tmp_path: Path, full_at: str
@@ -536,7 +744,8 @@ def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
     store = committed_store(storage, tmp_path, [5])
     partial = write_checkpoint(tmp_path / "partial", 10)
     store.fs.makedirs(store.path_for(10), exist_ok=True)
-    store.fs.put_file(f"{partial}/model.pt", f"{store.path_for(10)}/model.pt")  # ENOSPC here
+    stored = store.writer().object_name("model.pt")  # the upload's first file, then ENOSPC
+    store.fs.put_file(f"{partial}/model.pt", f"{store.path_for(10)}/{stored}")
 
     def disk_full(op: str, path: str) -> BaseException | None:
         return OSError(errno.ENOSPC, "No space left on device") if op == full_at else None
@@ -558,7 +767,7 @@ def test_a_quarantine_that_fails_for_want_of_space_does_not_block_the_restore(
 
 
 def model_in_quarantine(store: CheckpointStore, directory: str) -> bool:
-    return store.fs.exists(posixpath.join(directory, "model.pt"))
+    return any("/model." in name for name in store.fs.ls(directory, detail=False))
 
 
 def test_quarantine_is_fenced(storage: tuple[AbstractFileSystem, str], tmp_path: Path) -> None:
