@@ -15,7 +15,6 @@ run name), and the rest run from the start. The report is then rebuilt over all 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -24,6 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from fsspec.implementations.local import LocalFileSystem
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra.errors import HydraException
 from hydra.plugins.launcher import Launcher
@@ -31,10 +31,12 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from ftjob.config.names import RUN_NAME
 from ftjob.config.secrets import Redactor, redact_yaml, redactor_for
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import MULTIRUN_FILE
+from ftjob.storage.catalog import CheckpointCatalog
 
 
 def previous_run(job_dir: str) -> tuple[str, str | None]:
@@ -50,16 +52,29 @@ def previous_run(job_dir: str) -> tuple[str, str | None]:
         return "succeeded", summary.get("name")
     if summary.get("name") and (summary.get("checkpoints") or {}).get("latest"):
         return "resume", summary["name"]
-    # Killed before it wrote a summary: its checkpoints under <job dir>/checkpoints/<name>/.
-    steps = glob.glob(
-        os.path.join(
-            glob.escape(job_dir), "checkpoints", "*", "checkpoints", "step_*", "manifest.json"
-        )
-    )
-    names = {os.path.basename(os.path.dirname(os.path.dirname(os.path.dirname(p)))) for p in steps}
+    names = committed_runs(os.path.join(job_dir, "checkpoints"))
     if len(names) == 1:
         return "resume", names.pop()
     return "fresh", None
+
+
+def committed_runs(storage: str) -> set[str]:
+    """The runs in local storage directory ``storage`` that have a committed checkpoint --
+    asked as everywhere else (``CheckpointCatalog.committed_steps``), never by a manifest's
+    file name. Where a job killed before it wrote a summary is found: its default storage
+    holds ``<name>/checkpoints/``."""
+    try:
+        names = os.listdir(storage)
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    fs = LocalFileSystem()
+    return {
+        name
+        for name in names
+        if RUN_NAME.fullmatch(name)
+        and os.path.isdir(os.path.join(storage, name))
+        and CheckpointCatalog(fs, os.path.join(storage, name)).committed_steps()
+    }
 
 
 class SweepLauncher(Launcher):
