@@ -5,7 +5,9 @@ released when the run ends.
 A run that continues (``resume=true``, ``resume=auto`` that found a checkpoint) keeps the
 holders a previous driver of the run left on a cluster that lived on: its workers restore from
 them when they hold a state newer than storage's. A run that starts afresh releases any holder
-of its name first: what they hold is not this run's. Either way the driver fences every holder
+of its identity first: what they hold is not this run's. Holders are the run's by its identity
+(its name and storage, :mod:`ftjob.storage.identity`): another run of the same name never
+touches them. Either way the driver fences every holder
 with its lease generation before its workers start (:mod:`ftjob.storage.memory.fence`), and at
 the end releases none that a newer driver of the run has fenced since.
 """
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from ftjob.config import MemoryConfig
+from ftjob.storage.identity import RunIdentity
 from ftjob.storage.memory.cluster import RunHolders
 from ftjob.storage.memory.traffic import RunTraffic
 
@@ -42,7 +45,7 @@ def claim_interval(orphan_timeout_s: float) -> float:
 
 @contextlib.contextmanager
 def held_snapshots(
-    run: str,
+    run: RunIdentity,
     memory: MemoryConfig,
     continues: bool,
     echo: Callable[[str], None],

@@ -6,11 +6,13 @@ a run's final checkpoint is always a durable one.
 - :mod:`~ftjob.storage.memory.format`: a snapshot (named buffers, each with its XXH3-128
   digest, trusted only when every one verifies) and a state dict packed into its buffers.
 - :mod:`~ftjob.storage.memory.ring`: the holder's shared-memory ring, which a rank on its
-  machine writes snapshots into with no call per snapshot.
+  machine writes snapshots into with no call per snapshot; its slots' claims, commits and
+  pruning, each fenced: :mod:`~ftjob.storage.memory.slots`.
 - :mod:`~ftjob.storage.memory.holder`: the holder, a Ray actor on a node that keeps the
   newest snapshots within a count and a byte cap.
 - :mod:`~ftjob.storage.memory.cluster`: a holder on every node that runs training ranks,
-  named by the run, outliving the driver where the cluster lives on.
+  named by the run's identity (:mod:`ftjob.storage.identity`), outliving the driver where the
+  cluster lives on.
 
 A worker takes and restores them through :mod:`ftjob.worker.snapshots`.
 """

@@ -7,9 +7,11 @@ every node holds a full copy, so the loss of any one node leaves the others'. A 
 reads its own node's copy, else fetches the one rank 0 chose from a surviving peer (one
 transfer), else the run restores from storage.
 
-The holders are detached actors named by the run -- namespace ``ftjob.<run>``, name
-``holder.<node id>`` -- so they outlive the driver: the next driver of the run (``resume=true``,
-or ``resume=auto`` on a cluster that lived on) finds them by name and restores from them. The
+The holders are detached actors named by the run's identity (:mod:`ftjob.storage.identity`: its
+name *and* its storage) -- namespace ``ftjob.<name>@<key>``, name ``holder.<node id>`` -- so
+they outlive the driver: the next driver of the run (``resume=true``, or ``resume=auto`` on a
+cluster that lived on) finds them by name and restores from them, and another run of the same
+name with other storage never sees them. The
 driver claims them while it runs and releases them when the run ends; a holder no driver claimed
 for ``checkpoint.memory.orphan_timeout_s`` releases itself. A holder on a node that joins later
 (an elastic grow, a replaced node) is created by the first rank that runs there. A driver fences
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ftjob.storage.identity import RunIdentity
 from ftjob.storage.memory.fence import Refused
 from ftjob.storage.memory.holder import NodeHolder
 
@@ -45,12 +48,14 @@ class HolderDirectory(Protocol):
     def peers(self, node_id: str) -> list[tuple[str, Any]]: ...
 
 
-def holder_namespace(run: str) -> str:
-    """The Ray namespace of a run's holders (``run``: a run name, checked again here: it names
-    actors, never a path)."""
-    if not RUN_NAME.fullmatch(run):
-        raise ValueError(f"run name {run!r}: letters, digits and ._- only, not starting with '.'")
-    return f"ftjob.{run}"
+def holder_namespace(run: RunIdentity) -> str:
+    """The Ray namespace of a run's holders: its name (checked again here: it names actors,
+    never a path) and its key, which no name can imitate (a name holds no ``@``)."""
+    if not RUN_NAME.fullmatch(run.name):
+        raise ValueError(
+            f"run name {run.name!r}: letters, digits and ._- only, not starting with '.'"
+        )
+    return f"ftjob.{run.label}"
 
 
 def holder_name(node_id: str) -> str:
@@ -64,7 +69,7 @@ class RunHolders:
     """The holders of run ``run`` on the Ray cluster this process is connected to: what the
     driver hands every worker (plain values: it pickles)."""
 
-    run: str
+    run: RunIdentity
     cap_bytes: int
     keep: int
     orphan_timeout_s: float
@@ -161,7 +166,7 @@ class RunHolders:
         return len(held)
 
     def release(self, generation: int | None = None) -> int:
-        """The run ended (or a new run of this name starts): every holder goes -- with
+        """The run ended (or the run starts afresh): every holder goes -- with
         ``generation`` (the ending driver's lease), every holder but those fenced by a newer
         one, which another driver of the run holds now. How many went."""
         import ray

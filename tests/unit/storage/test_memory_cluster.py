@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftjob.storage.identity import RunIdentity
 from ftjob.storage.memory import Snapshot, SnapshotHolder, machine
 from ftjob.storage.memory.cluster import LocalHolders, holder_name, holder_namespace
 from ftjob.storage.memory.holder import PutAnswer
@@ -50,13 +51,17 @@ def test_a_step_already_held_keeps_its_first_copy():
     assert holder.get(3).digests == first.digests and holder.stats()["taken"] == 1
 
 
-@pytest.mark.parametrize("name", ["../up", ".hidden", "a/b", "a*", "", "a b"])
-def test_holders_are_named_by_a_valid_run_name_only(name: str):
+@pytest.mark.parametrize("name", ["../up", ".hidden", "a/b", "a*", "", "a b", "a@0123456789abcdef"])
+def test_holders_are_named_by_a_valid_run_name_and_its_storages_key_only(name: str):
+    key = "0123456789abcdef"
     with pytest.raises(ValueError, match="run name"):
-        holder_namespace(name)
+        holder_namespace(RunIdentity(name, key))
+    with pytest.raises(ValueError, match="run key"):
+        RunIdentity("exp", "../x")
     with pytest.raises(ValueError, match="node id"):
         holder_name("../x")
-    assert holder_namespace("digits_ft-2026.12.04") == "ftjob.digits_ft-2026.12.04"
+    run = RunIdentity("digits_ft-2026.12.04", key)
+    assert holder_namespace(run) == "ftjob.digits_ft-2026.12.04@0123456789abcdef"
     assert holder_name("ab12cd") == "holder.ab12cd"
 
 
@@ -92,7 +97,8 @@ def test_on_ray_a_driver_fences_the_runs_holders_and_one_that_refused_it_is_drop
     try:
         node = ray.get_runtime_context().get_node_id()
         config = MemoryConfig(enabled=True, max_mb=16)
-        holders = RunHolders("fence-run", 2**24, 2, 60.0)
+        run = RunIdentity("fence-run", "0123456789abcdef")
+        holders = RunHolders(run, 2**24, 2, 60.0)
         holders.start([node])
         assert holders.fence(3).refused == {} and holders.fence(3).released == {}
         outcome = holders.fence(2)  # a driver of an older generation: deposed
@@ -104,12 +110,12 @@ def test_on_ray_a_driver_fences_the_runs_holders_and_one_that_refused_it_is_drop
 
         said: list[str] = []
         with pytest.raises(LeaseLost):
-            with held_snapshots("fence-run", config, True, said.append, 2, lost):
+            with held_snapshots(run, config, True, said.append, 2, lost):
                 pass
         assert list(holders.held()) == [node]  # the newer driver's holder is left alone
         # The same refusal with the lease still this driver's: that holder is released; the
         # node's next holder is a new one, empty, fenced by this driver's ranks' first call.
-        with held_snapshots("fence-run", config, True, said.append, 2) as running:
+        with held_snapshots(run, config, True, said.append, 2) as running:
             assert running is not None and holders.held() == {}
             fresh = running.local(node)
             assert ray.get(fresh.steps.remote(2)) == []

@@ -17,6 +17,7 @@ import torch
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.record import Holder, WorkerPlace
+from ftjob.storage.identity import RunIdentity
 from ftjob.storage.memory import Ring, SnapshotHolder
 from ftjob.storage.memory.cluster import LocalHolders, RunHolders
 from ftjob.storage.memory.traffic import HolderTraffic, RunTraffic
@@ -320,7 +321,7 @@ def test_on_ray_the_first_rank_of_each_node_writes_there_whoever_asks_first() ->
     # Train's local ranks 0..3): rank 0 writes node b's snapshots -- and sends its own part to
     # a's holder with each one -- rank 1 node a's; ranks 2 and 3 write none.
     nodes = ["b", "a", "b", "a"]
-    run = RunHolders("r", cap_bytes=2**20, keep=2, orphan_timeout_s=60.0)
+    run = RunHolders(RunIdentity("r", "0" * 16), cap_bytes=2**20, keep=2, orphan_timeout_s=60.0)
     writes = []
     for rank, node in enumerate(nodes):
         ctx = SimpleNamespace(
