@@ -71,6 +71,7 @@ from ftjob.storage.fs import (
     preflight,
     to_pyarrow,
 )
+from ftjob.storage.identity import RunIdentity, run_identity
 from ftjob.storage.lease import LeaseHeld, LeaseKeeper, LeaseLost, RunLease
 from ftjob.storage.wrapper import exclusive_create_guarantee
 from ftjob.worker.scratch import run_scratch_dir, scratch_name
@@ -89,6 +90,9 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.status == RunStatus.succeeded
+
+
+RAY_TRAIN_DIR = "ray_train"  # under the run's directory: Ray Train's own bookkeeping
 
 
 def unique_run_name() -> str:
@@ -117,6 +121,14 @@ class Prepared:
     finished: str | None = None
     finished_step: int | None = None
     continues: bool = False  # the run goes on from a checkpoint (resume=true, or auto)
+    identity: RunIdentity | None = None  # its name and storage, on a cluster (none: finished)
+
+    @property
+    def run(self) -> RunIdentity:
+        """The run's identity on a cluster: what names everything ftjob starts there for it."""
+        if self.identity is None:
+            raise RuntimeError(f"run {self.name!r} is finished: it starts nothing on a cluster")
+        return self.identity
 
 
 def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> Prepared:
@@ -157,7 +169,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         )
     notes = [resumption.said] if resumption.said and finished is None else []
     # Last: nothing fails after it. A finished run writes nothing: it takes no lease.
-    lease, taken = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], finished is None)
+    lease, taken, identity = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], not finished)
     notes += [*taken, *(f"resume: {line}" for line in stated + removed)]
     notes += [*dataset.catalog_notes(), *filter(None, [job.trainer.exact_note])]  # hidden files..
     return Prepared(
@@ -177,6 +189,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
         finished_line(job, url, finished) if finished else None,
         finished.step if finished else None,
         resumption.continues,
+        identity,
     )
 
 
@@ -202,10 +215,12 @@ def _continue_checks(
 
 def _take_run(
     job: JobConfig, name: str, fs: Any, run_path: str, train_catalog: Any, take: bool = True
-) -> tuple[RunLease, list[str]]:
+) -> tuple[RunLease, list[str], RunIdentity | None]:
     """The run's lease, taken when ``take`` (refused while another driver holds it;
     ``resume=auto`` waits out a holder that has gone silent), and the train catalog the run
-    started with kept at its first start; the notes to say."""
+    started with kept at its first start; the notes to say; the run's identity on a cluster
+    (read, or made at its first start: before the lease, so that nothing fails once it is
+    taken), when ``take``."""
     lease = RunLease(
         fs,
         run_path,
@@ -214,14 +229,15 @@ def _take_run(
         wait_out=job.resume == RESUME_AUTO,  # a rerun right after its driver died elsewhere
     )
     if not take:
-        return lease, []
+        return lease, [], None
+    identity = run_identity(fs, run_path, name)
     try:
         lease_note = lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
     remember_catalog(fs, run_path, train_catalog)  # at the run's first start
     notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(fs)}"]
-    return lease, notes + ([lease_note] if lease_note else [])
+    return lease, notes + ([lease_note] if lease_note else []), identity
 
 
 def _fit_outcome(
@@ -541,7 +557,7 @@ def _train_on_cluster(
         memory, lease = job.checkpoint.memory, prep.lease  # holders: released before Ray stops
         check = lease_check(lease)
         holders = run_actors.enter_context(
-            held_snapshots(prep.name, memory, prep.continues, echo, lease.generation, check)
+            held_snapshots(prep.run, memory, prep.continues, echo, lease.generation, check)
         )
         monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
         outcome: dict[str, Any] = {}
@@ -650,6 +666,13 @@ def _torch_trainer() -> Any:
     return FtjobTorchTrainer
 
 
+def ray_train_run(prep: Prepared) -> dict[str, str]:
+    """Ray Train's run: named by the run's identity, not its name alone (a run of the same
+    name with other storage may share the cluster, and Ray Train names each node's working
+    directory by it), its bookkeeping under the run's own directory."""
+    return {"name": prep.run.label, "storage_path": posixpath.join(prep.run_path, RAY_TRAIN_DIR)}
+
+
 def _fit(
     job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any], holders: Any = None
 ) -> None:
@@ -693,8 +716,7 @@ def _fit(
             placement_strategy=t.placement or ("SPREAD" if job.ray.local_nodes > 1 else "PACK"),
         ),
         run_config=ray.train.RunConfig(
-            name=prep.name,
-            storage_path=prep.storage_root,
+            **ray_train_run(prep),
             storage_filesystem=to_pyarrow(prep.fs),
             failure_config=ray.train.FailureConfig(
                 max_failures=f.max_failures,
