@@ -8,7 +8,8 @@ processes (``--jobs``, default: this machine's cores), with the dataset's own li
 (``dataset.max_image_pixels``); Parquet shards (``dataset=parquet``) row by row, in this
 process, each row group read once, a bad row named by its shard and row. Exit 0 when every file decodes, 1 when any does not (or the
 tree fails its audit: an empty class folder, validation classes that differ...), 2 when the
-command is wrong.
+command is wrong. With bad files, it says per split whether a run with
+``dataset.bad_files=skip`` would stay within ``dataset.max_bad_fraction`` or fail.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.config import ConfigError, load_job, register_schema
 from ftjob.config.compose import Composer, Target
+from ftjob.data.bad_files import over_budget
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
 
 
@@ -107,6 +109,8 @@ def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
         GlobalHydra.instance().clear()
     try:
         dataset = build_dataset(job.dataset)
+        fraction = dataset.max_bad_fraction
+        dataset.max_bad_fraction = 1.0  # every bad row listed here; the budget said at the end
         catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
         notes = dataset.catalog_notes()
     except (ConfigError, ValueError, FileNotFoundError, PermissionError) as exc:
@@ -142,4 +146,23 @@ def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
         f"{len(bad)} bad file(s) of {total}: remove or fix them, or run with "
         "dataset.bad_files=skip (each is left out of every epoch and listed in summary.json)"
     )
+    for line in budget_lines(bad, catalogs, fraction):
+        _say(line)
     return 1
+
+
+def budget_lines(bad: list[BadEntry], catalogs: dict[str, pa.Table], fraction: float) -> list[str]:
+    """Per split, whether a run with ``dataset.bad_files=skip`` would stay within
+    ``dataset.max_bad_fraction`` of it (:mod:`ftjob.data.bad_files`) with these bad files."""
+    out = []
+    for split, table in catalogs.items():
+        count = sum(1 for entry in bad if entry.split == split)
+        over = over_budget(split, count, table.num_rows, fraction)
+        if over:
+            out.append(f"with dataset.bad_files=skip a run fails: {over}")
+        elif count:
+            out.append(
+                f"with dataset.bad_files=skip a run skips {count} of the {table.num_rows} "
+                f"{split} samples, within dataset.max_bad_fraction={fraction}"
+            )
+    return out

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from ftjob.config import ConfigError
+from ftjob.data.bad_files import MAX_BAD_FRACTION
 from ftjob.data.folders import (
     check_same_classes,
     is_local,
@@ -100,7 +101,8 @@ def _dataset_rule(ok: bool, key: str, args: dict[str, Any], rule: str) -> None:
 
 
 def check_bad_file_args(kwargs: dict[str, Any]) -> None:
-    """``dataset.bad_files`` and ``dataset.max_image_pixels``, for datasets that read files."""
+    """``dataset.bad_files``, ``dataset.max_bad_fraction`` and ``dataset.max_image_pixels``,
+    for datasets that read files."""
     kwargs.setdefault("bad_files", "fail")
     _dataset_rule(
         kwargs["bad_files"] in BAD_FILES,
@@ -117,6 +119,15 @@ def check_bad_file_args(kwargs: dict[str, Any]) -> None:
         kwargs,
         "must be a whole number of pixels >= 1 (width x height; a larger image is a bad "
         "file, as a decompression bomb would be), or null for no limit",
+    )
+    fraction = kwargs.setdefault("max_bad_fraction", MAX_BAD_FRACTION)
+    number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+    _dataset_rule(
+        number and 0 <= fraction <= 1,
+        "max_bad_fraction",
+        kwargs,
+        f"must be a fraction from 0 to 1 (e.g. {MAX_BAD_FRACTION}): the share of a split's "
+        "samples dataset.bad_files=skip may skip before the run fails; 1 = no limit",
     )
 
 
@@ -143,6 +154,7 @@ class ImageDataset(ABC):
         already normalised. Runs inside Ray Data tasks."""
 
     bad_files = "fail"  # dataset.bad_files, for datasets that read files
+    max_bad_fraction = MAX_BAD_FRACTION  # dataset.max_bad_fraction (ftjob.data.bad_files)
 
     def decode_batch(
         self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
@@ -428,6 +440,7 @@ class ImageFolderDataset(ImageDataset):
         bad_files: str = "fail",
         max_image_pixels: int | None = MAX_IMAGE_PIXELS,
         follow_links: bool = False,
+        max_bad_fraction: float = MAX_BAD_FRACTION,
     ) -> None:
         self.follow_links = bool(follow_links)
         self.check_args(
@@ -438,8 +451,10 @@ class ImageFolderDataset(ImageDataset):
             std=std,
             bad_files=bad_files,
             max_image_pixels=max_image_pixels,
+            max_bad_fraction=max_bad_fraction,
         )
         self.bad_files, self.max_image_pixels = bad_files, max_image_pixels
+        self.max_bad_fraction = float(max_bad_fraction)
         self.path = str(path).rstrip("/")
         self.train_dir, self.val_dir = train_dir, val_dir
         self.image_size, self.resize_size = image_size, resize_size

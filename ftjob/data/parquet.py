@@ -16,7 +16,6 @@ diff; a row whose bytes do not decode, or that has no label, is a bad row under
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 from typing import Any
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ftjob.config import ConfigError
+from ftjob.data.bad_files import MAX_BAD_FRACTION, over_budget
 from ftjob.data.datasets import (
     MAX_IMAGE_PIXELS,
     SOURCES,
@@ -37,7 +37,7 @@ from ftjob.data.datasets import (
     _reason,
     sample_rng,
 )
-from ftjob.data.folders import is_local, names
+from ftjob.data.folders import names
 from ftjob.data.order import ShuffleWindows
 from ftjob.data.row_groups import catalog_windows, group_images
 from ftjob.data.shards import (
@@ -53,13 +53,11 @@ from ftjob.data.shards import (
     large_groups_note,
     list_shards,
     read_group_images,
-    read_labels,
-    unify_labels,
+    read_split,
 )
 
 SHARD, GROUP, ROW = "shard", "group", "row"  # catalog columns: a sample's position
 NO_LABEL = "no_label"  # catalog column: a row without a label (bad_files=skip)
-FOOTER_THREADS = 16  # footers and label columns read concurrently (object stores)
 NO_LABEL_REASON = "no label (the label column is null)"
 
 
@@ -93,6 +91,7 @@ class ParquetDataset(ImageFolderDataset):
         label_kind: str = "auto",
         classes: list[str] | None = None,
         shuffle_window: int = SHUFFLE_WINDOW,
+        max_bad_fraction: float = MAX_BAD_FRACTION,
     ) -> None:
         self.check_args(
             image_size=image_size,
@@ -107,6 +106,7 @@ class ParquetDataset(ImageFolderDataset):
             label_kind=label_kind,
             classes=classes,
             shuffle_window=shuffle_window,
+            max_bad_fraction=max_bad_fraction,
         )
         super().__init__(
             path,
@@ -121,6 +121,7 @@ class ParquetDataset(ImageFolderDataset):
             storage_options,
             bad_files,
             max_image_pixels,
+            max_bad_fraction=max_bad_fraction,
         )
         self.image_column, self.label_column = image_column, label_column
         self.label_kind = label_kind
@@ -168,47 +169,17 @@ class ParquetDataset(ImageFolderDataset):
         return shards
 
     def _read_split(self, split: str) -> list[ShardLabels]:
-        """Every shard's footer and labels, read concurrently on object stores."""
+        """Every shard's footer and labels, as one split (:func:`~ftjob.data.shards.read_split`)."""
         if split not in self._read:
+            shards, urls = self.shards(split), [self._url(s.path) for s in self.shards(split)]
             columns = {"image_column": self.image_column, "label_column": self.label_column}
-
-            def read(shard: Shard) -> ShardLabels:
-                try:
-                    return read_labels(self.fs, shard, columns, self._url(shard.path))
-                except ConfigError:
-                    raise
-                except ValueError as exc:
-                    raise ValueError(f"dataset.path={self.path!r}: {exc}") from exc
-
-            threads = 1 if is_local(self.fs) else FOOTER_THREADS
-            shards = self.shards(split)
-            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                read_all = list(pool.map(read, shards))
-            urls = [self._url(s.path) for s in shards]
-            try:
-                read_all = unify_labels(read_all, urls, self.label_column)
-            except ValueError as exc:
-                raise ValueError(f"dataset.path={self.path!r} ({split}): {exc}") from exc
-            if split != TRAIN:
-                self._same_label_type(read_all[0], urls[0])
-            self._read[split] = read_all
-            note = large_groups_note(read_all, shards, self._split_dir(split), self.path)
-            if note:
-                self._notes.setdefault(split, []).append(note)
-        return self._read[split]
-
-    def _same_label_type(self, got: ShardLabels, url: str) -> None:
-        """The validation split's labels are of the training split's kind: its class ids are
-        the training split's, found the same way."""
-        train = self._read_split(TRAIN)
-        if got.labels.type != train[0].labels.type:
             first = self._url(self.shards(TRAIN)[0].path)
-            raise ValueError(
-                f"dataset.path={self.path!r}: the label column {self.label_column!r} holds "
-                f"{got.labels.type} in shard {url} ({VAL}) and {train[0].labels.type} in shard "
-                f"{first} ({TRAIN}): write both splits' labels as class ids (whole numbers) or "
-                "as class names (strings)"
-            )
+            train = None if split == TRAIN else (self._read_split(TRAIN)[0], first)
+            where = f"dataset.path={self.path!r} ({split})"
+            self._read[split] = read_split(self.fs, shards, urls, columns, where, train)
+            note = large_groups_note(self._read[split], shards, self._split_dir(split), self.path)
+            self._notes.setdefault(split, []).extend([note] if note else [])
+        return self._read[split]
 
     def _kind(self) -> str:
         label_type = self._read_split(TRAIN)[0].labels.type
@@ -256,13 +227,8 @@ class ParquetDataset(ImageFolderDataset):
         if missing.any():
             first = int(np.flatnonzero(missing)[0])
             shard = shards[int(np.concatenate(parts[SHARD])[first])]
-            row = int(np.concatenate(parts[ROW])[first])
-            if self.bad_files != "skip":
-                raise ValueError(
-                    f"dataset shard {self._url(shard.path)} row {row} ({split}): "
-                    f"{NO_LABEL_REASON}; {int(missing.sum())} row(s) of {split} have none: fix "
-                    "the shards, or set dataset.bad_files=skip"
-                )
+            at = f"{self._url(shard.path)} row {int(np.concatenate(parts[ROW])[first])}"
+            check_unlabelled(self, split, missing, at)
         index = pa.array(np.concatenate(parts[SHARD]))
         columns: dict[str, Any] = {
             "id": np.arange(len(labels), dtype=np.int64),
@@ -384,6 +350,22 @@ class ParquetDataset(ImageFolderDataset):
 
     def describe(self) -> str:
         return f"ParquetDataset({self.path})"
+
+
+def check_unlabelled(dataset: ParquetDataset, split: str, missing: np.ndarray, first: str) -> None:
+    """Rows without a label (``missing``; ``first``: the first's shard and row) are refused
+    under ``dataset.bad_files=fail``, and past ``dataset.max_bad_fraction`` of the split under
+    ``skip``: known before anything trains."""
+    count = int(missing.sum())
+    if dataset.bad_files != "skip":
+        raise ValueError(
+            f"dataset shard {first} ({split}): {NO_LABEL_REASON}; {count} row(s) of {split} "
+            "have none: fix the shards, or set dataset.bad_files=skip"
+        )
+    example = f"{first}: {NO_LABEL_REASON}"
+    over = over_budget(split, count, len(missing), dataset.max_bad_fraction, example)
+    if over:
+        raise ValueError(f"dataset.path={dataset.path!r}: {over}")
 
 
 def shard_sources(table: pa.Table, shards: list[Shard], read: list[ShardLabels]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ labels turned into class ids."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -269,6 +270,48 @@ def image_group_bytes(meta: pq.FileMetaData, field: str) -> np.ndarray:
         ],
         dtype=np.int64,
     )
+
+
+FOOTER_THREADS = 16  # footers and label columns read concurrently (object stores)
+
+
+def read_split(
+    fs: Any,
+    shards: list[Shard],
+    urls: list[str],
+    columns: dict[str, str],
+    where: str,
+    train: tuple[ShardLabels, str] | None = None,
+) -> list[ShardLabels]:
+    """A split's shards' footers and labels (:func:`read_labels`, concurrently on an object
+    store; ``urls``: the shards as messages name them), their labels as one type
+    (:func:`unify_labels`); a validation split's of the training split's kind (``train``: its
+    first shard's labels and url). ``where`` (the dataset and split) starts every error."""
+
+    def read(k: int) -> ShardLabels:
+        try:
+            return read_labels(fs, shards[k], columns, urls[k])
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+
+    with concurrent.futures.ThreadPoolExecutor(1 if is_local(fs) else FOOTER_THREADS) as pool:
+        got = list(pool.map(read, range(len(shards))))
+    try:
+        got = unify_labels(got, urls, columns["label_column"])
+        if train is not None and got[0].labels.type != train[0].labels.type:
+            raise ValueError(
+                f"the label column {columns['label_column']!r} holds {got[0].labels.type} in "
+                f"shard {urls[0]} and {train[0].labels.type} in shard {train[1]} of the "
+                "training split: write both splits' labels as class ids (whole numbers) or as "
+                "class names (strings)"
+            )
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return got
 
 
 # A row group whose image column holds more than this is said at catalog time: a decoder reads

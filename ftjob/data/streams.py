@@ -25,7 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from ftjob.data.datasets import TRAIN, VAL, ImageDataset
+from ftjob.data.bad_files import over_budget
+from ftjob.data.datasets import GONE, TRAIN, VAL, DataError, ImageDataset
 from ftjob.data.order import EpochPlan, epoch_order, validation_ids
 from ftjob.ray_internals import STREAMING_EXECUTOR_LOGGER
 from ftjob.record import SkippedFile
@@ -400,30 +401,48 @@ class WindowSizer:
 class SkipLog:
     """Names the files behind skipped samples (``dataset.bad_files=skip``), each once per
     process: the dataset reads it again for the reason (a skip is rare; decode tasks do not
-    carry reasons back), and ``tell`` hears their records."""
+    carry reasons back), and ``tell`` hears their records and answers how many bad samples
+    each split has had in the run (every rank's, each once). A split past
+    ``dataset.max_bad_fraction`` of its catalog (:mod:`ftjob.data.bad_files`) is the run's
+    :class:`DataError`, raised where the batch is consumed -- and again at every skip after
+    it, so a stream read again (validation after its prefetch failed) meets it too."""
 
     def __init__(
         self,
         dataset: ImageDataset,
         catalogs: dict[str, pa.Table],
-        tell: Callable[[list[SkippedFile]], None],
+        tell: Callable[[list[SkippedFile]], dict[str, int]],
     ) -> None:
         self.dataset, self.catalogs, self.tell = dataset, catalogs, tell
         self._seen: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        self._over: str | None = None  # the budget's verdict, once exceeded
 
     def __call__(self, split: str, ids: np.ndarray) -> None:
         with self._lock:
             new = [int(i) for i in ids if (split, int(i)) not in self._seen]
             self._seen.update((split, i) for i in new)
-        if not new:
-            return
-        rows = self.catalogs[split].take(pa.array(new, type=pa.int64())).to_pylist()
-        records = []
-        for sample_id, row in zip(new, rows, strict=True):
-            bad = self.dataset.bad_file(row)
-            records.append(SkippedFile(split, sample_id, bad.path, bad.reason))
-        self.tell(records)
+        if new:
+            rows = self.catalogs[split].take(pa.array(new, type=pa.int64())).to_pylist()
+            records = []
+            for sample_id, row in zip(new, rows, strict=True):
+                bad = self.dataset.bad_file(row)
+                records.append(SkippedFile(split, sample_id, bad.path, bad.reason))
+            counts = self.tell(records)
+            self._over = self._over or self._budget(split, counts.get(split, 0), records[0])
+        if self._over:
+            raise DataError(self._over)
+
+    def _budget(self, split: str, bad: int, example: SkippedFile) -> str | None:
+        """The budget's verdict on ``split`` with ``bad`` samples skipped in the run. Rows
+        removed since the run started (skipped unread) are not bad files: the count less all
+        of them is what is known to be bad."""
+        catalog = self.catalogs[split]
+        gone = catalog.column(GONE).to_numpy() if GONE in catalog.column_names else []
+        removed = int(np.count_nonzero(gone))
+        fraction = self.dataset.max_bad_fraction
+        seen = f"{example.path}: {example.reason}"
+        return over_budget(split, bad - removed, catalog.num_rows, fraction, seen)
 
 
 class ResumableIterator:

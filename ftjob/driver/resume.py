@@ -34,7 +34,7 @@ from ftjob.storage.lease import LEASE_DIR
 # Dataset keys that say where the data is, not what it is: moving the data is honoured (said).
 LOCATION_KEYS = ("path", "storage_options")
 # What a file that does not decode does (a policy, honoured and said), not what the data is.
-DECODE_POLICY_KEYS = ("bad_files", "max_image_pixels")
+DECODE_POLICY_KEYS = ("bad_files", "max_image_pixels", "max_bad_fraction")
 # Groups whose every key the checkpoint was made with (``_target_`` nodes: a key added or
 # dropped is a change too), and why each is refused.
 REFUSED_GROUPS = {

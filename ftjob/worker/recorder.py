@@ -107,9 +107,10 @@ class RunRecorder:
         """This rank's slice of a step: every sample of it, and those skipped (bad files)."""
         self._tell(WorkerLedger.audit_step, self.attempt, step, epoch, ids, skipped)
 
-    def skipped_files(self, files: list[SkippedFile]) -> None:
-        """Files this rank skipped (dataset.bad_files=skip): split, id, path, reason."""
-        self._tell(WorkerLedger.skipped_files, self.attempt, self.rank, files)
+    def skipped_files(self, files: list[SkippedFile]) -> dict[str, int]:
+        """Files this rank skipped (dataset.bad_files=skip): split, id, path, reason; the
+        answer: the bad samples of each split the run has met (dataset.max_bad_fraction)."""
+        return self._ask(WorkerLedger.skipped_files, 60, self.attempt, self.rank, files)
 
     def storage_stats(self, source: str, stats: StorageCounters) -> None:
         self._tell(WorkerLedger.storage_stats, source, stats)

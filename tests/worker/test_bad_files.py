@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from ftjob.data.datasets import GONE_REASON
+from ftjob.data.datasets import GONE_REASON, TRAIN
 from ftjob.data.order import epoch_order
 from ftjob.reporting.summary import exactly_once, format_summary
-from tests.support.images import bad_tree
+from tests.support.images import bad_tree, write_images
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
 
@@ -49,6 +51,7 @@ def test_skipped_files_keep_exact_once_across_a_restart_and_a_resume_after_their
             data,
             *common,
             "dataset.bad_files=skip",
+            "dataset.max_bad_fraction=0.05",
             "trainer.batch_size=4",
             "trainer.num_workers=2",
             "chaos.fail_at_steps=[5,10]",
@@ -97,3 +100,80 @@ def test_skipped_files_keep_exact_once_across_a_restart_and_a_resume_after_their
     assert len(stated) == 1 and "2 file(s)" in stated[0]
     assert "a/empty.jpg" in stated[0] and "b/trunc.png" in stated[0]
     assert any("dataset.bad_files: 'skip' -> 'fail'" in n for n in resumed.prep.notes)
+
+
+# -- dataset.max_bad_fraction: a run never succeeds on a split of bad files --------------------
+
+
+def paths_as_images(root: Path) -> None:
+    """Parquet shards whose image column is binary but holds file paths, not images' bytes:
+    the footer cannot tell, so every row is a bad one at decode."""
+    for split, n in ((TRAIN, 64), ("val", 16)):
+        (root / split).mkdir(parents=True)
+        paths = pa.array([f"images/{split}/{i}.jpg".encode() for i in range(n)], pa.binary())
+        labels = pa.array([i % 4 for i in range(n)], pa.int64())
+        pq.write_table(pa.table({"image": paths, "label": labels}), root / split / "part-0.parquet")
+
+
+@pytest.mark.worker
+def test_a_split_of_bad_rows_fails_at_its_first_step_naming_the_count_and_the_key(
+    tmp_path: Path,
+):
+    paths_as_images(tmp_path / "shards")
+    run = run_locally(
+        compose_job(
+            "+experiment=digits_ft",
+            "dataset=parquet",
+            f"dataset.path={tmp_path / 'shards'}",
+            "dataset.bad_files=skip",
+            "dataset.image_size=16",
+            "dataset.resize_size=16",
+            "trainer.num_workers=1",
+            "trainer.batch_size=16",
+            "trainer.epochs=2",
+            "trainer.validate_every_n_steps=0",
+        ),
+        tmp_path / "run",
+    )
+    s = run.summary
+    # Before: 80 of 80 rows skipped, accuracy 0.0, and the run succeeded.
+    assert s["status"] == "failed", s["metrics"]
+    assert "16 of the 64 train samples are bad files skipped (e.g. " in s["error"]
+    assert "more than dataset.max_bad_fraction=0.01 of the split (0)" in s["error"]
+    assert "raise dataset.max_bad_fraction" in s["error"]
+    assert s["metrics"]["train/steps_completed"] == 0  # not one step on nothing
+    assert s["data"]["skipped"] == 16
+
+
+@pytest.mark.worker
+def test_bad_files_past_the_fraction_fail_a_run_of_two_ranks_and_within_it_train_on(
+    tmp_path: Path,
+):
+    data = tmp_path / "data"
+    bad_tree(data)  # 2 of 48 training files do not decode: 4 %
+    two = ("dataset.bad_files=skip", "trainer.batch_size=4", "trainer.num_workers=2")
+    over = run_locally(job(data, *two, "trainer.epochs=1"), tmp_path / "over")
+    s = over.summary
+    assert s["status"] == "failed" and "dataset.max_bad_fraction=0.01" in s["error"], over.errors
+    assert "of the 48 train samples are bad files skipped" in s["error"]
+    assert s["metrics"]["train/steps_completed"] < 6  # stopped at the first bad file, not the end
+    within = run_locally(
+        job(data, *two, "trainer.epochs=1", "dataset.max_bad_fraction=0.05"), tmp_path / "within"
+    )
+    assert within.summary["status"] == "succeeded", (within.summary["error"], within.errors)
+    assert within.summary["data"]["skipped"] == 2
+
+
+@pytest.mark.worker
+def test_a_validation_split_of_bad_files_fails_the_run_at_its_first_validation(tmp_path: Path):
+    data = tmp_path / "data"
+    write_images(data)
+    for image in (data / "val").rglob("*.png"):
+        image.write_bytes(b"not an image")
+    run = run_locally(
+        job(data, "dataset.bad_files=skip", "trainer.batch_size=8", "trainer.num_workers=1"),
+        tmp_path / "run",
+    )
+    s = run.summary
+    assert s["status"] == "failed", s["metrics"]
+    assert "of the 8 val samples are bad files skipped" in s["error"]

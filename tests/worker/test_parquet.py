@@ -66,7 +66,8 @@ def test_bad_rows_are_skipped_exactly_once_across_a_restart_and_a_resume_and_cha
     shards = tmp_path / "shards"
     convert(str(tmp_path / "tree"), str(shards), 16, rows_per_group=4, shuffle=False)
     common = ("name=pq", f"checkpoint.storage_path={tmp_path / 'store'}", "trainer.epochs=2")
-    common += ("dataset.bad_files=skip", "trainer.checkpoint_every_n_steps=4")
+    common += ("dataset.bad_files=skip", "dataset.max_bad_fraction=0.05")
+    common += ("trainer.checkpoint_every_n_steps=4",)
     # Step 5 fails (restored from 4), step 10 fails past the budget (the newest checkpoint is
     # step 8, in epoch 1). One rank: worlds and resizes are the data order's, tested on folders.
     one = ("trainer.batch_size=8", "trainer.num_workers=1")

@@ -175,8 +175,8 @@ class RunLedger:
     ) -> None:
         self.samples.step(attempt, step, epoch, ids, skipped)
 
-    def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> None:
-        self.samples.skipped_files(attempt, rank, files)
+    def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> dict[str, int]:
+        return self.samples.skipped_files(attempt, rank, files)
 
     def finish(self, now: float) -> None:
         self.finished = now

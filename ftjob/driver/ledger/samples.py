@@ -29,8 +29,10 @@ class SampleAudit:
         entry.ids.extend(ids)
         entry.skipped.extend(skipped)
 
-    def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> None:
-        """Files a rank skipped; each said once for the run."""
+    def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> dict[str, int]:
+        """Files a rank skipped; each said once for the run. The answer: how many samples of
+        each split the run has skipped, every rank's, each once (the worker holds them to
+        dataset.max_bad_fraction)."""
         for record in files:
             key = (record.split, record.id)
             if key in self.bad_files:
@@ -42,6 +44,10 @@ class SampleAudit:
                 f"data: skipped {record.split} file {record.path} ({record.reason}); "
                 "dataset.bad_files=skip leaves it out of every epoch"
             )
+        counts: dict[str, int] = {}
+        for split, _ in self.bad_files:
+            counts[split] = counts.get(split, 0) + 1
+        return counts
 
     def audited(self) -> tuple[AuditStep, ...]:
         return tuple(

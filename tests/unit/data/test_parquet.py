@@ -193,7 +193,9 @@ def test_bad_rows_fail_or_are_skipped_naming_shard_and_row(tmp_path: Path):
     with pytest.raises(ValueError, match=rf"shard {shard} row 2 \(train\): no label"):
         ParquetDataset(str(tmp_path)).catalog(TRAIN)
 
-    skipping = ParquetDataset(str(tmp_path), bad_files="skip", image_size=8, resize_size=8)
+    skipping = ParquetDataset(
+        str(tmp_path), bad_files="skip", max_bad_fraction=1.0, image_size=8, resize_size=8
+    )
     table = skipping.catalog(TRAIN)
     assert table.column(NO_LABEL).to_pylist() == [False, False, True, False, False]
     rows = {k: np.asarray(v) for k, v in table.to_pydict().items()}
@@ -223,12 +225,19 @@ def test_check_data_decodes_every_row_and_names_the_bad_ones(
     labelled(tmp_path / VAL / "s.parquet", [0, 1])
     overrides = ["dataset=parquet", f"dataset.path={tmp_path}", "dataset.bad_files=skip"]
     assert check_data(overrides) == 1
-    bad = [line for line in capsys.readouterr().out.splitlines() if line.startswith("BAD")]
+    said = capsys.readouterr().out.splitlines()
+    bad = [line for line in said if line.startswith("BAD")]
     assert bad == [
         f"BAD    train {shard} row 1: OSError: image file is truncated",
         f"BAD    train {shard} row 2: {NO_LABEL_REASON}",
         f"BAD    train {shard} row 3: no image bytes",
     ]
+    # Every bad row is listed, though a run would refuse the row without a label (1 of 4)
+    # before it starts; what the budget makes of them is said last.
+    assert said[-1].startswith(
+        "ftjob.check --data: with dataset.bad_files=skip a run fails: 3 of the 4 train samples"
+    )
+    assert "dataset.max_bad_fraction=0.01" in said[-1]
 
 
 def test_the_configs_compose_and_bad_keys_are_refused_naming_them(tmp_path: Path):

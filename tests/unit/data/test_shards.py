@@ -103,7 +103,7 @@ def test_a_validation_split_whose_labels_are_of_another_kind_is_refused_naming_b
     with pytest.raises(ValueError) as err:
         dataset(tmp_path).catalog(VAL)
     said = str(err.value)
-    assert f"holds int64 in shard {val} (val) and string in shard {train} (train)" in said
+    assert f"holds int64 in shard {val} and string in shard {train} of the training split" in said
 
 
 def test_whole_float_labels_are_the_class_ids_their_values_say(tmp_path: Path):
