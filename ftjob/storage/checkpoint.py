@@ -350,19 +350,19 @@ class CheckpointStore(CheckpointCatalog):
 
     # -- read -----------------------------------------------------------------------------
 
-    def _check(self, entry: Listed) -> None:
-        """Raises :class:`CorruptCheckpoint` unless ``entry``'s manifest is there and its files
-        are all listed at their sizes (one listing)."""
-        if entry.step == self._confirmed:  # its files and manifest were listed moments ago
+    def _check(self, step: int) -> None:
+        """Raises :class:`CorruptCheckpoint` unless the manifest of ``step`` is there and its
+        files are all listed at their sizes (one listing)."""
+        if step == self._confirmed:  # its files and manifest were listed moments ago
             return
-        listed = sizes(self.fs, self.path_for(entry.step))
-        check_sizes(self.read_manifest(entry.step, listed), listed)
+        listed = sizes(self.fs, self.path_for(step))
+        check_sizes(self.read_manifest(step, listed), listed)
 
     def verifies(self, step: int) -> bool:
         """Does the checkpoint of ``step`` have a manifest whose files are all there, at their
         sizes (one listing)? Said when not. Storage errors propagate."""
         try:
-            self._check(Listed(step, 0, None))
+            self._check(step)
         except UncommittedCheckpoint:  # an upload not done (or in flight): no checkpoint yet
             return False
         except (CorruptCheckpoint, NewerFormat) as exc:
@@ -378,7 +378,7 @@ class CheckpointStore(CheckpointCatalog):
         def said(entry: Listed, exc: CorruptCheckpoint) -> None:
             logger.warning("checkpoint %s does not verify: %s", self.path_for(entry.step), exc)
 
-        found = self.newest(self._check, said)
+        found = self.newest(lambda entry: self._check(entry.step), said)
         return [found[0].step] if found else []
 
     def download(self, step: int, local_dir: str) -> dict[str, Any]:
