@@ -27,6 +27,12 @@ CHECKPOINT_LOAD = "checkpoint/load"
 CHECKPOINT_RESTORATION_TIME = "checkpoint/restoration_time"
 CHECKPOINT_RETRY_WAIT = "checkpoint/retry_wait_s"
 CHECKPOINT_MEMORY_SNAPSHOT_TIME = "checkpoint/memory_snapshot_time"  # training stalled copying
+# Where the input's time went (seconds, rank 0; threads and streams beside the step's): encoded
+# bytes read and their headers, pinned and copied to the device, decoded, cropped and resized.
+DATA_READ = "data/read"
+DATA_COPY = "data/copy"
+DATA_DECODE = "data/decode"
+DATA_AUGMENT = "data/augment"
 # Rates, counts and last values.
 TRAIN_GLOBAL_THROUGHPUT = "train/global_throughput"
 TRAIN_ROWS_PROCESSED = "train/rows_processed"
@@ -54,6 +60,18 @@ HANG_DETECTION_TIME = "hang/detection_time"  # mean seconds from a stall to its 
 STRAGGLER_MAX_SLOWDOWN = "straggler/max_slowdown"  # the slowest rank's step time / the fastest's
 ELASTIC_RESIZES = "elastic/resizes"  # changes of world size between attempts
 ELASTIC_TIME_BELOW_FULL = "elastic/time_below_full_s"  # seconds trained on fewer than num_workers
+# The input path (rank 0): images decoded in the device's batches, and those decoded on the CPU
+# instead, by reason (ftjob.data.headers.FALLBACKS); where batches are decoded
+# (trainer.decode_in: DECODE_PLACES' codes) and auto's probe of each place (images/s, 0: not
+# measured).
+DATA_DEVICE_DECODED = "data/device_decoded"
+FALLBACK_REASONS = ("format", "progressive", "cmyk", "layout", "truncated", "refused")
+DATA_FALLBACK = "data/fallback_"  # + reason
+DATA_FALLBACKS = tuple(DATA_FALLBACK + reason for reason in FALLBACK_REASONS)
+DATA_DECODE_PLACE = "data/decode_place"
+DECODE_PLACES = {"worker": 1, "ray": 2, "device": 3}  # data/decode_place's codes (0: not chosen)
+DATA_PROBE = "data/probe_"  # + place: auto's measured images/s
+DATA_PROBES = tuple(DATA_PROBE + place for place in DECODE_PLACES)
 
 METRIC_KEYS: tuple[str, ...] = (
     TRAIN_STEP,
@@ -95,6 +113,14 @@ METRIC_KEYS: tuple[str, ...] = (
     STRAGGLER_MAX_SLOWDOWN,
     ELASTIC_RESIZES,
     ELASTIC_TIME_BELOW_FULL,
+    DATA_READ,
+    DATA_COPY,
+    DATA_DECODE,
+    DATA_AUGMENT,
+    DATA_DEVICE_DECODED,
+    *DATA_FALLBACKS,
+    DATA_DECODE_PLACE,
+    *DATA_PROBES,
 )
 
 

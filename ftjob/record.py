@@ -546,6 +546,18 @@ class SkippedFile(Record):
     rank: int | None = None
 
 
+@dataclass(frozen=True)
+class DecodeChoice(Record):
+    """Where a run's batches are decoded (``trainer.decode_in``: worker, ray or device), kept
+    for the whole run -- every rank and attempt decode the same way, the same pixels -- and
+    why: as set, auto's probe (each place's measured images/s in ``rates``), or a restored
+    checkpoint's."""
+
+    place: str
+    reason: str
+    rates: dict[str, float] = field(default_factory=dict)
+
+
 # -- requests between the driver and the workers ----------------------------------------------
 
 
@@ -603,6 +615,7 @@ class RunSnapshot(Record):
     storage: dict[str, StorageCounters] = field(default_factory=dict)  # by process
     audit: tuple[AuditStep, ...] = ()
     skipped_files: tuple[SkippedFile, ...] = ()
+    decode: DecodeChoice | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     progress: Progress | None = None
     history: tuple[HistoryPoint, ...] = ()
@@ -640,6 +653,7 @@ class WorkerLedger(Protocol):
     def skipped_files(
         self, attempt: int, rank: int, files: list[SkippedFile]
     ) -> dict[str, int]: ...
+    def decode_choice(self, proposed: DecodeChoice | None) -> DecodeChoice | None: ...
     def storage_stats(self, source: str, stats: StorageCounters) -> None: ...
     def set_fatal(self, error: str) -> None: ...
     def log(self, line: str) -> None: ...

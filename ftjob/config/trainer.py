@@ -46,12 +46,17 @@ class Precision(Choice):
 class DecodePlace(Choice):
     """``trainer.decode_in``: where training and validation batches are decoded."""
 
-    # auto: the worker where CPU training holds a machine's cores, or a GPU worker reserves
-    # CPUs to decode with; else ray. worker: in the training process, a thread ahead of the
-    # step (GPU training: a pool of the worker's reserved CPUs but one).
+    # auto: CPU training -- the worker where its workers hold a machine's cores, else ray;
+    # GPU training -- the fastest of device, worker and ray (where the cluster has cores
+    # beside the workers') measured on the first batch, kept for the whole run.
+    # worker: in the training process, a thread ahead of the step (GPU training: a pool of the
+    # worker's reserved CPUs but one), with PIL. device: the CPUs read encoded bytes, the
+    # training device decodes (nvJPEG on a GPU) and augments each batch while the step
+    # before it trains (ftjob.data.device_decode).
     auto = "auto"
     worker = "worker"
     ray = "ray"  # Ray Data tasks
+    device = "device"
 
 
 class Placement(Choice):

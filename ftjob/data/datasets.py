@@ -59,6 +59,19 @@ class BadFile:
     reason: str
 
 
+@dataclass
+class Encoded:
+    """Catalog rows as their encoded images, read for a decoder that may be elsewhere (the
+    training device: :mod:`ftjob.data.device_decode`). ``data[k]``: row k's bytes, the error
+    its read met (raised as a bad file, or again, by :meth:`ImageFolderDataset.decode_encoded`),
+    or None where ``skipped[k]`` -- a row skipped unread (removed since the run started, no
+    label). ``names[k]``: the file as the dataset's messages name it."""
+
+    data: list[Any]
+    skipped: np.ndarray
+    names: list[str]
+
+
 def data_error_of(exc: BaseException | None) -> DataError | None:
     """The :class:`DataError` behind ``exc``, if any: raised as it is (the first window decodes
     in the training process), or on its way from a Ray Data decode task. There it becomes the
@@ -170,6 +183,19 @@ class ImageDataset(ABC):
         """Which file a skipped catalog row is, and why it did not decode (read again: a
         skip is rare, its reason is not carried through the decode tasks)."""
         return BadFile(f"sample {row.get('id')}", "did not decode")
+
+    def encoded(self, rows: dict[str, np.ndarray], split: str, epoch: int) -> Encoded | None:
+        """The rows' encoded images, for ``trainer.decode_in=device`` (decoded on the training
+        device); None: this dataset has none to hand over (it makes its images in
+        :meth:`decode`)."""
+        return None
+
+    def on_device(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int, device: Any
+    ) -> Any:
+        """The rows' images made on the training ``device`` (a tensor, as :meth:`decode`
+        makes them), for ``trainer.decode_in=device``; None where this dataset cannot."""
+        return None
 
     def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
         """Per-channel (mean, std), in units of the full 0..1 range, that uint8 images from
@@ -390,17 +416,49 @@ class SyntheticDataset(ImageDataset):
         )
 
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
-        size, n = self.image_size, len(rows["key"])
-        palette = np.random.default_rng([self.data_seed, 7]).uniform(
-            -1, 1, size=(self._num_classes, 3)
-        )
-        out = np.empty((n, 3, size, size), dtype=np.float32)
-        for i, (key, label) in enumerate(zip(rows["key"], rows["label"], strict=True)):
-            noise = np.random.default_rng([self.data_seed, int(key)]).random(
-                (3, size, size), dtype=np.float32
-            )
-            out[i] = palette[label].reshape(3, 1, 1) + self.noise * (2 * noise - 1)
-        return out
+        keys, labels = np.asarray(rows["key"], np.int64), np.asarray(rows["label"], np.int64)
+        noise = self._noise(np, keys, np.arange(3 * self.image_size**2)).astype(np.float32)
+        return self._palette()[labels][:, :, None, None] + noise * np.float32(self.noise)
+
+    def on_device(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int, device: Any
+    ) -> Any:
+        """The same images as :meth:`decode`, bit for bit, made on ``device``: nothing but
+        the ids crosses to it (``dataset=synthetic`` with ``trainer.decode_in=device``)."""
+        import torch
+
+        keys = torch.as_tensor(np.asarray(rows["key"], np.int64), device=device)
+        labels = torch.as_tensor(np.asarray(rows["label"], np.int64), device=device)
+        pixels = torch.arange(3 * self.image_size**2, device=device)
+        noise = self._noise(torch, keys, pixels).float()
+        colours = torch.from_numpy(self._palette()).to(device)
+        return colours[labels][:, :, None, None] + noise * self.noise
+
+    def _palette(self) -> np.ndarray:
+        rng = np.random.default_rng([self.data_seed, 7])
+        return rng.uniform(-1, 1, size=(self._num_classes, 3)).astype(np.float32)
+
+    def _noise(self, xp: Any, keys: Any, pixels: Any) -> Any:
+        """Each image's noise in [-1, 1), (N, 3, size, size): 24 bits of a counter-based hash
+        of (data_seed, key, pixel) in 32-bit integers, as multiples of 2**-23 -- the same
+        numbers in numpy (``xp``) and torch on any device, so each image the same floats
+        wherever it is made."""
+        seed = _mix(self.data_seed & _MASK)
+        bits = _mix(((_mix(keys & _MASK ^ seed))[:, None] + pixels[None, :]) & _MASK) >> 8
+        size = self.image_size
+        return bits.reshape(len(keys), 3, size, size) * 2.0**-23 - 1.0
+
+
+_MASK = 0xFFFFFFFF  # 32-bit words in int64: products stay below 2**63 on every device
+_MIX = 0x45D9F3B
+
+
+def _mix(x: Any) -> Any:
+    """A 32-bit integer hash (xorshift-multiply, two rounds) of ``x`` (an int, or every
+    element of an int64 array or tensor)."""
+    x = (((x >> 16) ^ x) * _MIX) & _MASK
+    x = (((x >> 16) ^ x) * _MIX) & _MASK
+    return (x >> 16) ^ x
 
 
 class ImageFolderDataset(ImageDataset):
@@ -644,10 +702,7 @@ class ImageFolderDataset(ImageDataset):
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
         return self.decode_batch(rows, split, epoch, seed)[0]
 
-    def decode_batch(
-        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        train = split == TRAIN
+    def encoded(self, rows: dict[str, np.ndarray], split: str, epoch: int) -> Encoded:
         paths = [str(p) for p in rows["path"]]
         # A row whose file was removed since the run started keeps its place: never read.
         gone = rows.get(GONE)
@@ -657,19 +712,18 @@ class ImageFolderDataset(ImageDataset):
         # filesystems), one by one on local disk; a file's error comes back in its place.
         read = [p for p, g in zip(paths, skipped, strict=True) if not g]
         contents = iter(self.fs.cat_ranges(read, None, None, on_error="return") if read else [])
-        size = self.image_size
-        images = np.zeros((len(paths), size, size, 3), dtype=np.uint8)
-        for k, (path, i) in enumerate(zip(paths, rows["id"], strict=True)):
-            if skipped[k]:
-                continue
-            data = next(contents)
-            try:
-                images[k] = self._image(path, data, train, sample_rng(seed, epoch, int(i)))
-            except DataError:
-                if self.bad_files != "skip":
-                    raise
-                skipped[k] = True  # the same file fails the same way on every attempt
-        return np.ascontiguousarray(images.transpose(0, 3, 1, 2)), skipped  # uint8 NCHW
+        return Encoded([None if g else next(contents) for g in skipped], skipped, paths)
+
+    def decode_encoded(self, data: Any, name: str, train: bool, rng: np.random.Generator) -> Any:
+        """One row's encoded image (or the error its read met) decoded on the CPU, as
+        :meth:`decode_batch` decodes it: a :class:`DataError` naming ``name`` where it is a
+        bad file."""
+        return self._image(name, data, train, rng)
+
+    def decode_batch(
+        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        return decode_rows(self, self.encoded(rows, split, epoch), rows["id"], split, epoch, seed)
 
     def check_file(self, path: str) -> str | None:
         """Why one listed file cannot be a sample (read and decoded as validation decodes
@@ -698,6 +752,32 @@ class ImageFolderDataset(ImageDataset):
 
     def describe(self) -> str:
         return f"ImageFolderDataset({self.path})"
+
+
+def decode_rows(
+    dataset: ImageFolderDataset,
+    encoded: Encoded,
+    ids: np.ndarray,
+    split: str,
+    epoch: int,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Encoded rows decoded on the CPU (:meth:`ImageFolderDataset.decode_encoded`), uint8
+    NCHW, and which were skipped: unread ones, and under ``dataset.bad_files=skip`` those that
+    do not decode -- the same rows whichever attempt, rank or process decodes them."""
+    train, size = split == TRAIN, dataset.image_size
+    skipped = encoded.skipped.copy()
+    images = np.zeros((len(skipped), size, size, 3), dtype=np.uint8)
+    for k, (data, name, i) in enumerate(zip(encoded.data, encoded.names, ids, strict=True)):
+        if skipped[k]:
+            continue
+        try:
+            images[k] = dataset.decode_encoded(data, name, train, sample_rng(seed, epoch, int(i)))
+        except DataError:
+            if dataset.bad_files != "skip":
+                raise
+            skipped[k] = True  # the same file fails the same way on every attempt
+    return np.ascontiguousarray(images.transpose(0, 3, 1, 2)), skipped  # uint8 NCHW
 
 
 class ImageTooLarge(ValueError):

@@ -33,9 +33,9 @@ from ftjob.data.datasets import (
     VAL,
     BadFile,
     DataError,
+    Encoded,
     ImageFolderDataset,
     _reason,
-    sample_rng,
 )
 from ftjob.data.folders import names
 from ftjob.data.order import ShuffleWindows
@@ -296,10 +296,7 @@ class ParquetDataset(ImageFolderDataset):
                 "set dataset.bad_files=skip"
             ) from exc
 
-    def decode_batch(
-        self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        train = split == TRAIN
+    def encoded(self, rows: dict[str, np.ndarray], split: str, epoch: int) -> Encoded:
         paths, groups, shard_rows = rows[SHARD], rows[GROUP], rows[ROW]
         no_label = rows.get(NO_LABEL)
         skipped = np.zeros(len(paths), bool) if no_label is None else np.asarray(no_label, bool)
@@ -314,22 +311,15 @@ class ParquetDataset(ImageFolderDataset):
             wanted, self._group_images, self._group_key, held, self.shuffle_window
         )
         starts = {key: self._group_start(*key) for key in wanted}
-        size = self.image_size
-        images = np.zeros((len(paths), size, size, 3), dtype=np.uint8)
+        data, names = [], []
         for k in range(len(paths)):
-            if skipped[k]:
-                continue
-            key = (str(paths[k]), int(groups[k]))
-            row = int(shard_rows[k])
-            data = images_of[key][row - starts[key]]
-            rng = sample_rng(seed, epoch, int(rows["id"][k]))
-            try:
-                images[k] = self._row_image(data, self._where(key[0], row, key[1]), train, rng)
-            except DataError:
-                if self.bad_files != "skip":
-                    raise
-                skipped[k] = True  # the same row fails the same way on every attempt
-        return np.ascontiguousarray(images.transpose(0, 3, 1, 2)), skipped  # uint8 NCHW
+            key, row = (str(paths[k]), int(groups[k])), int(shard_rows[k])
+            names.append(self._where(key[0], row, key[1]))
+            data.append(None if skipped[k] else images_of[key][row - starts[key]])
+        return Encoded(data, skipped, names)
+
+    def decode_encoded(self, data: Any, name: str, train: bool, rng: np.random.Generator) -> Any:
+        return self._row_image(data, name, train, rng)
 
     def check_row(self, row: dict[str, Any]) -> str | None:
         """Why one catalog row cannot be a sample (decoded as validation decodes it), or None."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -25,8 +26,19 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from ftjob import metrics as M
 from ftjob.data.bad_files import over_budget
-from ftjob.data.datasets import GONE, TRAIN, VAL, DataError, ImageDataset
+from ftjob.data.clock import DataClock
+from ftjob.data.datasets import (
+    GONE,
+    TRAIN,
+    VAL,
+    DataError,
+    ImageDataset,
+    ImageFolderDataset,
+    decode_rows,
+)
+from ftjob.data.device_decode import DeviceDecoder, StageTimer
 from ftjob.data.order import EpochPlan, epoch_order, validation_ids
 from ftjob.ray_internals import STREAMING_EXECUTOR_LOGGER
 from ftjob.record import SkippedFile
@@ -40,6 +52,21 @@ class Batch:
     labels: Any  # torch.Tensor, int64
     ids: np.ndarray  # catalog ids, for the sample audit
     skipped: np.ndarray | None = None  # bool per row: a bad file (dataset.bad_files=skip)
+    ready: Any = None  # a CUDA event: the side stream that made the batch finished it
+
+    def settle(self) -> Batch:
+        """The batch made safe on the calling thread's current CUDA stream, where a side
+        stream made it (``decode_in=device``): that stream waits for the batch's event (on
+        the device: the host does not), and the caching allocator keeps its memory until
+        this stream is done with it too. Called by the thread that trains or validates."""
+        if self.ready is not None:
+            import torch
+
+            current = torch.cuda.current_stream(self.images.device)
+            current.wait_event(self.ready)
+            self.images.record_stream(current)
+            self.labels.record_stream(current)
+        return self
 
     def any_skipped(self) -> bool:
         return self.skipped is not None and bool(self.skipped.any())
@@ -65,19 +92,37 @@ class BatchSource(Protocol):
 
 
 class _Decode:
-    """Ray Data map_batches callable: catalog rows -> image/label/id columns."""
+    """Ray Data map_batches callable: catalog rows -> image/label/id columns. In the training
+    process (``clock``), reading and decoding are timed apart where the dataset reads
+    encoded files."""
 
-    def __init__(self, dataset: ImageDataset, split: str, epoch: int, seed: int) -> None:
+    def __init__(
+        self, dataset: ImageDataset, split: str, epoch: int, seed: int, clock: Any = None
+    ) -> None:
         self.dataset, self.split, self.epoch, self.seed = dataset, split, epoch, seed
+        self.clock = clock
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images, skipped = self.dataset.decode_batch(rows, self.split, self.epoch, self.seed)
+        images, skipped = self._decoded(rows)
         return {
             "image": images,
             "label": rows["label"].astype(np.int64),
             "id": rows["id"].astype(np.int64),
             "skipped": np.asarray(skipped, dtype=bool),
         }
+
+    def _decoded(self, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        ds, split, epoch, seed = self.dataset, self.split, self.epoch, self.seed
+        if self.clock is None:
+            return ds.decode_batch(rows, split, epoch, seed)
+        if type(ds).decode_batch is not ImageFolderDataset.decode_batch:  # its own decode
+            with self.clock.timer(M.DATA_DECODE):
+                return ds.decode_batch(rows, split, epoch, seed)
+        assert isinstance(ds, ImageFolderDataset)
+        with self.clock.timer(M.DATA_READ):
+            encoded = ds.encoded(rows, split, epoch)
+        with self.clock.timer(M.DATA_DECODE):
+            return decode_rows(ds, encoded, rows["id"], split, epoch, seed)
 
 
 def configure_ray_data() -> None:
@@ -175,8 +220,10 @@ class DecodedStream:
         channels_last: bool = False,
         window_mb: float = 256,
         on_skip: Callable[[str, np.ndarray], None] | None = None,
+        clock: DataClock | None = None,
     ) -> None:
         self.dataset, self.catalog, self.split = dataset, catalog, split
+        self.clock = clock  # the input's timers (rank 0's reach summary.json); None: untimed
         self.on_skip = on_skip  # hears (split, ids) of every batch with skipped samples
         self.seed, self.device = seed, device
         self.prefetch_batches = prefetch_batches
@@ -210,8 +257,7 @@ class DecodedStream:
         # blocks decode in parallel ahead of the training step.
         block = batch_size * max(1, 128 // batch_size)
         blocks = [rows.slice(i, block) for i in range(0, rows.num_rows, block)]
-        decode = _Decode(self.dataset, self.split, epoch, self.seed)
-        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        decode = self._decoder(epoch)
         # As decoded: uint8 when the dataset normalises on the device, else float32.
         image_dtype = torch.uint8 if self.dataset.normalisation() else torch.float32
         for window in self._windows(blocks, decode):
@@ -228,21 +274,33 @@ class DecodedStream:
                 },
             ):
                 batch = Batch(
-                    images=self._normalised(b["image"]).contiguous(memory_format=memory_format),
+                    images=self._model_input(b["image"]),
                     labels=b["label"],
                     ids=b["id"].cpu().numpy(),
                     skipped=b["skipped"].cpu().numpy(),
+                    ready=b.get("ready"),
                 )
                 if self.on_skip is not None and batch.any_skipped():
                     self.on_skip(self.split, np.asarray(batch.skipped_ids(), dtype=np.int64))
                 yield batch
 
-    def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+    def _model_input(self, images: Any) -> Any:
+        """Decoded images as the model takes them: normalised, in its memory layout."""
+        import torch
+
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return self._normalised(images).contiguous(memory_format=layout)
+
+    def _decoder(self, epoch: int) -> Any:
+        """What decodes one epoch's blocks (handed to :meth:`_decode`)."""
+        return _Decode(self.dataset, self.split, epoch, self.seed, self.clock)
+
+    def _decode(self, blocks: list[pa.Table], decode: Any) -> Any:
         """One window's blocks decoded, in order: something with ``size_bytes()`` and
         ``iter_torch_batches(...)``, as a materialized Ray dataset has."""
         raise NotImplementedError
 
-    def _windows(self, blocks: list[pa.Table], decode: _Decode) -> Iterator[Any]:
+    def _windows(self, blocks: list[pa.Table], decode: Any) -> Iterator[Any]:
         """Decoded windows of blocks; the next window decodes while the current one trains.
 
         Why windows and not one streaming dataset: a Ray Data streaming executor whose
@@ -292,6 +350,9 @@ class RayDataStream(DecodedStream):
             configure_ray_data()
         yield from super().batches(ids, batch_size, epoch)
 
+    def _decoder(self, epoch: int) -> Any:
+        return _Decode(self.dataset, self.split, epoch, self.seed)  # timed in its own tasks
+
     def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
         """One window's blocks decoded by Ray Data tasks, in order, held in the object store."""
         import ray.data
@@ -318,12 +379,132 @@ class InProcessStream(DecodedStream):
         self.threads = threads
 
     def _decode(self, blocks: list[pa.Table], decode: _Decode) -> Any:
+        return self._each(blocks, lambda each: LocalWindow.decode(blocks, decode, each))
+
+    def _each(self, blocks: list[pa.Table], work: Callable[[Callable[..., Any]], Any]) -> Any:
+        """``work(each)`` where ``each`` maps over ``blocks``: ``map``, or the pool's."""
         if self.threads < 2 or len(blocks) < 2:
-            return LocalWindow.decode(blocks, decode)
+            return work(map)
         with concurrent.futures.ThreadPoolExecutor(
             min(self.threads, len(blocks)), thread_name_prefix="ftjob-decode-pool"
         ) as pool:
-            return LocalWindow.decode(blocks, decode, pool.map)
+            return work(pool.map)
+
+
+class DeviceStream(InProcessStream):
+    """``trainer.decode_in=device``: the pool's threads read each block's encoded bytes and
+    headers and draw its crops (:meth:`DeviceDecoder.prepare`); each batch is decoded and
+    augmented on the training device when the feeder asks for it, on a side CUDA stream, while
+    the step before it trains (:meth:`DeviceDecoder.batch`). A dataset without encoded images
+    that makes its own on the device (``dataset=synthetic``) makes them there; any other is
+    decoded by the pool (:class:`InProcessStream`)."""
+
+    clock: DataClock
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock = self.clock or DataClock()
+        self._side: Any = None
+
+    def _stream(self) -> Any:
+        """The side stream batches are made on (a CUDA device; None on the CPU)."""
+        import torch
+
+        device = torch.device(self.device)
+        if device.type == "cuda" and self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
+
+    def _decoder(self, epoch: int) -> Any:
+        if not encodes(self.dataset):
+            return super()._decoder(epoch)
+        return DeviceDecoder(
+            self.dataset,
+            self.split,
+            epoch,
+            self.seed,
+            self.device,
+            self.clock,
+            self._stream(),
+            self._model_input,
+        )
+
+    def _decode(self, blocks: list[pa.Table], decode: Any) -> Any:
+        if isinstance(decode, DeviceDecoder):
+            rows = [numpy_rows(block) for block in blocks]
+            return DeviceWindow(
+                self._each(rows, lambda each: list(each(decode.prepare, rows))), decode.batch
+            )
+        if makes_on_device(self.dataset):
+            rows = [numpy_rows(block) for block in blocks]
+            return DeviceWindow(rows, self._synthetic(decode.epoch))
+        return super()._decode(blocks, decode)
+
+    def _synthetic(self, epoch: int) -> Callable[[dict[str, np.ndarray], int, int], dict[str, Any]]:
+        """Batches made on the device by the dataset itself (on the side stream)."""
+        import torch
+
+        def make(rows: dict[str, np.ndarray], start: int, end: int) -> dict[str, Any]:
+            part = {k: v[start:end] for k, v in rows.items()}
+            stream = self._stream()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with StageTimer(self.clock, M.DATA_DECODE, stream):
+                    images = self.dataset.on_device(part, self.split, epoch, self.seed, self.device)
+                    images = self._model_input(images)
+                    labels = torch.from_numpy(part["label"].astype(np.int64)).to(self.device)
+                ready = None
+                if stream is not None:
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+            return {
+                "image": images,
+                "label": labels,
+                "id": torch.from_numpy(part["id"].astype(np.int64)),
+                "skipped": torch.zeros(end - start, dtype=torch.bool),
+                "ready": ready,
+            }
+
+        return make
+
+
+def encodes(dataset: ImageDataset) -> bool:
+    """Whether ``dataset`` hands over encoded images (:meth:`ImageDataset.encoded`)."""
+    return type(dataset).encoded is not ImageDataset.encoded
+
+
+def makes_on_device(dataset: ImageDataset) -> bool:
+    """Whether ``dataset`` makes its images on the device itself (:meth:`ImageDataset.on_device`)."""
+    return type(dataset).on_device is not ImageDataset.on_device
+
+
+def numpy_rows(block: pa.Table) -> dict[str, np.ndarray]:
+    """Catalog rows as a decoder takes them (Ray Data's numpy batch format)."""
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(block).to_batch_format("numpy")
+
+
+class DeviceWindow:
+    """A window of blocks made ready on the CPU, read like a materialized dataset: each batch
+    made on the device (``make(part, start, end)``) when it is asked for."""
+
+    def __init__(self, parts: list[Any], make: Callable[[Any, int, int], dict[str, Any]]) -> None:
+        self.parts, self.make = parts, make
+
+    def size_bytes(self) -> int:
+        return sum(_held(p) for p in self.parts)
+
+    def iter_torch_batches(self, *, batch_size: int, **_: Any) -> Iterator[dict[str, Any]]:
+        for part in self.parts:
+            rows = len(part) if not isinstance(part, dict) else len(part["id"])
+            for start in range(0, rows, batch_size):
+                yield self.make(part, start, min(rows, start + batch_size))
+
+
+def _held(part: Any) -> int:
+    if isinstance(part, dict):
+        return sum(int(v.nbytes) for v in part.values() if hasattr(v, "nbytes"))
+    return int(part.size_bytes())
 
 
 class LocalWindow:
@@ -563,6 +744,9 @@ class BatchFeeder:
                 return
             if isinstance(item, BaseException):
                 raise item
+            epoch, batch = item
+            if isinstance(batch, Batch):
+                batch.settle()  # on the training thread: its stream waits for the batch
             yield item
 
     def close(self) -> None:
@@ -640,11 +824,13 @@ class ValidationSet:
             self._thread = None
             if self.cache is None:  # did not fit or failed: never prefetch again
                 self.cache_bytes = 0
-        yield from (
+        batches = (
             self.cache
             if self.cache is not None
             else self.stream.batches(self.ids, self.batch_size, epoch=0)
         )
+        for batch in batches:
+            yield batch.settle()  # on the validating thread's stream
 
     def close(self) -> None:
         self._stop.set()
@@ -662,6 +848,7 @@ __all__ = [
     "EpochPlan",
     "LocalWindow",
     "DecodedStream",
+    "DeviceStream",
     "InProcessStream",
     "RayDataStream",
     "ResumableIterator",

@@ -375,7 +375,9 @@ def data_record(snap: RunSnapshot) -> dict[str, Any]:
     (dataset.bad_files=skip), once each, with the split, catalog id, path and reason, and the
     attempt and rank that skipped it."""
     files = snap.skipped_files
-    return {"skipped": len(files), "skipped_files": [f.to_json() for f in files]}
+    record: dict[str, Any] = {"skipped": len(files), "skipped_files": [f.to_json() for f in files]}
+    record["decode"] = snap.decode.to_json() if snap.decode is not None else None
+    return record
 
 
 def write_summary(summary: dict[str, Any], run_dir: str) -> str:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -33,22 +33,33 @@ import torch.nn.functional as F
 from ftjob import metrics as M
 from ftjob.config import JobConfig, to_plain
 from ftjob.config.secrets import Redactor, guard_logging
+from ftjob.data.clock import DataClock
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, data_error_of, epoch_plan
+from ftjob.data.decode_place import (
+    PROBE_ROWS,
+    auto_places,
+    fastest,
+    on_device,
+    probe,
+    probe_line,
+    ray_cores,
+)
 from ftjob.data.order import EpochPlan, validation_ids
 from ftjob.data.streams import (
     EPOCH_END,
     Batch,
     BatchFeeder,
+    DeviceStream,
     InProcessStream,
     RayDataStream,
     ResumableIterator,
     SkipLog,
     ValidationSet,
-    decode_in_worker,
     decode_threads,
+    numpy_rows,
 )
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.record import Progress
+from ftjob.record import DecodeChoice, Progress
 from ftjob.storage.faults import set_fault_stream
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.lease import LeaseFence
@@ -270,16 +281,15 @@ class Worker:
         if self.restored is not None:
             saved = self.restored.state
             self.state = TrainState(saved.step, saved.epoch, saved.position, saved.validated)
-        note = self.record.log if self.rank == 0 else None  # one line for the run, not per rank
+        s = self.state
         self.val_set, self.feeder, skip_s = open_streams(
-            self.spec.dataset, self.catalogs, self.trainer, self.ctx, self.plan, self.state, note
+            self.spec.dataset, self.catalogs, self.trainer, self.ctx, self.plan, s, self.metrics
         )
         stop = self.notices.noticed if self.notices is not None else None
         self.validator = Validator(
             self.val_set, self.ctx, self.autocast, self.metrics, self.beat.section, stop
         )
         self.metrics.add(M.TRAIN_ITER_SKIP_BATCH, skip_s)
-        s = self.state
         if self.restored is not None:
             self.record.restored(self.restored.record(skip_s))
             self.validator.restored(s.step, s.validated)
@@ -437,26 +447,98 @@ class Worker:
 # -- the pieces, pure or nearly ---------------------------------------------------------------
 
 
-def decodes_here(trainer: Any, ctx: WorkerContext, note: Callable[[str], None] | None) -> bool:
-    """Whether this rank decodes its batches in its own process: the context's
-    ``decode_here`` (a run without Ray), else ``trainer.decode_in`` for this rank's machine
-    (:func:`decode_in_worker`), said once for the run by rank 0 (``note``)."""
-    if ctx.decode_here:
-        return True
-    cores, one_machine = ctx.machine()
-    here, why = decode_in_worker(
-        trainer.decode_in,
-        trainer.use_gpu,
-        cores,
-        ctx.local_world,
-        trainer.worker_cpus,
-        trainer.decode_cpus,
-        one_machine,
+def decode_place(
+    dataset: ImageDataset,
+    catalogs: dict[str, Any],
+    trainer: Any,
+    ctx: WorkerContext,
+    plan: EpochPlan,
+    state: TrainState,
+    metrics: M.MetricSet,
+) -> str:
+    """Where every rank decodes its batches -- ``worker``, ``ray`` or ``device`` -- chosen by
+    rank 0 (:func:`_choose_place`), heard by every rank, kept in the metrics (every
+    checkpoint's) and said once for the run."""
+    chosen = ctx.broadcast(
+        _choose_place(dataset, catalogs, trainer, ctx, plan, state, metrics)
+        if ctx.rank == 0
+        else None
     )
-    if note is not None:
-        where = "in the training processes" if here else "in Ray Data"
-        note(f"data: rank 0 decodes {where} ({why})")
-    return here
+    metrics.set(M.DATA_DECODE_PLACE, M.DECODE_PLACES[chosen.place])
+    for place, rate in chosen.rates.items():
+        metrics.set(M.DATA_PROBE + place, rate)
+    if ctx.rank == 0:
+        where = {"worker": "in the training processes", "ray": "in Ray Data"}
+        place = where.get(chosen.place, "on the training device")
+        ctx.recorder.log(f"data: rank 0 decodes {place} ({chosen.reason})")
+    return str(chosen.place)
+
+
+def _choose_place(
+    dataset: ImageDataset,
+    catalogs: dict[str, Any],
+    trainer: Any,
+    ctx: WorkerContext,
+    plan: EpochPlan,
+    state: TrainState,
+    metrics: M.MetricSet,
+) -> DecodeChoice:
+    """Rank 0: ``trainer.decode_in`` as set (in this process where there is no Ray: the
+    context's ``decode_here``), or ``auto``'s place -- the run's, where it has one (this
+    driver's ledger, or the restored checkpoint's metrics), else the one place there is, else
+    the fastest by :func:`~ftjob.data.decode_place.probe` on this rank's first batch."""
+    setting = str(trainer.decode_in)
+    if setting != "auto" or ctx.decode_here:
+        place = "worker" if ctx.decode_here and setting != "device" else setting
+        why = f"trainer.decode_in={setting}" + (", a worker without Ray" if ctx.decode_here else "")
+        if place == "device" and not on_device(dataset):
+            place, why = "worker", f"{why}: {dataset.describe()} has no images to decode there"
+        chosen = DecodeChoice(place, why)
+        return ctx.recorder.decode_choice(chosen) or chosen
+    code = int(metrics.get(M.DATA_DECODE_PLACE))
+    kept = {v: k for k, v in M.DECODE_PLACES.items()}.get(code)
+    run = ctx.recorder.decode_choice(DecodeChoice(kept, "the run's, kept") if kept else None)
+    if run is not None:
+        return run
+    cores, one_machine = ctx.machine()
+    cuda = torch.device(ctx.device).type == "cuda"
+    w, cpus = trainer.worker_cpus, trainer.decode_cpus
+    places, why = auto_places(
+        trainer.use_gpu, cuda, dataset, cores, ctx.local_world, w, cpus, one_machine
+    )
+    rates = _probe(dataset, catalogs, trainer, ctx, plan, state, places) if len(places) > 1 else {}
+    if rates:
+        why = probe_line(fastest(rates, places), rates)
+    chosen = DecodeChoice(fastest(rates, places) if rates else places[0], why, rates)
+    return ctx.recorder.decode_choice(chosen) or chosen
+
+
+def _probe(
+    dataset: ImageDataset,
+    catalogs: dict[str, Any],
+    trainer: Any,
+    ctx: WorkerContext,
+    plan: EpochPlan,
+    state: TrainState,
+    places: list[str],
+) -> dict[str, float]:
+    """Images/s of each of ``places`` on the first batch this rank trains next."""
+    ids = plan.shard(state.epoch, state.position, ctx.rank, ctx.world)
+    ids = ids[: min(plan.global_batch_size // ctx.world, PROBE_ROWS)]
+    if not len(ids):
+        return {}
+    cores, one_machine = ctx.machine()
+    w = trainer.worker_cpus
+    return probe(
+        dataset,
+        numpy_rows(catalogs[TRAIN].take(pa.array(ids))),
+        places,
+        seed=trainer.seed,
+        device=ctx.device,
+        threads=decode_threads(trainer.use_gpu, w),
+        ray_share_cores=ray_cores(cores, ctx.local_world, w, one_machine),
+        epoch=state.epoch,
+    )
 
 
 def open_streams(
@@ -466,16 +548,17 @@ def open_streams(
     ctx: WorkerContext,
     plan: EpochPlan,
     state: TrainState,
-    note: Callable[[str], None] | None = None,
+    metrics: M.MetricSet | None = None,
 ) -> tuple[ValidationSet, BatchFeeder, float]:
     """This rank's validation set, and its training batches from ``state``'s position to the
-    end of training, already decoding in Ray Data or in this process (the context's
-    ``decode_here``, else ``trainer.decode_in``: :func:`decode_in_worker`); and how long
-    positioning took (the skip). ``note`` hears what the user should know (where the batches
-    are decoded and why; a validation set too big to cache). Files skipped as bad
-    (dataset.bad_files=skip) are named to the run ledger by the rank that meets them."""
+    end of training, already decoding where :func:`decode_place` says (Ray Data, this
+    process, the device); and how long positioning took (the skip). Rank 0 says what the user
+    should know (where the batches are decoded and why; a validation set too big to cache).
+    Files skipped as bad (dataset.bad_files=skip) are named to the run ledger by the rank that
+    meets them. The input path's timers go to ``metrics``."""
     device, rank, world = ctx.device, ctx.rank, ctx.world
-    in_process = decodes_here(trainer, ctx, note)
+    metrics = metrics if metrics is not None else M.MetricSet()
+    place = decode_place(dataset, catalogs, trainer, ctx, plan, state, metrics)
     common = {
         "seed": trainer.seed,
         "device": device,
@@ -484,11 +567,13 @@ def open_streams(
         "pin_memory": device.type == "cuda",
         "channels_last": trainer.channels_last,
         "on_skip": SkipLog(dataset, catalogs, ctx.recorder.skipped_files),
+        "clock": DataClock(metrics),
     }
-    if in_process:
+    streams = {"worker": InProcessStream, "device": DeviceStream}
+    if place in streams:
         common["threads"] = decode_threads(trainer.use_gpu, trainer.worker_cpus)
-        train_stream = InProcessStream(dataset, catalogs[TRAIN], TRAIN, **common)
-        val_stream = InProcessStream(dataset, catalogs[VAL], VAL, **common)
+        train_stream = streams[place](dataset, catalogs[TRAIN], TRAIN, **common)
+        val_stream = streams[place](dataset, catalogs[VAL], VAL, **common)
     else:
         common["decode_cpus"] = trainer.decode_cpus
         train_stream = RayDataStream(
@@ -500,7 +585,7 @@ def open_streams(
         validation_ids(catalogs[VAL].num_rows, rank, world),
         trainer.val_batch_size or trainer.batch_size,
         trainer.validation_cache_mb * 2**20,
-        note,
+        ctx.recorder.log if rank == 0 else None,  # one line for the run, not per rank
     )
     iterator = ResumableIterator(train_stream, plan, rank, world)
     start = time.perf_counter()

@@ -22,6 +22,7 @@ from ftjob.record import (
     AttemptStart,
     Beat,
     CheckpointRecord,
+    DecodeChoice,
     FirstStep,
     JitCheckpoint,
     Notice,
@@ -90,6 +91,13 @@ class RunRecorder:
     def notice_request(self) -> NoticeSource | None:
         """What the driver asks of the workers now: a stop (SIGTERM to it), a resize."""
         return self._ask(WorkerLedger.notice_request, 10)
+
+    def decode_choice(self, proposed: DecodeChoice | None) -> DecodeChoice | None:
+        """Rank 0: where the run's batches decode -- ``proposed`` kept if the run has no
+        choice yet (None on other ranks: the caller broadcasts rank 0's answer)."""
+        if not self.leader:
+            return None
+        return self._ask(WorkerLedger.decode_choice, 30, proposed)
 
     def heartbeat(self, beat: Beat) -> float:
         """Every rank, about once a second; the answer: the share of each step to sleep

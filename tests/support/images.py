@@ -77,3 +77,61 @@ def digits_tree(root: Path) -> Path:
             folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray((small * 255 // 16).astype(np.uint8)).save(folder / f"{i:04d}.png")
     return root
+
+
+def photo_like(seed: int, width: int = 400, height: int = 350) -> np.ndarray:
+    """An HxWx3 uint8 picture with a photograph's spread of detail (fine grain, edges and
+    smooth areas at four scales): as a quality-90 JPEG at ImageNet's mean size, 400x350,
+    about 110 KB -- what a decoder meets in ImageNet, not a flat test card."""
+    rng = np.random.default_rng(seed)
+    pixels = np.zeros((height, width, 3))
+    for step, amplitude in ((1, 50), (3, 40), (12, 40), (48, 40)):
+        small = rng.normal(0, 1, (height // step + 2, width // step + 2, 3))
+        small = (small - small.min()) / np.ptp(small) * 255
+        big = Image.fromarray(small.astype(np.uint8)).resize((width, height), Image.BICUBIC)
+        pixels += (np.asarray(big, dtype=np.float64) - 128) / 128 * amplitude
+    pixels += rng.normal(0, 55, (height, width, 1))
+    return np.clip(128 + pixels, 0, 255).astype(np.uint8)
+
+
+def jpeg(pixels: np.ndarray, quality: int = 90, mode: str = "RGB", **options: object) -> bytes:
+    """``pixels`` as JPEG bytes (``mode="CMYK"``: a 4-component Adobe JPEG; ``progressive=True``,
+    ``exif=...`` as PIL takes them)."""
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(out, format="JPEG", quality=quality, **options)
+    return out.getvalue()
+
+
+def exif_orientation(orientation: int) -> bytes:
+    """An EXIF block saying how the stored pixels turn to show the picture upright."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return exif.tobytes()
+
+
+def photo_tree(
+    root: Path, classes: int = 2, train_per_class: int = 6, val_per_class: int = 2
+) -> Path:
+    """A class-per-folder tree of ImageNet-like JPEGs (:func:`photo_like`, quality 90)."""
+    for split, count in ((TRAIN, train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class_{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                seed = (0 if split == TRAIN else 10_000) + 100 * c + i
+                (folder / f"{i:03d}.jpg").write_bytes(jpeg(photo_like(seed)))
+    return root
+
+
+def awkward_files(pixels: np.ndarray) -> dict[str, bytes]:
+    """One file of each kind a batched device decoder is not for, and one no decoder reads:
+    a PNG, a CMYK JPEG, a progressive JPEG and a truncated JPEG."""
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG")
+    whole = jpeg(pixels)
+    return {
+        "png": png.getvalue(),
+        "cmyk": jpeg(pixels, mode="CMYK"),
+        "progressive": jpeg(pixels, progressive=True),
+        "truncated": whole[: len(whole) // 2],
+    }

@@ -32,6 +32,7 @@ from ftjob.record import (
     ChaosSkip,
     ChaosView,
     CheckpointRecord,
+    DecodeChoice,
     Failure,
     FirstStep,
     Hang,
@@ -78,6 +79,7 @@ class RunLedger:
         self.finished: float | None = None
         self.trained_all = False  # the last step is done: nothing left for chaos to interrupt
         self.drains: DrainRelay | None = None  # in this process for the whole run
+        self.decode: DecodeChoice | None = None  # where the run's batches decode, once chosen
 
     def log(self, line: str) -> None:
         """A progress line for the driver to print."""
@@ -177,6 +179,13 @@ class RunLedger:
 
     def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> dict[str, int]:
         return self.samples.skipped_files(attempt, rank, files)
+
+    def decode_choice(self, proposed: DecodeChoice | None) -> DecodeChoice | None:
+        """The run's decode place: the first one proposed (auto's probe, a restored
+        checkpoint's) is kept, so a restarted attempt decodes as the first did."""
+        if self.decode is None and proposed is not None:
+            self.decode = proposed
+        return self.decode
 
     def finish(self, now: float) -> None:
         self.finished = now
@@ -292,6 +301,7 @@ class RunLedger:
             storage=dict(self.storage),
             audit=self.samples.audited(),
             skipped_files=self.samples.files(),
+            decode=self.decode,
             metrics=dict(self.steps.metrics),
             progress=self.steps.progress,
             history=self.steps.history_in_order(),

@@ -14,6 +14,7 @@ from ftjob.record import (
     AuditStep,
     ChaosSkip,
     CheckpointRecord,
+    DecodeChoice,
     Failure,
     Fallback,
     FirstStep,
@@ -456,6 +457,7 @@ def rich_snapshot() -> RunSnapshot:
             AuditStep(6, 15, 2, _batch(15)),
         ),
         skipped_files=(SkippedFile("train", 7, "/data/train/7.png", "truncated", 0, 0),),
+        decode=DecodeChoice("device", "auto's probe", {"device": 5400.0, "worker": 900.0}),
         metrics={
             M.TRAIN_STEP: 20.0,
             M.TRAIN_ITER_BATCH: 4.0,
