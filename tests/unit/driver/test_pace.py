@@ -69,3 +69,23 @@ def test_the_eta_is_for_the_whole_job_not_the_epoch() -> None:
     log.progress_update(0, at[0], timers(20, 20.0, 0.0), 1)
     log.progress_update(0, at[1], timers(25, 25.0, 5.0), 1)
     assert "epoch 2/3 step 25/60" in lines[-1] and lines[-1].endswith("| ETA 1:10 | data wait 50%")
+
+
+def test_the_line_says_where_a_steps_time_went_where_the_input_is_timed() -> None:
+    lines: list[str] = []
+    log = StepLog(lines.append)
+    first = {
+        **timers(10, 2.0, 1.0),
+        M.DATA_READ: 0.1,
+        M.DATA_DECODE: 0.5,
+        M.DATA_AUGMENT: 0.2,
+        M.CHECKPOINT_MEMORY_SNAPSHOT_TIME: 0.3,
+    }
+    log.progress_update(0, point(10, 1000.0), first, 1)
+    assert lines[-1].endswith(
+        "| ms a step: read 10.0, decode 50.0, augment 20.0, step 200.0, snapshot 30.0"
+    ), lines
+    # Over the span since the last point: 10 more steps, 1.0 s more decoding, 0.05 s copying.
+    later = {**first, **timers(20, 4.0, 1.0), M.DATA_DECODE: 1.5, M.DATA_COPY: 0.05}
+    log.progress_update(0, point(20, 1030.0), later, 1)
+    assert lines[-1].endswith("| ms a step: copy 5.0, decode 100.0, step 200.0"), lines
