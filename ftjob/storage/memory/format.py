@@ -6,8 +6,8 @@ named buffers -- small ones as ``bytes``, the tensors' bytes as flat ``uint8`` n
 each with its digest (:func:`digest`); it is only trusted when every buffer verifies. A state dict
 becomes two buffers (:func:`pack`): its structure (``torch.save`` of the dict with each tensor
 replaced by a marker) and every tensor's bytes in one flat array (:class:`Flat`: one copy, the
-tensors of one dtype back to back); :func:`unpack` gives the state dict back, its tensors views
-of that array.
+tensors of one dtype back to back, where :class:`Layout` puts them); :func:`unpack` gives the
+state dict back, its tensors views of that array.
 """
 
 from __future__ import annotations
@@ -136,54 +136,125 @@ def _is_marker(value: Any) -> bool:
     return isinstance(value, tuple) and len(value) == 4 and value[0] == TENSOR
 
 
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
 @dataclass(frozen=True)
-class Flat:
-    """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
-    each tensor replaced by ``(TENSOR, offset, dtype, shape)``; ``views`` the copies, in the
-    state's order. Tensors of one dtype lie back to back in one run of the buffer
-    (``regions``: dtype -> (start, end)), so one operation covers all of them."""
+class Layout:
+    """Where a state dict's tensors go in one flat uint8 buffer, worked out before a byte is
+    copied: ``skeleton`` is its structure with each tensor replaced by ``(TENSOR, offset,
+    dtype, shape)``, ``tensors`` the state's own tensors in its order and ``offsets`` where
+    each goes. Tensors of one dtype lie back to back in one run of the buffer (``regions``:
+    dtype -> (start, end)), so one operation covers all of them; within a dtype each device's
+    tensors lie together (AdamW keeps its step counts on the CPU, each between a GPU
+    parameter's moments), in the state's order. The skeleton is the state's structure as of
+    now (new containers; tensors and immutable values inside): the state's own dicts may
+    change after it is made, its copy of them does not."""
 
     skeleton: Any
-    buffer: Any  # torch.Tensor, uint8, 1-D
-    views: list[Any]
+    tensors: list[Any]
+    offsets: list[int]
     regions: dict[Any, tuple[int, int]]
+    nbytes: int
 
     @classmethod
-    def copy_of(cls, state: Any, alloc: Callable[[int], Any] | None = None) -> Flat:
-        """The stall: each tensor copied once, into its place in the buffer (``alloc(n)``:
-        where the buffer lies, a uint8 tensor of ``n`` bytes; a new one by default)."""
-        import torch
-
-        def is_tensor(value: Any) -> bool:
-            return isinstance(value, torch.Tensor)
-
+    def of(cls, state: Any) -> Layout:
         tensors: list[Any] = []
-        _replace(state, is_tensor, tensors.append)  # the tensors, in the state's order
+        _replace(state, _is_tensor, tensors.append)  # the tensors, in the state's order
         offsets, regions, end = [0] * len(tensors), {}, 0
         for dtype in dict.fromkeys(t.dtype for t in tensors):  # in order of first appearance
             start = end = -(-end // ALIGN) * ALIGN
-            # Within a dtype each device's tensors back to back (in the state's order): one
-            # gathered run a device (AdamW keeps its step counts on the CPU, each between a
-            # GPU parameter's moments). A CPU state keeps the state's order.
             same = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             for i in sorted(same, key=lambda i: str(tensors[i].device)):
                 offsets[i], end = end, end + tensors[i].numel() * tensors[i].element_size()
             regions[dtype] = (start, end)
-        buffer = torch.empty(end, dtype=torch.uint8) if alloc is None else alloc(end)
-        views = [_view(buffer, offsets[i], t.dtype, t.shape) for i, t in enumerate(tensors)]
-        sources = [t.detach() for t in tensors]
-        if all(t.device.type == "cpu" for t in sources):
-            torch._foreach_copy_(views, sources)  # one call, not one per tensor
-        else:
-            copy_from_devices(buffer, offsets, sources)
-
         placed = iter(zip(offsets, tensors, strict=True))  # the same order, walked again
 
         def marker(_: Any) -> tuple[str, int, str, tuple[int, ...]]:
             offset, tensor = next(placed)
             return (TENSOR, offset, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
 
-        return cls(_replace(state, is_tensor, marker), buffer, views, regions)
+        return cls(_replace(state, _is_tensor, marker), tensors, offsets, regions, end)
+
+    def copy(self, buffer: Any, non_blocking: bool = False) -> None:
+        """Every tensor copied into its place in ``buffer`` (a uint8 CPU tensor of
+        :attr:`nbytes`): a CPU state in one call, a GPU state in gathered runs
+        (:func:`copy_from_devices`; ``non_blocking``: queued on the current stream, for a
+        page-locked buffer). A state without tensors (an optimizer that keeps none: SGD
+        without momentum) copies nothing."""
+        import torch
+
+        sources = [t.detach() for t in self.tensors]
+        if not sources:
+            return
+        if all(t.device.type == "cpu" for t in sources):
+            places = zip(self.offsets, sources, strict=True)
+            views = [_view(buffer, offset, t.dtype, t.shape) for offset, t in places]
+            torch._foreach_copy_(views, sources)  # one call, not one per tensor
+        else:
+            copy_from_devices(buffer, self.offsets, sources, non_blocking)
+
+    def gather(self) -> list[tuple[int, Any]]:
+        """The tensors' values as of now, each run of them (one dtype, one device, back to
+        back in the buffer) gathered into one new tensor on its device: ``(offset, values)``
+        for :meth:`place`. On a GPU the gather is queued on the current stream, so whatever
+        the stream runs next (the next forward pass) cannot change what it copies."""
+        import torch
+
+        sources = [t.detach() for t in self.tensors]
+        return [
+            (self.offsets[run[0]], torch.cat([sources[i].reshape(-1) for i in run]))
+            for run in _runs(self.offsets, sources, None)
+        ]
+
+    def place(
+        self, buffer: Any, gathered: list[tuple[int, Any]], non_blocking: bool = False
+    ) -> None:
+        """``gathered`` (:meth:`gather`'s runs) copied into their places in ``buffer``."""
+        for offset, values in gathered:
+            view = _view(buffer, offset, values.dtype, values.shape)
+            view.copy_(values, non_blocking=non_blocking)
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A state dict copied into one flat uint8 CPU buffer: ``skeleton`` is its structure with
+    each tensor replaced by ``(TENSOR, offset, dtype, shape)`` (:class:`Layout`), ``regions``
+    each dtype's run of the buffer."""
+
+    skeleton: Any
+    buffer: Any  # torch.Tensor, uint8, 1-D
+    regions: dict[Any, tuple[int, int]]
+
+    @classmethod
+    def of(cls, layout: Layout, buffer: Any) -> Flat:
+        """The state ``layout`` lays out, in ``buffer`` (its copy done, or queued)."""
+        return cls(layout.skeleton, buffer, layout.regions)
+
+    @classmethod
+    def copy_of(cls, state: Any, alloc: Callable[[int], Any] | None = None) -> Flat:
+        """``state`` copied now, each tensor once, into its place in a buffer (``alloc(n)``:
+        where the buffer lies, a uint8 tensor of ``n`` bytes; a new one by default)."""
+        import torch
+
+        layout = Layout.of(state)
+        buffer = (
+            torch.empty(layout.nbytes, dtype=torch.uint8) if alloc is None else alloc(layout.nbytes)
+        )
+        layout.copy(buffer)
+        return cls.of(layout, buffer)
+
+    @property
+    def views(self) -> list[Any]:
+        """The copied tensors, in the state's order: views of the buffer."""
+        import torch
+
+        markers: list[Any] = []
+        _replace(self.skeleton, _is_marker, markers.append)
+        return [_view(self.buffer, o, getattr(torch, d), s) for _, o, d, s in markers]
 
     def all_finite(self) -> bool:
         """No NaN or inf in the floating-point tensors: one sum per dtype's run (a NaN or inf
@@ -213,7 +284,35 @@ STAGE_BYTES = 64 * 2**20  # a device-side gather's size: a copy to the host that
 # the link's speed, and a bounded extra on a full device
 
 
-def copy_from_devices(buffer: Any, offsets: list[int], tensors: list[Any]) -> None:
+def _runs(offsets: list[int], tensors: list[Any], limit: int | None) -> list[list[int]]:
+    """Indices of ``tensors`` lying back to back at their ``offsets``, of one dtype on one
+    device, in the buffer's order: each run at most ``limit`` bytes (None: no limit; a tensor
+    alone may exceed it)."""
+
+    def nbytes(i: int) -> int:
+        return int(tensors[i].numel() * tensors[i].element_size())
+
+    runs: list[list[int]] = []
+    run: list[int] = []
+    size = 0
+    for i in sorted(range(len(tensors)), key=offsets.__getitem__):
+        first = tensors[run[0]] if run else None
+        if first is not None and (
+            tensors[i].dtype != first.dtype
+            or tensors[i].device != first.device
+            or offsets[i] != offsets[run[-1]] + nbytes(run[-1])
+            or (limit is not None and size + nbytes(i) > limit)
+        ):
+            runs.append(run)
+            run, size = [], 0
+        run.append(i)
+        size += nbytes(i)
+    return [*runs, run] if run else runs
+
+
+def copy_from_devices(
+    buffer: Any, offsets: list[int], tensors: list[Any], non_blocking: bool = False
+) -> None:
     """``tensors`` (some on a GPU) to their ``offsets`` in the host ``buffer``: tensors lying
     back to back there, of one dtype on one device, gathered on the device (``torch.cat``, at
     its memory's speed) into runs of up to :data:`STAGE_BYTES`, each run then copied to the
@@ -221,42 +320,28 @@ def copy_from_devices(buffer: Any, offsets: list[int], tensors: list[Any]) -> No
     with momentum is ~480 tensors, and its 181 MB took 47 ms per snapshot that way on an H200.
     Each tensor is copied in its logical order (as ``copy_`` into a contiguous view does),
     whatever its memory format. A device without room for a run's gather copies it a tensor
-    at a time."""
+    at a time. ``non_blocking``: every copy queued on the current stream and none waited for
+    (the caller waits for the stream) -- without it a copy into page-locked memory waits for
+    the device once per copy. A gather's memory, freed once its copy is queued, is the
+    stream's to reuse: whatever reuses it is queued after that copy."""
     import torch
-
-    def nbytes(i: int) -> int:
-        return int(tensors[i].numel() * tensors[i].element_size())
 
     def copy_each(run: list[int]) -> None:
         for i in run:
-            _view(buffer, offsets[i], tensors[i].dtype, tensors[i].shape).copy_(tensors[i])
+            view = _view(buffer, offsets[i], tensors[i].dtype, tensors[i].shape)
+            view.copy_(tensors[i], non_blocking=non_blocking)
 
-    def copy(run: list[int]) -> None:
+    for run in _runs(offsets, tensors, STAGE_BYTES):
         if len(run) < 2:
             copy_each(run)
-            return
+            continue
         try:
             gathered = torch.cat([tensors[i].reshape(-1) for i in run])
         except torch.cuda.OutOfMemoryError:
             copy_each(run)
-            return
-        _view(buffer, offsets[run[0]], gathered.dtype, gathered.shape).copy_(gathered)
-
-    run: list[int] = []
-    size = 0
-    for i in sorted(range(len(tensors)), key=offsets.__getitem__):  # the buffer's order
-        first = tensors[run[0]] if run else None
-        if first is not None and (
-            tensors[i].dtype != first.dtype
-            or tensors[i].device != first.device
-            or offsets[i] != offsets[run[-1]] + nbytes(run[-1])
-            or size + nbytes(i) > STAGE_BYTES
-        ):
-            copy(run)
-            run, size = [], 0
-        run.append(i)
-        size += nbytes(i)
-    copy(run)
+            continue
+        view = _view(buffer, offsets[run[0]], gathered.dtype, gathered.shape)
+        view.copy_(gathered, non_blocking=non_blocking)
 
 
 def _view(buffer: Any, offset: int, dtype: Any, shape: Any) -> Any:
@@ -310,6 +395,7 @@ __all__ = [
     "DIGEST",
     "Buffer",
     "Flat",
+    "Layout",
     "Snapshot",
     "digest",
     "digest_all",
