@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run that fits in ~6 minutes on one H200 and needs no network.
+# The GPU check: one prepared run that fits in ~8 minutes on one H100/H200 and needs no network.
 #   1. ResNet-50 on synthetic 224x224 images: plain torch (compute-bound ceiling) vs ftjob with
-#      1 GPU worker (bf16, channels_last, pinned memory, Ray Data decoding), images/s + ratio;
+#      1 GPU worker (bf16, channels_last, the images made on the GPU: decode_in=device),
+#      images/s + ratio;
 #   2. a short GPU run with a failure forced at step 50, twice: the memory tier off (Ray Train
 #      restarts the worker, ftjob restores the step-40 checkpoint from storage) and on (a snapshot
 #      after every step; the restore comes from memory): the recovery's parts, and the training
 #      thread's blocking time per snapshot of a ResNet-50 state on the GPU, and that copy
 #      alone (benchmarks/gpu_snapshot_copy.py);
-#   3. JPEG decoding for a GPU worker: the same ResNet-18 job on a JPEG tree, decoded in the
-#      worker by its pool (the CPUs it reserves but one) and in Ray Data, images/s + ratio;
-#   4. exact mode on the GPU (benchmarks/gpu_exact.py): world 1 against world 2 bit for bit.
+#   3. JPEG decoders side by side on ImageNet-like files (benchmarks/gpu_decoders.py): PIL,
+#      torchvision on the CPU and nvJPEG, ftjob's device path, TorchCodec and DALI where
+#      installed; the same bytes -> the same pixels on the GPU;
+#   4. the GPU input path in whole jobs (benchmarks/gpu_input.py): ResNet-50 at 224 px, plain
+#      torch against ftjob decode_in=device from a JPEG folder and from Parquet shards of it,
+#      ftjob decode_in=worker, and the hand-written Ray Train loop with Ray Data decoding;
+#   5. exact mode on the GPU (benchmarks/gpu_exact.py): world 1 against world 2 bit for bit.
 # Needs a Python with ftjob and its dependencies (torch with CUDA); PYTHON=... picks it.
 # Each part runs under its own timeout and the check goes on after a failed part; the exit
 # status is that of the worst part. Figures land in $OUT (default /tmp/ftjob-gpu-check);
@@ -77,31 +82,9 @@ done
 # The snapshot's copy off the GPU alone: per tensor, gathered, into page-locked memory.
 part snapshot_copy 90 "$PY" benchmarks/gpu_snapshot_copy.py
 
-# A GPU worker's JPEG decoding: its own pool (CPU=8: 7 threads) against Ray Data's tasks.
-JPEGS=$(mktemp -d)
-trap 'rm -rf "$JPEGS"' EXIT
-"$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from throughput import write_jpeg_tree; write_jpeg_tree('$JPEGS')"
-DECODE=(model=resnet18 dataset=imagefolder dataset.path="$JPEGS" dataset.image_size=160
-  dataset.resize_size=176 trainer.use_gpu=true trainer.num_workers=1
-  trainer.resources_per_worker.CPU=8 trainer.batch_size=128 trainer.epochs=3
-  trainer.precision=bf16 trainer.channels_last=true trainer.log_every_n_steps=16)
-for where in worker ray; do
-  part "decode_$where" 120 "$PY" -m ftjob "${DECODE[@]}" trainer.decode_in=$where \
-    hydra.run.dir="$OUT/decode_$where"
-done
-"$PY" - "$OUT" <<'PY' | tee "$OUT/decode.txt"
-import json, sys
-rate = {}
-for where in ("worker", "ray"):
-    try:
-        s = json.load(open(f"{sys.argv[1]}/decode_{where}/summary.json"))
-        rate[where] = s["metrics"]["train/global_throughput"]
-        print(f"decode_in={where}: {s['status']}, {rate[where]:.0f} images/s")
-    except (OSError, KeyError, ValueError) as e:
-        print(f"decode_in={where}: no result ({e!r})")
-if len(rate) == 2:
-    print(f"worker pool/ray data = {rate['worker'] / rate['ray']:.3f}")
-PY
+# JPEG decoders alone, then the input path in whole jobs (their files made in temporary folders).
+part decoders 120 "$PY" benchmarks/gpu_decoders.py --files 512 --batch 128 --repeats 3
+part input 330 "$PY" benchmarks/gpu_input.py --train 8192 --val 256 --epochs 2 --batch 128
 
 part exact 150 "$PY" benchmarks/gpu_exact.py
 exit $status

@@ -2,9 +2,10 @@
 
   plain torch: one process, a fixed pool of batches already on the GPU (bf16 autocast,
                channels_last) -- the model's compute-bound ceiling, no data pipeline at all;
-  ftjob:       the full runner with use_gpu, bf16, channels_last, pinned memory, Ray Data
-               decoding the same synthetic images on CPUs, checkpoints and validation at the
-               end of each epoch.
+  ftjob:       the full runner with use_gpu, bf16, channels_last, pinned memory, the same
+               synthetic images made where --decode-in says (default device: on the GPU, so the
+               data path is the only thing between ftjob and the GPU; ray: Ray Data on the
+               CPUs, as measured before), checkpoints and validation at the end of each epoch.
 Images/s after the first step; runs interleaved; prints medians and ``ftjob/plain = X``.
 
     python benchmarks/gpu_throughput.py [--repeats 2] [--steps 150] [--batch 128]
@@ -90,6 +91,7 @@ def ftjob(args: argparse.Namespace) -> float:
             channels_last=True,
             prefetch_batches=4,
             log_every_n_steps=50,
+            decode_in=args.decode_in,
         ),
     )
     job.ray.num_cpus = cpus + 2
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--decode-in", default="device", help="ftjob's trainer.decode_in")
     args = parser.parse_args()
     if args.device == "cuda":
         print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)

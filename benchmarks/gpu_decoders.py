@@ -1,0 +1,222 @@
+"""JPEG decoders side by side on ImageNet-like files (400x350, ~110 KB, quality 90): images/s
+of decoding alone and of decoding with ftjob's crop, resize and flip, on one machine.
+
+  pil               ftjob's worker path (PIL, draft mode), one thread and a pool of every core
+  torchvision-cpu   torchvision's decode_jpeg on the CPU (libjpeg-turbo), one thread
+  ftjob-device      ftjob's device path (DeviceDecoder: headers and crops on the CPU, a batch
+                    decoded by torchvision's decode_jpeg on a list -- nvJPEG -- and resized
+                    by data/resample.py on the GPU); also its decode alone, and whether the
+                    same bytes give the same pixels twice
+  torchcodec        TorchCodec's JPEG decoder on the GPU (torchvision's successor), decode only
+  dali              NVIDIA DALI: fn.decoders.image(device="mixed") and its random resized crop,
+                    a pipeline of the same files, decode + crop
+
+A decoder that is not installed (or fails to start) is skipped with its reason. TorchCodec's
+wheel is ~10 MB and travels with the working tree; DALI's (nvidia-dali-cuda130) is ~190 MB,
+more than a GPU machine without network can be sent: install it there first, or leave it.
+
+    python benchmarks/gpu_decoders.py [--files 512] [--batch 128] [--repeats 3]
+    python benchmarks/gpu_decoders.py --device cpu --files 16 --batch 8 --repeats 1   # dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ftjob.data.clock import DataClock  # noqa: E402
+from ftjob.data.datasets import TRAIN, ImageFolderDataset, sample_rng  # noqa: E402
+from ftjob.data.device_decode import DeviceDecoder  # noqa: E402
+from ftjob.data.streams import numpy_rows  # noqa: E402
+from tests.support.images import jpeg, photo_like  # noqa: E402
+
+SIZE = 224
+
+
+def write_files(root: str, n: int) -> list[bytes]:
+    """``n`` ImageNet-like JPEGs under ``root/train/a`` (and one validation file)."""
+    os.makedirs(os.path.join(root, TRAIN, "a"), exist_ok=True)
+    os.makedirs(os.path.join(root, "val", "a"), exist_ok=True)
+    with concurrent.futures.ProcessPoolExecutor() as pool:
+        files = list(pool.map(_one, range(n), chunksize=16))
+    for i, data in enumerate(files):
+        with open(os.path.join(root, TRAIN, "a", f"{i:05d}.jpg"), "wb") as f:
+            f.write(data)
+    with open(os.path.join(root, "val", "a", "v.jpg"), "wb") as f:
+        f.write(files[0])
+    return files
+
+
+def _one(seed: int) -> bytes:
+    return jpeg(photo_like(seed))
+
+
+def rate(work: Callable[[], Any], n: int, repeats: int, sync: Callable[[], None]) -> float:
+    """Median images/s of ``work`` (``n`` images) over ``repeats`` runs after a warm-up."""
+    work()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        sync()
+        times.append(time.perf_counter() - start)
+    return n / statistics.median(times)
+
+
+def pil_path(ds: ImageFolderDataset, files: list[bytes], threads: int) -> Callable[[], Any]:
+    def one(k: int) -> Any:
+        return ds.decode_encoded(files[k], f"{k}", True, sample_rng(0, 0, k))
+
+    def work() -> Any:
+        if threads == 1:
+            return [one(k) for k in range(len(files))]
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, range(len(files))))
+
+    return work
+
+
+def candidates(args: argparse.Namespace, root: str, files: list[bytes]) -> dict[str, Any]:
+    """Each decoder's work, or the reason it is skipped."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    ds = ImageFolderDataset(path=root, image_size=SIZE, resize_size=256)
+    cores = os.cpu_count() or 1
+    tensors = [torch.frombuffer(bytearray(f), dtype=torch.uint8) for f in files]
+    out: dict[str, Any] = {
+        "pil, 1 thread": pil_path(ds, files, 1),
+        f"pil, {cores} threads": pil_path(ds, files, cores),
+        "torchvision-cpu decode, 1 thread": lambda: [
+            decode_jpeg(t, mode=ImageReadMode.RGB) for t in tensors
+        ],
+    }
+    device = torch.device(args.device)
+    rows = numpy_rows(ds.catalog(TRAIN))
+    decoder = DeviceDecoder(ds, TRAIN, 0, 0, device, DataClock(), _stream(device))
+    prepared = [
+        decoder.prepare({k: v[i : i + args.batch] for k, v in rows.items()})
+        for i in range(0, len(files), args.batch)
+    ]
+    out[f"ftjob-device on {device.type}: decode + crop, resize, flip (CPU part done)"] = lambda: [
+        decoder.batch(p, 0, len(p)) for p in prepared
+    ]
+    out[f"torchvision decode_jpeg on {device.type}, batches of {args.batch}"] = lambda: [
+        decode_jpeg(tensors[i : i + args.batch], mode=ImageReadMode.RGB, device=device)
+        for i in range(0, len(tensors), args.batch)
+    ]
+    out["torchcodec decode on cuda"] = _torchcodec(tensors, device)
+    out["dali mixed decode + random resized crop"] = _dali(files, args.batch, device)
+    return out
+
+
+def _stream(device: torch.device) -> Any:
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def _torchcodec(tensors: list[torch.Tensor], device: torch.device) -> Any:
+    if device.type != "cuda":
+        return "skipped: no CUDA device"
+    try:
+        import torchcodec.decoders as decoders
+    except Exception as exc:  # noqa: BLE001 -- any failure to import is a reason to skip
+        return f"skipped: torchcodec not importable ({type(exc).__name__}: {exc})"
+    decode = getattr(decoders, "decode_jpeg", None)
+    if decode is None:
+        return f"skipped: torchcodec {getattr(decoders, '__name__', '')} has no decode_jpeg"
+    return lambda: [decode(t, device=device) for t in tensors]
+
+
+def _dali(files: list[bytes], batch: int, device: torch.device) -> Any:
+    if device.type != "cuda":
+        return "skipped: no CUDA device"
+    try:
+        from nvidia.dali import fn, pipeline_def, types
+    except Exception as exc:  # noqa: BLE001
+        return f"skipped: nvidia-dali not importable ({type(exc).__name__})"
+    arrays = [np.frombuffer(f, dtype=np.uint8) for f in files]
+
+    @pipeline_def(batch_size=batch, num_threads=min(8, os.cpu_count() or 1), device_id=0)
+    def pipe() -> Any:
+        data = fn.external_source(
+            source=lambda info: arrays[info.idx_in_epoch % len(arrays)], batch=False
+        )
+        images = fn.decoders.image_random_crop(data, device="mixed", output_type=types.RGB)
+        return fn.resize(images, resize_x=SIZE, resize_y=SIZE)
+
+    p = pipe()
+    p.build()
+    steps = max(1, len(files) // batch)
+    return lambda: [p.run() for _ in range(steps)]
+
+
+def deterministic(args: argparse.Namespace, root: str) -> str:
+    ds = ImageFolderDataset(path=root, image_size=SIZE, resize_size=256)
+    rows = numpy_rows(ds.catalog(TRAIN))
+    rows = {k: v[: args.batch] for k, v in rows.items()}
+    device = torch.device(args.device)
+    made = []
+    for _ in range(2):
+        decoder = DeviceDecoder(ds, TRAIN, 0, 0, device, DataClock(), _stream(device))
+        p = decoder.prepare(rows)
+        made.append(decoder.batch(p, 0, len(p))["image"].cpu())
+    same = torch.equal(made[0], made[1])
+    pil = np.stack(
+        [
+            ds.decode_encoded(open(path, "rb").read(), path, True, sample_rng(0, 0, int(i)))
+            for path, i in zip(rows["path"], rows["id"], strict=True)
+        ]
+    )
+    diff = np.abs(made[0].permute(0, 2, 3, 1).numpy().astype(int) - pil.astype(int))
+    return (
+        f"ftjob-device on {device.type}: the same bytes twice -> {'the same' if same else 'DIFFERENT'} "
+        f"pixels; against the PIL path mean {diff.mean():.3f}, max {diff.max()} levels"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--root", default=None, help="where to write the files (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    import tempfile
+
+    root = args.root or tempfile.mkdtemp(prefix="ftjob-decoders-")
+    files = write_files(root, args.files)
+    kb = sum(len(f) for f in files) / len(files) / 1024
+    print(f"{len(files)} JPEGs 400x350 quality 90, {kb:.0f} KB on average; output {SIZE} px")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for name, work in candidates(args, root, files).items():
+        if isinstance(work, str):
+            print(f"{name:<78} {work}")
+            continue
+        try:
+            value = rate(work, len(files), args.repeats, sync)
+        except Exception as exc:  # noqa: BLE001 -- one decoder's failure skips it, not the rest
+            print(f"{name:<78} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        print(f"{name:<78} {value:9.1f} images/s", flush=True)
+    print(deterministic(args, root))
+
+
+if __name__ == "__main__":
+    main()
