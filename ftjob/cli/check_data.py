@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.config import ConfigError, load_job, register_schema
 from ftjob.config.compose import Composer, Target
+from ftjob.data.audit import audited_catalogs
 from ftjob.data.bad_files import over_budget
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
 
@@ -111,7 +112,7 @@ def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
         dataset = build_dataset(job.dataset)
         fraction = dataset.max_bad_fraction
         dataset.max_bad_fraction = 1.0  # every bad row listed here; the budget said at the end
-        catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+        catalogs = audited_catalogs(dataset)
         notes = dataset.catalog_notes()
     except (ConfigError, ValueError, FileNotFoundError, PermissionError) as exc:
         _say(f"ERROR {exc}")

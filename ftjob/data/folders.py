@@ -92,10 +92,13 @@ def list_split(
     hidden: list[str] = []
     loose: list[str] = []
     outside: list[str] = []
+    other: list[str] = []  # not hidden, not named as an image: said, in case they are ones
     within = inside(fs, base, follow_links)
     for f in sorted(files):
         parts = posixpath.relpath(f, root).split("/")
         if not parts[-1].lower().endswith(IMAGE_EXTENSIONS):
+            if not any(part.startswith(".") for part in parts):
+                other.append(posixpath.join(folder, *parts))
             continue
         if any(part.startswith(".") for part in parts):
             hidden.append(posixpath.join(folder, *parts))
@@ -107,6 +110,21 @@ def list_split(
             by_class.setdefault(parts[0], []).append(f)
     linked_out = {posixpath.relpath(p, folder).split("/")[0] for p in outside}
     check_class_folders(fs, root, folder, path, by_class, linked_out)
+    notes = listing_notes(path, folder, linked, hidden, outside, other, loose)
+    return SplitListing(by_class, notes)
+
+
+def listing_notes(
+    path: str,
+    folder: str,
+    linked: list[str],
+    hidden: list[str],
+    outside: list[str],
+    other: list[str],
+    loose: list[str],
+) -> list[str]:
+    """One line for each kind of file under ``folder`` that is not a sample (and for the class
+    folders that are links, read where they lead): how many, and an example."""
     notes = []
     if linked:
         notes.append(
@@ -124,12 +142,18 @@ def list_split(
             f"links to outside dataset.path (e.g. {outside[0]}): nothing is read from outside "
             "the dataset's root unless dataset.follow_links=true"
         )
+    if other:
+        notes.append(
+            f"dataset.path={path}: {len(other)} file(s) under {folder}/ are not named as images "
+            f"(e.g. {other[0]}): not samples; a sample's name ends in "
+            f"{', '.join(IMAGE_EXTENSIONS)}"
+        )
     if loose:
         notes.append(
             f"dataset.path={path}: {len(loose)} image file(s) directly in {folder}/ "
             f"(e.g. {loose[0]}) are not samples: a sample is under {folder}/<class>/"
         )
-    return SplitListing(by_class, notes)
+    return notes
 
 
 def check_linked_folders(

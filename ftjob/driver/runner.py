@@ -28,6 +28,7 @@ from ftjob.chaos.killer import node_chaos_targets
 from ftjob.config import RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
+from ftjob.data.audit import audited_catalogs
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset, epoch_plan
 from ftjob.data.order import EpochPlan, ShuffleWindows
 from ftjob.driver.cluster import (
@@ -156,7 +157,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     store, url = CheckpointStore(probe_fs, run_path), fs.unstrip_protocol(run_path)
     resumption = check_run_name(job, store, url)  # resume=auto decides here: before Ray
     dataset = build_dataset(job.dataset)
-    catalogs = {split: dataset.catalog(split) for split in (TRAIN, VAL)}
+    catalogs = audited_catalogs(dataset)  # a split of nothing, one class: refused here
     catalogs[TRAIN], removed = started_catalog(
         probe_fs, run_path, catalogs[TRAIN], resumption.continues
     )

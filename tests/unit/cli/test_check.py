@@ -231,7 +231,12 @@ def test_check_data_decodes_every_file_in_parallel_and_lists_the_bad_ones(tmp_pa
         "dataset.max_image_pixels=10000",
     ]
     assert "decoding 48 train + 9 val files in 2 process(es)" in out[0]
-    assert out[-1].startswith("ftjob.check --data: 3 bad file(s) of 57")
+    assert out[-3].startswith("ftjob.check --data: 3 bad file(s) of 57")
+    # What dataset.max_bad_fraction (0.01: none of 48, none of 9) makes of them, per split.
+    assert out[-2].startswith(
+        "ftjob.check --data: with dataset.bad_files=skip a run fails: 2 of the 48 train samples"
+    )
+    assert out[-1].startswith("ftjob.check --data: with dataset.bad_files=skip a run fails: 1 of")
     for path in (*bad.values(), big):
         path.unlink()
     assert main(["--data", "--jobs", "2", *args]) == 0

@@ -113,3 +113,15 @@ def test_a_link_back_up_the_tree_is_walked_once(tmp_path: Path):
     (root / TRAIN / "a" / "again").symlink_to(root / TRAIN, target_is_directory=True)
     ds = dataset(root)
     assert labels_by_class(ds, TRAIN) == {"a": 2, "b": 2, "c": 2}
+
+
+def test_files_not_named_as_images_are_said_in_one_line(tmp_path: Path):
+    root = tree(tmp_path / "data")
+    (root / TRAIN / "a" / "photo.heic").write_bytes(b"x")
+    (root / TRAIN / "b" / "notes.txt").write_bytes(b"x")
+    (root / TRAIN / "b" / ".DS_Store").write_bytes(b"x")  # hidden: not worth a word
+    ds = dataset(root)
+    assert labels_by_class(ds, TRAIN) == {"a": 2, "b": 2, "c": 2}
+    [note] = [n for n in ds.catalog_notes() if "not named as images" in n]
+    assert "2 file(s) under train/ are not named as images (e.g. train/a/photo.heic)" in note
+    assert ".jpg, .jpeg, .png" in note

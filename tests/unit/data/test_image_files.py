@@ -372,8 +372,11 @@ def test_images_in_nested_folders_belong_to_their_top_class_folder(tmp_path: Pat
     decoded = ds.decode(train, TRAIN, epoch=0, seed=0)
     assert (decoded[2] == 5).all() and (decoded[6] == 7).all()
     assert ds.catalog_notes() == [
+        f"dataset.path={tmp_path}: 1 file(s) under train/ are not named as images (e.g. "
+        "train/notes.txt): not samples; a sample's name ends in .jpg, .jpeg, .png, .bmp, "
+        ".webp, .gif, .tif, .tiff",
         f"dataset.path={tmp_path}: 1 image file(s) directly in train/ (e.g. train/loose.png) "
-        "are not samples: a sample is under train/<class>/"
+        "are not samples: a sample is under train/<class>/",
     ]
 
 
