@@ -112,29 +112,31 @@ class DeviceDecoder:
         for k in range(n):
             if p.skipped[k]:
                 continue
-            header, reason = self._header(encoded.data[k])
+            data = encoded.data[k]
+            if not isinstance(data, (bytes, bytearray, memoryview)):  # its read failed
+                self._on_cpu(p, k)  # the PIL path names it (a bad file, or raised again)
+                continue
+            header = self._header(bytes(data))
             if header is None or header.fallback is not None:
-                fallbacks[reason or header.fallback or "format"] += 1  # type: ignore[union-attr]
+                fallbacks[header.fallback if header is not None else "format"] += 1
                 self._on_cpu(p, k)
                 continue
-            p.data[k] = encoded.data[k]
+            p.data[k] = data
             p.geoms[k] = self._geometry(header, int(p.ids[k]))
         for reason, count in fallbacks.items():
             self.clock.add(M.DATA_FALLBACK + reason, count)
         return p
 
-    def _header(self, data: Any) -> tuple[ImageHeader | None, str | None]:
-        """``data``'s header; (None, reason) where it is no image the batched decoder could
-        take (a failed read, bytes PIL does not recognise, too many pixels): PIL names it."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            return None, "format"
+    def _header(self, data: bytes) -> ImageHeader | None:
+        """``data``'s header; None where PIL does not recognise the bytes or they hold too
+        many pixels -- the PIL path then names the file."""
         with self.clock.timer(M.DATA_READ):
             try:
-                return read_header(bytes(data), self.dataset.max_image_pixels), None
+                return read_header(data, self.dataset.max_image_pixels)
             except MemoryError:
                 raise
             except Exception:  # noqa: BLE001 -- the PIL path raises it with the file's name
-                return None, "format"
+                return None
 
     def _geometry(self, header: ImageHeader, sample_id: int) -> Geometry:
         """The sample's crop and flip, drawn as the PIL path draws them: the crop box on the

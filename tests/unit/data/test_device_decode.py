@@ -222,3 +222,15 @@ def test_synthetic_images_made_on_the_device_are_the_workers_bit_for_bit():
     assert [b.ids.tolist() for b in made] == [b.ids.tolist() for b in pil]
     assert all(torch.equal(a.images, b.images) for a, b in zip(pil, made, strict=True))
     assert here.clock.get(M.DATA_DECODE) > 0  # made by the stream's device path, and timed
+
+
+def test_a_file_that_cannot_be_read_is_a_bad_file_not_a_fallback(tmp_path):
+    ds = dataset(
+        photo_tree(tmp_path, classes=1, train_per_class=3, val_per_class=1), bad_files="skip"
+    )
+    rows = numpy_rows(ds.catalog(TRAIN))
+    Path(rows["path"][1]).unlink()  # gone after the catalog listed it
+    clock = DataClock()
+    prepared = DeviceDecoder(ds, TRAIN, 0, 0, "cpu", clock).prepare(rows)
+    assert prepared.skipped.tolist() == [False, True, False]
+    assert all(clock.get(key) == 0 for key in M.DATA_FALLBACKS)  # no decoder was asked
