@@ -383,6 +383,13 @@ def test_a_changed_optimizer_is_refused_naming_each_key_its_state_would_override
     ]
 
 
+def test_a_changed_model_is_refused_naming_each_key(tmp_path: Path):
+    wider = replace(job(), model={**MODEL, "width": 64})
+    assert refused_lines(tmp_path, job(), wider) == [
+        "model.width: None -> 64 (the checkpoint's weights are this model's)"
+    ]
+
+
 def test_trainer_keys_the_checkpoint_was_made_with_are_refused(tmp_path: Path):
     assert refused_lines(tmp_path / "groups", job(), job(weight_decay_norm_and_bias=False)) == [
         "trainer.weight_decay_norm_and_bias (the optimizer state's parameter groups): True -> False"
@@ -414,6 +421,7 @@ def test_every_other_changed_key_is_honoured_and_said_one_line_each(tmp_path: Pa
         "trainer.batch_size=64",
         "trainer.label_smoothing=0.1",
         "checkpoint.num_to_keep=5",
+        "checkpoint.memory.max_mb=1024",
         "chaos=worker_killer",
         "failure.max_failures=9",
         "ray.log_to_driver=true",
@@ -428,6 +436,7 @@ def test_every_other_changed_key_is_honoured_and_said_one_line_each(tmp_path: Pa
         "chaos.interval",
         "chaos.kind",
         "chaos.max_kills",
+        "checkpoint.memory.max_mb",
         "checkpoint.num_to_keep",
         "dataset.path",
         "failure.max_failures",
@@ -439,6 +448,12 @@ def test_every_other_changed_key_is_honoured_and_said_one_line_each(tmp_path: Pa
     ]
     assert "trainer.num_workers: 2 -> 1 (changed since the checkpoint; allowed)" in stated
     assert "dataset.path: '/data/a' -> '/data/b' (changed since the checkpoint; allowed)" in stated
+    # Honoured with a limit, said in its line: a holder that outlived the last driver.
+    assert (
+        "checkpoint.memory.max_mb: 2048.0 -> 1024.0 (a snapshot holder that outlived the last "
+        "driver on this cluster keeps its own until it is released) (changed since the "
+        "checkpoint; allowed)"
+    ) in stated
 
 
 def test_a_key_the_checkpoints_config_predates_is_said_as_such_and_the_run_is_not_a_change(
