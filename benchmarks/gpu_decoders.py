@@ -2,7 +2,8 @@
 of decoding alone and of decoding with ftjob's crop, resize and flip, on one machine.
 
   pil               ftjob's worker path (PIL, draft mode), one thread and a pool of every core
-  torchvision-cpu   torchvision's decode_jpeg on the CPU (libjpeg-turbo), one thread
+  torchvision-cpu   torchvision's decode_jpeg on the CPU (libjpeg-turbo), one thread: alone, and
+                    with PIL's crop-resize and flip (the PIL path's bytes exactly)
   ftjob-device      ftjob's device path (DeviceDecoder: headers and crops on the CPU, a batch
                     decoded by torchvision's decode_jpeg on a list -- nvJPEG -- and resized
                     by data/resample.py on the GPU); also its decode alone, and whether the
@@ -101,6 +102,9 @@ def candidates(args: argparse.Namespace, root: str, files: list[bytes]) -> dict[
         "torchvision-cpu decode, 1 thread": lambda: [
             decode_jpeg(t, mode=ImageReadMode.RGB) for t in tensors
         ],
+        "torchvision-cpu decode + PIL crop-resize, flip, 1 thread": lambda: [
+            _turbo_then_pil(ds, t, k) for k, t in enumerate(tensors)
+        ],
     }
     device = torch.device(args.device)
     rows = numpy_rows(ds.catalog(TRAIN))
@@ -119,6 +123,61 @@ def candidates(args: argparse.Namespace, root: str, files: list[bytes]) -> dict[
     out["torchcodec decode on cuda"] = _torchcodec(tensors, device)
     out["dali mixed decode + random resized crop"] = _dali(files, args.batch, device)
     return out
+
+
+def _turbo_then_pil(ds: ImageFolderDataset, data: torch.Tensor, k: int) -> np.ndarray:
+    """libjpeg-turbo through torchvision, then PIL's own crop-resize and flip."""
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    rng = sample_rng(0, 0, k)
+    pixels = decode_jpeg(data, mode=ImageReadMode.RGB).permute(1, 2, 0).numpy()
+    box = ds._crop_box(pixels.shape[1], pixels.shape[0], rng)
+    out = Image.fromarray(pixels).resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=box)
+    if rng.random() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
+
+
+def gil(files: list[bytes]) -> str:
+    """How much of its pace a Python loop keeps beside a thread decoding with each CPU
+    decoder: near 100 % where the decoder releases the GIL, as a decode pool needs."""
+    import io
+    import threading
+
+    from PIL import Image
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    def loop_rate() -> int:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.5:
+            count += 1
+        return count
+
+    said = []
+    for name, decode in (
+        ("PIL", lambda f: Image.open(io.BytesIO(f)).convert("RGB")),
+        (
+            "torchvision",
+            lambda f: decode_jpeg(
+                torch.frombuffer(bytearray(f), dtype=torch.uint8), mode=ImageReadMode.RGB
+            ),
+        ),
+    ):
+        alone, stop = loop_rate(), threading.Event()
+
+        def work(decode: Any = decode, stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                for f in files[:4]:
+                    decode(f)
+
+        thread = threading.Thread(target=work)
+        thread.start()
+        beside = loop_rate()
+        stop.set()
+        thread.join()
+        said.append(f"{name} {beside / alone:.0%}")
+    return "a Python loop's pace beside a decoding thread: " + ", ".join(said)
 
 
 def _stream(device: torch.device) -> Any:
@@ -216,6 +275,7 @@ def main() -> None:
             continue
         print(f"{name:<78} {value:9.1f} images/s", flush=True)
     print(deterministic(args, root))
+    print(gil(files))
 
 
 if __name__ == "__main__":
