@@ -171,7 +171,7 @@ class DeviceDecoder:
         import torch
 
         if not self.cuda:
-            return self._batch(p, start, end)
+            return {**self._batch(p, start, end), "ready": None}
         with torch.cuda.stream(self.stream):
             out = self._batch(p, start, end)
             out["ready"] = torch.cuda.Event()

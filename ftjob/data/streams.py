@@ -273,8 +273,11 @@ class DecodedStream:
                     "skipped": torch.bool,
                 },
             ):
+                # A batch made on the device is the model's input already, and its side
+                # stream's: nothing more is done to it before the training stream waits.
+                made = "ready" in b
                 batch = Batch(
-                    images=self._model_input(b["image"]),
+                    images=b["image"] if made else self._model_input(b["image"]),
                     labels=b["label"],
                     ids=b["id"].cpu().numpy(),
                     skipped=b["skipped"].cpu().numpy(),
