@@ -234,3 +234,17 @@ def test_a_file_that_cannot_be_read_is_a_bad_file_not_a_fallback(tmp_path):
     prepared = DeviceDecoder(ds, TRAIN, 0, 0, "cpu", clock).prepare(rows)
     assert prepared.skipped.tolist() == [False, True, False]
     assert all(clock.get(key) == 0 for key in M.DATA_FALLBACKS)  # no decoder was asked
+
+
+def test_a_batch_made_on_the_device_is_not_touched_again_off_its_side_stream(tmp_path, monkeypatch):
+    """Its images are the model's input when its side stream finishes them; anything done to
+    them after on the feeder thread would run on another stream, not waiting for the batch's
+    event. So the model-input step (normalise, layout) runs once a batch, in the decoder."""
+    ds = dataset(photo_tree(tmp_path, classes=1, train_per_class=4, val_per_class=1))
+    ds.image_size, ds.resize_size = 48, 56
+    stream = DeviceStream(ds, ds.catalog(TRAIN), TRAIN, seed=0, device=torch.device("cpu"))
+    calls = []
+    real = stream._model_input
+    monkeypatch.setattr(stream, "_model_input", lambda images: calls.append(1) or real(images))
+    made = batches(stream, np.arange(4), 0)
+    assert len(made) == 1 and len(calls) == 1
