@@ -3,8 +3,11 @@ README.md, docs/ and examples/ (code blocks, inline code, scripts, manifests and
 their comments give) is checked as ``python -m ftjob`` checks it before Ray starts -- composed
 and validated, a sweep (``-m``) once per swept value -- so the docs cannot drift from the
 config. A command the docs show failing (the line after it starts ``ftjob: config error:``)
-must fail with that line. Nothing is run, and no storage or cluster is touched: the check only
-composes and validates (an ``s3://bucket/...`` in a command is a string here)."""
+must fail with that line. So does every key the prose of README.md and docs/ sets in inline
+code (`trainer.exact=true`, `resume=auto`, `logger=csv|tensorboard`): each composes, and a key
+written without its group (`straggler.action=restart` for `failure.straggler.action`) is
+named with the key to write. Nothing is run, and no storage or cluster is touched: the check
+only composes and validates (an ``s3://bucket/...`` in a command is a string here)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.cli.main import precheck, spell_argv, split_args
-from ftjob.config import ConfigError, load_job
+from ftjob.config import ConfigError, load_job, register_schema
 from ftjob.config.compose import Composer, Target, override_key, spell_groups, sweep_values
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,3 +285,163 @@ def test_a_command_the_docs_could_get_wrong_is_caught() -> None:
 def test_shapes_are_the_only_commands_left_out() -> None:
     left_out = [c for c in COMMANDS if c.args in SHAPES]
     assert len(left_out) == 1 and left_out[0].where.startswith("docs/sweeps.md:"), left_out
+
+
+# -- keys set in the prose --------------------------------------------------------------------
+
+# An inline span that sets keys: every word an override (`a.b=1`, `+a.b=1`, `++a=x`).
+OVERRIDE_WORD = re.compile(r"[+~]{0,2}[A-Za-z_]\w*(?:\.\w+)*=\S+")
+# Values the prose writes for "any": a stand-in a key of that kind takes (NAME: every option).
+STAND_IN_VALUES = {"N": "2", "...": "x"}
+ANY_OPTION = "NAME"
+# What the sentence around a key assumes, composed with its span: a resume names its run; a
+# node that returns after N steps returns to an elastic group.
+CONTEXT = {"resume": ("name=run",), "ray.replace_after_steps": ("trainer.min_workers=1",)}
+
+
+@dataclass(frozen=True)
+class DocumentedKeys:
+    where: str  # file:line `span`
+    words: tuple[str, ...]  # the span's overrides
+    misplaced: tuple[tuple[str, str], ...] = ()  # (key as written, the key it is)
+
+
+def inline_spans(word: re.Pattern[str] = OVERRIDE_WORD) -> list[tuple[str, str]]:
+    """(file:line, span) of every inline code span in README.md and docs/ outside code blocks
+    whose words all match ``word`` (overrides, by default)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        fenced = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+                continue
+            for span in [] if fenced else re.findall(r"`([^`]+)`", line):
+                words = span.split()
+                if words and all(word.fullmatch(w) for w in words):
+                    found.append((f"{path.relative_to(ROOT)}:{number}", span))
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def config_paths() -> dict[str, list[str]]:
+    """Every key of the composed config (each group with every option, experiments included),
+    by its last parts: ``straggler.action`` -> [``failure.straggler.action``]."""
+    full: set[str] = set()
+
+    def walk(node: object, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                full.add(f"{prefix}{key}")
+                walk(value, f"{prefix}{key}.")
+
+    walk(OmegaConf.to_container(selected(None, ())), "")
+    by_tail: dict[str, list[str]] = {}
+    for key in full:
+        parts = key.split(".")
+        for i in range(1, len(parts)):
+            by_tail.setdefault(".".join(parts[i:]), []).append(key)
+    return by_tail
+
+
+def documented_keys() -> list[DocumentedKeys]:
+    """The spans that set ftjob's keys: a word whose first part is a group, a top-level key or
+    ``hydra`` is a key; a dotted word that is the tail of a key is that key, misplaced; a span
+    with any other word (`torch.backends.cudnn.deterministic=True`, `CUBLAS_...=...`) or a
+    placeholder key (`group.key=value`) is not about ftjob's config."""
+    register_schema()  # collected before the session's fixtures register it
+    roots = set(group_names()) | set(selected(None, ()).keys()) | {"hydra"}
+    found = []
+    for where, span in inline_spans():
+        words, misplaced = span.split(), []
+        keys = [override_key(w) for w in words]
+        for key in keys:
+            if key.split(".")[0] not in roots and "." in key and key in config_paths():
+                misplaced.append((key, " or ".join(sorted(config_paths()[key]))))
+        if misplaced or all(k.split(".")[0] in roots for k in keys):
+            found.append(DocumentedKeys(f"{where} `{span}`", tuple(words), tuple(misplaced)))
+    return found
+
+
+def spelled_out(words: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The commands a span stands for: `a=x|y` is two, `experiment=NAME` one per experiment,
+    `ray.local_nodes=N` a number; `hydra.launcher.*` keys are the ftjob launcher's."""
+    commands: list[tuple[str, ...]] = [()]
+    for word in words:
+        key, value = word.split("=", 1)
+        if value == ANY_OPTION:
+            try:
+                values = Composer().group_options(override_key(key))
+            finally:
+                GlobalHydra.instance().clear()
+        else:
+            values = [STAND_IN_VALUES.get(v, v) for v in value.split("|")]
+        commands = [(*c, f"{key}={v}") for c in commands for v in values]
+    keys = [override_key(w) for w in words]
+    if any(key.startswith("hydra.launcher.") for key in keys):
+        commands = [(*c, "hydra/launcher=ftjob") for c in commands]
+    context = [o for key in keys for o in CONTEXT.get(key, ()) if override_key(o) not in keys]
+    return [(*context, *c) for c in commands]
+
+
+def with_an_option(args: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """``args``, and where a key belongs to options of its group other than the default
+    (`dataset.bad_files` is imagefolder's and parquet's), ``args`` with each such option."""
+    chosen = {override_key(a) for a in args}
+    groups = [k.split(".")[0] for k in chosen if "." in k and k.split(".")[0] in group_names()]
+    group = next((g for g in groups if g not in chosen), None)
+    if group is None:
+        return [args]
+    try:
+        options = Composer().group_options(group)
+    finally:
+        GlobalHydra.instance().clear()
+    return [args] + [(f"{group}={option}", *args) for option in options]
+
+
+DOCUMENTED_KEYS = documented_keys()
+
+
+def test_the_docs_prose_sets_keys() -> None:
+    """The reader finds what the prose holds (one that found nothing would pass anything)."""
+    spans = {k.where.split("`")[1] for k in DOCUMENTED_KEYS}
+    assert {
+        "trainer.exact=true",
+        "resume=auto",
+        "logger=csv|tensorboard|mlflow|wandb|many",
+    } <= spans
+    assert not any(k.where.split("`")[1].startswith("torch.") for k in DOCUMENTED_KEYS)
+
+
+def test_every_key_the_docs_set_is_written_in_full() -> None:
+    """A key set (`straggler.action=restart`) or named (`hang.timeout`) without its group is
+    one a user cannot type as written."""
+    wrong = [f"{k.where}: {key} is {full}" for k in DOCUMENTED_KEYS for key, full in k.misplaced]
+    roots = set(group_names()) | set(selected(None, ()).keys()) | {"hydra"}
+    for where, key in inline_spans(re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")):
+        if key.split(".")[0] not in roots and key in config_paths():
+            wrong.append(f"{where} `{key}`: {key} is {' or '.join(config_paths()[key])}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("keys", DOCUMENTED_KEYS, ids=lambda k: k.where)
+def test_every_key_the_docs_set_composes(keys: DocumentedKeys, monkeypatch) -> None:
+    """Composed and validated as `python -m ftjob` would take the span's words; a rule about
+    a key the span does not set (`resume=true` needs a `name=`) is the sentence's context,
+    not the span's error."""
+    if keys.misplaced:
+        pytest.skip("misplaced: reported by test_every_key_the_docs_set_is_written_in_full")
+    for args in spelled_out(keys.words):
+        errors: list[Exception] = []
+        for candidate in with_an_option(args):
+            try:
+                check(Command(keys.where, candidate), monkeypatch)
+                break
+            except ConfigError as refused:
+                if all(override_key(w) != refused.key for w in keys.words):
+                    break  # a key the sentence leaves to its reader (dataset.path)
+                errors.append(refused)
+            except (HydraException, OmegaConfBaseException) as refused:
+                errors.append(refused)
+        else:
+            raise errors[0]
