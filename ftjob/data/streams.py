@@ -405,17 +405,16 @@ class DeviceStream(InProcessStream):
     clock: DataClock
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock = self.clock or DataClock()
-        self._side: Any = None
-
-    def _stream(self) -> Any:
-        """The side stream batches are made on (a CUDA device; None on the CPU)."""
         import torch
 
+        super().__init__(*args, **kwargs)
+        self.clock = self.clock or DataClock()
+        # The side stream batches are made on (a CUDA device; None on the CPU), made here:
+        # the feeder and the next epoch's starting thread both make batches on it.
         device = torch.device(self.device)
-        if device.type == "cuda" and self._side is None:
-            self._side = torch.cuda.Stream(device)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _stream(self) -> Any:
         return self._side
 
     def _decoder(self, epoch: int) -> Any:
