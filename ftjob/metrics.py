@@ -26,7 +26,10 @@ CHECKPOINT_DOWNLOAD = "checkpoint/download"
 CHECKPOINT_LOAD = "checkpoint/load"
 CHECKPOINT_RESTORATION_TIME = "checkpoint/restoration_time"
 CHECKPOINT_RETRY_WAIT = "checkpoint/retry_wait_s"
-CHECKPOINT_MEMORY_SNAPSHOT_TIME = "checkpoint/memory_snapshot_time"  # training stalled copying
+# What the training thread lost to memory snapshots: its part in taking them and its wait before
+# the optimizer's step (the device's included), and that wait alone.
+CHECKPOINT_MEMORY_SNAPSHOT_TIME = "checkpoint/memory_snapshot_time"
+CHECKPOINT_MEMORY_SNAPSHOT_WAIT = "checkpoint/memory_snapshot_wait"
 # Where the input's time went (seconds, rank 0; threads and streams beside the step's): encoded
 # bytes read and their headers, pinned and copied to the device, decoded, cropped and resized.
 DATA_READ = "data/read"
@@ -97,6 +100,7 @@ METRIC_KEYS: tuple[str, ...] = (
     CHECKPOINT_RETRY_WAIT,
     CHECKPOINT_MEMORY_SNAPSHOTS,
     CHECKPOINT_MEMORY_SNAPSHOT_TIME,
+    CHECKPOINT_MEMORY_SNAPSHOT_WAIT,
     CHECKPOINT_MEMORY_RESTORES,
     CHAOS_KILLS,
     FAILURES_COUNT,

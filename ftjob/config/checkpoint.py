@@ -102,8 +102,8 @@ class MemoryConfig:
     with the cluster kept): the next driver of the run restores from it within this time;
     after it the holder releases its memory. A run that ends releases its holders at once."""
     max_overhead: float = 0.02
-    """With ``every_n_steps=auto``: the fraction of step time snapshots may cost (the copy on
-    the training thread, and the background thread's CPU)."""
+    """With ``every_n_steps=auto``: the fraction of step time snapshots may cost (what they take
+    from the training thread; on a CPU worker their background thread's CPU too)."""
 
     def __post_init__(self) -> None:
         every = self.every_n_steps

@@ -71,9 +71,10 @@ class SnapshotCadence:
     """When the memory tier's next snapshot is due (``checkpoint.memory.every_n_steps``): every
     ``every`` steps, or with ``every="auto"`` at :func:`snapshot_interval` for the cost measured
     so far -- a probe snapshot ``probe_steps`` into the attempt measures the first cost (by then
-    a step's time is known), every snapshot refreshes it (the mean of the last 20). A snapshot's
-    cost is known only when its background work ends (:meth:`measured`); until then none is
-    due. One rank takes snapshots, so nothing is agreed between ranks."""
+    a step's time is known; a probe that also set up the tier's memory is taken again,
+    :meth:`again`), every snapshot refreshes it (the mean of the last 20). A snapshot's cost is
+    known only when its background work ends (:meth:`measured`); until then none is due. One
+    rank takes snapshots, so nothing is agreed between ranks."""
 
     def __init__(self, every: int | str, max_overhead: float, probe_steps: int = 5) -> None:
         self.auto = every == "auto"
@@ -98,10 +99,17 @@ class SnapshotCadence:
         if self.auto:
             self.next_step = math.inf
 
+    def again(self) -> None:
+        """The last snapshot's cost says nothing of the next ones' (it opened the holder's
+        memory and page-locked it: once an attempt): with ``auto`` the next step probes
+        again, and that cost is kept."""
+        if self.auto:
+            self.next_step = self.last_taken + 1
+
     def measured(self, cost_s: float, step_s: float) -> bool:
-        """The last snapshot cost ``cost_s`` (the copy on the training thread and the CPU of
-        its background work); a step takes ``step_s``. Plans the next one; True when this is
-        the first interval chosen (said once)."""
+        """The last snapshot cost ``cost_s`` (what it took from the training thread, and on
+        the CPU its background work's CPU); a step takes ``step_s``. Plans the next one; True
+        when this is the first interval chosen (said once)."""
         if not self.auto:
             return False
         self.costs.append(cost_s)

@@ -340,7 +340,7 @@ class Checkpointer:
                 self.save(state, module, optimizer)
         elif self.memory is not None and self.memory.due(state.step):
             tensors = snapshot_tensors(module, optimizer)
-            self.memory.take(state.step, tensors, lambda: self._records(state))
+            self.memory.take(state.step, tensors, self._records(state))
 
     def save(self, state: TrainState, module: Any, optimizer: Any) -> None:
         """Save and upload (rank 0), agree on the outcome, report (every rank)."""
@@ -368,15 +368,15 @@ class Checkpointer:
                 local_dir = write_local_checkpoint(
                     os.path.join(self.local_root, f"out_{state.step:09d}"),
                     {MODEL_FILE: module.state_dict(), OPTIMIZER_FILE: optimizer.state_dict()},
-                    self._records(state),
+                    self._records(state)(),
                 )
         except OSError as exc:
             return self._record(UploadOutcome(state.step, None, f"OSError: {exc}", 0.0))
         self.write_seconds = time.perf_counter() - start
         return local_dir
 
-    def _records(self, state: TrainState) -> dict[str, Any]:
-        """A checkpoint's JSON files: the training state as of now, and the run's config."""
+    def _records(self, state: TrainState) -> Callable[[], dict[str, Any]]:
+        """A checkpoint's JSON files, made when called: the training state as now, the config."""
         record = replace(
             state,
             global_batch_size=self.global_batch,
@@ -385,7 +385,7 @@ class Checkpointer:
             data=self.data,  # what resume=true checks the train data against
             time=time.time(),
         )
-        return {STATE_FILE: record.to_json(), CONFIG_FILE: self.job_config}
+        return lambda: {STATE_FILE: record.to_json(), CONFIG_FILE: self.job_config}
 
     def _upload(self, local_dir: str, step: int) -> UploadOutcome:
         """Upload and record the outcome at once (any thread), so a worker dying right after

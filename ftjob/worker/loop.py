@@ -137,6 +137,7 @@ class Worker:
     losses: LossWindow  # the training loss since the last progress line
     beat: Heartbeat
     checkpointer: Checkpointer
+    memory: MemoryTier  # checkpoint.memory: snapshots (the checkpointer's), settled at each step
     notices: PreemptionNotices | None  # preemptions, and planned elastic resizes
     model: Any  # as prepared for data parallelism (DDP; the bare model in exact mode)
     backward: Backward  # the step's gradients: DDP's, or exact mode's (trainer.exact)
@@ -170,9 +171,7 @@ class Worker:
         self.notices = self.restored = self.val_set = self.feeder = None
         self.first_step_done = False
         self._wait_start = time.perf_counter()
-        self.beat = None  # type: ignore[assignment]
-        self.checkpointer = None  # type: ignore[assignment]
-        self.validator = None  # type: ignore[assignment]
+        self.beat = self.checkpointer = self.validator = None  # type: ignore[assignment]
 
     # -- the attempt, top to bottom --------------------------------------------------------
 
@@ -220,7 +219,7 @@ class Worker:
     def _checkpointer(self) -> Checkpointer:
         """This rank's checkpointer: its cadence, its storage and scratch, the memory tier."""
         job, spec = self.job, self.spec
-        tier = MemoryTier(
+        self.memory = MemoryTier(
             holders_for(spec.memory, self.ctx, spec.fence.generation),  # writes carry it
             job.checkpoint.memory,
             self.rank,
@@ -244,7 +243,7 @@ class Worker:
             data=spec.data,
             schedule=CheckpointSchedule(every, job.failure.expected_mtbf_s),
             fence=spec.fence,
-            memory=tier,  # checkpoint.memory
+            memory=self.memory,  # checkpoint.memory
         )
 
     def _build(self) -> None:
@@ -378,6 +377,7 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         # chaos=slow sleeps between forward and backward: local time, not the others' wait
         loss = self.backward(self.state.step, self.model, batch, self._loss, self.beat.straggle)
+        self.memory.settle()  # a snapshot still copying what the optimizer changes ends first
         self.optimizer.step()
         return loss
 

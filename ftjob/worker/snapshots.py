@@ -2,15 +2,18 @@
 taking snapshots of the training state and restoring one.
 
 Taking: every ``every_n_steps`` steps (``auto``: the interval :class:`SnapshotCadence` picks
-for the measured cost) rank 0 copies the model's and optimizer's tensors (the
-only part on the training thread: a memory copy, so the next step can change the weights) and
-hands the copy to a background thread, which packs it
+for the measured cost) each node's writer (rank 0 on its node) begins a snapshot of the model's
+and optimizer's state; the training thread takes only what the next forward pass would change
+(the module's buffers: small), and a background thread copies the rest while the next step
+trains -- that step waits before its ``optimizer.step()`` until the copy no longer reads what
+the optimizer changes (:mod:`ftjob.worker.snapshot_copy`: on a GPU a side stream into the
+page-locked ring, the training stream ordered after it). The same thread then checks, packs
 (:func:`~ftjob.storage.memory.format.pack`: each tensor's bytes as an array, the rest as small
-files), digests it and gives it to the run's holder. On the holder's machine the copy is made
-straight into a slot of the holder's ring (shared memory; the thread commits the slot, nothing
-is sent); elsewhere the thread sends it through Ray. One snapshot is in flight at a time; a due
-snapshot while one is still being sent is skipped (training never waits for the tier). The
-state is the same on every rank (DDP), so rank 0's copy serves all of them.
+files), digests and commits it (:mod:`ftjob.worker.snapshot_writer`): on the holder's machine
+the copy lies in a slot of the holder's ring (shared memory; nothing is sent), elsewhere it is
+sent through Ray. One snapshot is in flight at a time; a due snapshot while one is still being
+written is skipped (training never waits for the tier). The state is the same on every rank
+(DDP), so rank 0's copy serves all of them.
 
 Restoring: rank 0 offers the newest held snapshot that is newer than every committed durable
 checkpoint and verifies; every rank loads it. A snapshot that fails verification is dropped
@@ -26,11 +29,11 @@ run lease's own fence, which stops it. A live run's workers are never refused.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ftjob import metrics as M
@@ -38,21 +41,20 @@ from ftjob.config import MemoryConfig
 from ftjob.policy.cadence import SnapshotCadence
 from ftjob.record import Holder
 from ftjob.storage.checkpoint import RestoreChoice
-from ftjob.storage.memory.format import Buffer, Flat, Snapshot, digest_all, pack, state_bytes
-from ftjob.storage.memory.ring import Arena, Ring, machine
+from ftjob.storage.memory.format import Buffer, Snapshot
+from ftjob.storage.memory.ring import Ring
 from ftjob.worker.nearest_copy import NearestCopy, holder_errors
-from ftjob.worker.node_holders import (
-    BUFFERS_SUFFIX,
-    PER_RANK_SUFFIX,
-    bind_holders,
-    merge_per_rank,
-    split_buffers,
-    split_per_rank,
-)
+from ftjob.worker.node_holders import bind_holders, merge_per_rank
+from ftjob.worker.snapshot_copy import SnapshotCopy
+from ftjob.worker.snapshot_writer import Deposed, NoSlot, SnapshotWriter, TierOff
 
 logger = logging.getLogger(__name__)
 
 MEMORY_PREFIX = "memory:"
+# A CPU worker's copy runs beside the next step as a GPU worker's does: measured no slower than
+# the copy on the training thread on 2 cores, loaded (benchmarks/RESULTS.md, 2026-12-07). False
+# waits for it in take().
+OVERLAP_CPU = True
 
 
 class MemoryTier:
@@ -68,24 +70,28 @@ class MemoryTier:
         fetch: Callable[[Any], Any],
         log: Callable[[str], None],
     ) -> None:
-        self.holder, self.cap_mb, self.keep = holder, config.max_mb, config.keep
+        self.holder = holder
         self.fenced: str | None = None  # why a holder refused this worker's writes
         self.cadence = SnapshotCadence(config.every_n_steps, config.max_overhead)
-        self._copy_s = 0.0  # the last snapshot's time on the training thread
+        self.copier = SnapshotCopy()
+        self.overlap_cpu = OVERLAP_CPU
+        self._copy_s = 0.0  # the last snapshot's time in take()
+        self._wait_s = 0.0  # and at settle(), the device's wait included
+        self._on_gpu = False  # its state lies on a GPU
         self._background_s: float | None = None  # its thread's CPU, until the cadence has it
-        self.ring: Ring | bool | None = None  # None: not asked yet; False: snapshots are sent
-        self._rings: dict[str, Ring | None] = {}  # a reader's mappings, by address
         self.rank, self.metrics, self.fetch, self.log = rank, metrics, fetch, log
         self.place = bind_holders(holder, rank)  # this node's holder and its peers'
         self.generation = self.place.generation  # what every write to a holder carries
         self.holder = self.place.local()
         self.enabled = self.holder is not None
-        self.reader = NearestCopy(self.place, self.holder, rank, fetch, log, self._attach)
-        self._peers: list[tuple[str, Any]] = []  # rank 0: the holders its own part goes to
-        self._peers_at = -math.inf
-        # One thread sends (or commits) the snapshots, one at a time; `_idle` while none is
-        # in flight.
-        self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
+        holders = lambda: self.reader.holders()  # noqa: E731 -- the reader is made next
+        self.writer = SnapshotWriter(
+            self.holder, self.generation, rank, config, self.copier, metrics, fetch, log, holders
+        )
+        self.reader = NearestCopy(self.place, self.holder, rank, fetch, log, self.writer.attach)
+        # One thread copies and commits (or sends) the snapshots, one at a time -- `_idle` while
+        # none is in flight --, and rank 0's parts of the steps it skipped after it.
+        self._work: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
@@ -102,174 +108,104 @@ class MemoryTier:
         return self.cadence.due(step)
 
     def _plan(self) -> None:
-        """The cadence learns the last snapshot's cost once its background work has ended:
-        the copy on the training thread plus that work's CPU, which on a machine whose cores
-        the step holds (CPU training) is what it takes from training (an upper bound
-        elsewhere). With ``every_n_steps=auto`` the first interval chosen is said."""
-        if self._background_s is None or not self._idle.is_set():
+        """The cadence learns the last snapshot's cost once it is known: what it took from the
+        training thread (its part of :meth:`take` and the wait at :meth:`settle`, the device's
+        included) and, on the CPU, its background work's CPU, which takes cores from the step
+        there (on a GPU worker the step runs on the device). With ``every_n_steps=auto`` the
+        first interval chosen is said."""
+        stalled = self.copier.stalled()
+        if stalled:
+            self._lost(stalled)
+        if self._background_s is None or not self._idle.is_set() or self.copier.measuring:
             return
-        cost, self._background_s = self._copy_s + self._background_s, None
-        if self.cadence.measured(cost, self.metrics.seconds_per_step()):
+        cost = self._copy_s + self._wait_s + (0.0 if self._on_gpu else self._background_s)
+        self._background_s, self._wait_s = None, 0.0
+        if self.writer.opened:  # set-up, once an attempt: not what a snapshot costs
+            self.cadence.again()
+        elif self.cadence.measured(cost, self.metrics.seconds_per_step()):
             self.log(self.cadence.describe())
 
     def take(
         self, step: int, tensors: dict[str, Any], records: Callable[[], dict[str, Any]]
     ) -> None:
-        """Rank 0, after ``step``: copy the state (the stall) and send it in the background.
-        ``tensors``: file name -> state dict (model, optimizer); ``records``: the JSON files
-        of the snapshot (state.json, config.json), built now. On the holder's machine the
-        copy goes straight into a slot of the holder's ring, and nothing is sent."""
+        """The writer, after ``step``: the snapshot of ``step`` begins. On this thread only
+        the module's buffers are taken (the next forward pass changes them); the weights and
+        the optimizer's state are copied on the background thread while the next step trains,
+        and that step waits at :meth:`settle`, before its optimizer changes them
+        (:mod:`ftjob.worker.snapshot_copy`). ``tensors``: file name -> state dict (model,
+        optimizer); ``records``: the snapshot's JSON files (state.json, config.json), called
+        on the background thread -- it must read only what it took when it was made. On the
+        holder's machine the copy goes straight into a slot of the holder's ring, and nothing
+        is sent."""
         start = time.perf_counter()
-        tensors = split_buffers(tensors)  # the module's buffers: this rank's own, apart
-        files_records = split_per_rank(records(), self.rank)  # this rank's own, apart
-        self._share(step, tensors, files_records)
         if not self._idle.is_set():
             self.skipped += 1  # the previous one is still being sent: training goes on
+            if self.writer.peers:  # rank 0's part still reaches them: they may take this step
+                self._submit(("part", step, self.copier.begin(tensors, part=True), records))
             return
-        size = state_bytes(tensors)
-        if size / 2**20 > self.cap_mb:
-            self._turn_off(
-                f"the training state ({size / 2**20:.0f} MB) does not fit in "
-                f"checkpoint.memory.max_mb={self.cap_mb:g}"
-            )
-            return
-        if self.ring is None:
-            self.ring = self._open_ring(size)
-        slot, arena = None, None
-        if self.ring:
-            try:
-                slot, payload = self.ring.claim(self.generation)
-            except Ring.Fenced as exc:
-                self._deposed(str(exc))
-                return
-            except Ring.Busy as exc:
-                return self._no_slot(step, str(exc))
-            arena = Arena(payload)
-        try:
-            copied = {
-                name: Flat.copy_of(state, arena.tensor if arena else None)
-                for name, state in tensors.items()
-            }
-        except Arena.Full:
-            self._outgrew_ring(slot)
-            slot = arena = None
-            copied = {name: Flat.copy_of(state) for name, state in tensors.items()}
-        self._copy_s = time.perf_counter() - start
-        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, self._copy_s)
+        staged = self.copier.begin(tensors)
+        self._on_gpu = staged.device is not None
         self.cadence.taken(step)
         self._idle.clear()
+        self._submit(("snapshot", step, staged, records))
+        if not (self._on_gpu or self.overlap_cpu):  # the copy waited for here (OVERLAP_CPU)
+            self.copier.settle()
+        self._copy_s = time.perf_counter() - start
+        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, self._copy_s)
+
+    def settle(self) -> None:
+        """The training thread, before ``optimizer.step()``: the snapshot begun last no longer
+        reads what the step changes (:meth:`SnapshotCopy.settle`). The wait is the snapshot's
+        (``checkpoint/memory_snapshot_time`` and ``_wait``), so it leaves the step's own time
+        (``train/step``, whose timer holds it): goodput counts it once, and step time stays
+        the step's own for the cadences."""
+        waited = self.copier.settle()
+        if waited:
+            self._lost(waited)
+            self.metrics.add(M.TRAIN_STEP, -waited)
+
+    def _lost(self, seconds: float) -> None:
+        self._wait_s += seconds
+        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_WAIT, seconds)
+        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, seconds)
+
+    def _submit(self, work: tuple[Any, ...]) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="ftjob-snapshot", daemon=True)
             self._thread.start()
-        self._work.put((step, copied, files_records, slot, arena))
+        self._work.put(work)
 
     def _serve(self) -> None:
         while (work := self._work.get()) is not None:
+            kind, step, staged, records = work
             cpu = time.thread_time()
             try:
-                self._send(*work)
+                with _on(staged.device):
+                    if kind == "snapshot":
+                        self.writer.write(step, staged, records)
+                        self.busy = None
+                    elif self.enabled:
+                        self.writer.part(step, staged, records)
+            except NoSlot as exc:
+                self._no_slot(step, str(exc))
+            except TierOff as exc:
+                self._turn_off(str(exc))
+            except Deposed as exc:
+                self._deposed(str(exc))
             except Exception as exc:  # the thread's boundary: it must live on to serve `close`
                 logger.exception("memory tier: a snapshot failed")  # the bug, in the worker log
                 self._turn_off(f"a snapshot failed ({type(exc).__name__}: {exc})")
             finally:
-                self._background_s = time.thread_time() - cpu
-                self._idle.set()
+                if kind == "snapshot":
+                    self.copier.release()  # copied or dropped: the step never waits for it
+                    self._background_s = time.thread_time() - cpu
+                    self._idle.set()
 
-    def _open_ring(self, state_size: int) -> Ring | bool:
-        """The holder's ring when this rank can write into it, else False (snapshots are sent):
-        slots with room for the state and its skeletons, ``keep + 1`` of them."""
-        slot_bytes = state_size + state_size // 8 + 2**20
-        try:
-            address = self.fetch(self.holder.channel.remote(slot_bytes, machine(), self.generation))
-        except holder_errors():
-            return False
-        ring = self._attach(address) if address else None
-        locked = ring is not None and (ring.locked is not None or ring.page_lock())
-        self.log(
-            "memory tier: snapshots go into the holder's shared memory (this machine"
-            + (", page-locked for the GPU's copies)" if locked else ")")
-            if ring is not None
-            else "memory tier: snapshots are sent to the holder through Ray"
-        )
-        return ring or False
-
-    def _outgrew_ring(self, slot: int) -> None:
-        """The state outgrew the ring's slots: this snapshot and the rest are sent."""
-        self.ring.release(slot)
-        self.ring = False
-        self.log("memory tier: the state outgrew the holder's shared memory; sent through Ray")
-
-    def _attach(self, address: dict[str, Any]) -> Ring | None:
-        """This process's mapping of the holder's ring (one per ring), or None: it cannot
-        map it (another machine)."""
-        key = address["path"] + address["token"]
-        if key not in self._rings:
-            self._rings[key] = Ring.attach(address)
-        return self._rings[key]
-
-    def _send(
-        self,
-        step: int,
-        states: dict[str, Flat],
-        records: dict[str, Any],
-        slot: int | None,
-        arena: Arena | None,
-    ) -> None:
-        if not all(flat.all_finite() for flat in states.values()):
-            if slot is not None:
-                self.ring.release(slot)
-            return  # diverged weights are never held (nor restored)
-        files = pack(states, records)
-        if slot is not None:
-            try:
-                layout = arena.place(files)
-            except Arena.Full:  # sent instead (its arrays still lie in the slot: not reused)
-                self._outgrew_ring(slot)
-            else:
-                try:
-                    self.ring.commit(slot, step, layout, digest_all(files), self.generation)
-                except Ring.Fenced as exc:
-                    self._deposed(str(exc))
-                    return
-                except Ring.Busy as exc:  # the claim is no longer this writer's
-                    return self._no_slot(step, str(exc))
-                self.busy = None
-                self.ring.keep_newest(self.keep, self.generation)
-                self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
-                return
-        snapshot = Snapshot.of(step, files)
-        del states  # its arrays are views of the copy: the copy stays until the holder has it
-        try:
-            answer = self.fetch(self.holder.put.remote(snapshot, self.generation))
-        except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
-            self._turn_off(f"the snapshot holder did not answer ({type(exc).__name__}: {exc})")
-            return
-        if answer.fenced:
-            self._deposed(answer.reason)
-            return
-        if not answer.kept:
-            self._turn_off(answer.reason)
-            return
-        self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOTS, 1)
-
-    def _share(self, step: int, tensors: dict[str, Any], records: dict[str, Any]) -> None:
-        """Rank 0, at every due step (taken or skipped): its own part of the state -- the
-        module's buffers, its records: small -- to every peer holder, not waited for; there it
-        completes that node's copy of the step (:mod:`ftjob.worker.node_holders`)."""
-        if self.rank != 0 or not self.enabled:
-            return
-        if time.monotonic() - self._peers_at > 10.0:  # listing them asks Ray's GCS
-            self._peers, self._peers_at = self.reader.holders()[1:], time.monotonic()
-        if not self._peers:
-            return
-        states = {n: Flat.copy_of(s) for n, s in tensors.items() if BUFFERS_SUFFIX in n}
-        own = {n: r for n, r in records.items() if n.endswith(PER_RANK_SUFFIX)}
-        part = Snapshot.of(step, pack(states, own))
-        for _, peer in self._peers:
-            try:
-                peer.put_part.remote(part, self.generation)
-            except holder_errors():
-                continue  # a peer gone with its node
+    @property
+    def ring(self) -> Ring | bool | None:
+        """The holder's ring this writer writes into (None: not asked yet; False: snapshots
+        are sent)."""
+        return self.writer.ring
 
     def _no_slot(self, step: int, why: str) -> None:
         """No ring slot for this snapshot: skipped, said once until a snapshot gets one."""
@@ -301,10 +237,7 @@ class MemoryTier:
         holder (up to ``timeout`` seconds); then the sending thread ends."""
         self.wait(timeout)
         if self._thread is not None:
-            try:
-                self._work.put(None, timeout=5.0)
-            except queue.Full:  # the thread is stuck in a call to a holder that is gone
-                pass
+            self._work.put(None)  # a thread stuck in a call to a holder that is gone never reads it
             self._thread = None
 
     def restored(self, step: int) -> None:
@@ -355,6 +288,16 @@ class MemoryTier:
 
     def get(self, step: int) -> Snapshot | None:
         return self.reader.get(step)
+
+
+def _on(device: Any) -> AbstractContextManager[Any]:
+    """The background thread's work for a state on ``device`` (a GPU: its CUDA calls go to
+    that device, as the training thread's do), else nothing."""
+    if device is None:
+        return nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
 
 
 __all__ = ["MEMORY_PREFIX", "MemoryTier", "holder_errors"]

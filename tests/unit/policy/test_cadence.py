@@ -62,3 +62,20 @@ def test_auto_probes_then_follows_the_measured_costs() -> None:
         cadence.taken(step)
         cadence.measured(0.002, 0.100)
     assert cadence.interval_steps == 1  # the last 20, all 2 ms: every step
+
+
+def test_a_probe_that_set_up_the_tier_is_taken_again_and_its_cost_is_not_kept() -> None:
+    # The first snapshot of an attempt opens the holder's memory (and page-locks it on a GPU):
+    # hundreds of milliseconds, once. Weighed as a snapshot's cost, it would space the next
+    # ones by thousands of steps.
+    cadence = SnapshotCadence("auto", max_overhead=0.02, probe_steps=5)
+    assert [s for s in range(1, 8) if cadence.due(s)][:1] == [5]
+    cadence.taken(5)
+    cadence.again()
+    assert cadence.due(6) and cadence.costs == [] and cadence.interval_steps is None
+    cadence.taken(6)
+    assert cadence.measured(0.001, 0.100) is True and cadence.interval_steps == 1
+    fixed = SnapshotCadence(3, max_overhead=0.02)
+    fixed.taken(3)
+    fixed.again()  # a fixed interval is kept
+    assert [s for s in range(4, 10) if fixed.due(s)] == [6, 9]

@@ -412,10 +412,10 @@ def test_a_state_bigger_than_the_cap_turns_the_tier_off_with_one_line(
     tmp_path: Path, channel: str
 ) -> None:
     holder, checkpointer, ledger = tiered(tmp_path, channel)
-    checkpointer.memory.cap_mb = 1e-4  # 100 bytes: the Linear(4, 3) and AdamW's state exceed it
+    checkpointer.memory.writer.cap_mb = 1e-4  # 100 bytes: the Linear(4, 3) and AdamW's exceed it
     model, optimizer = model_and_optimizer(0)
     for step in (1, 2):
-        checkpointer.maybe_save(TrainState(step=step), model, optimizer, False)
+        step_done(checkpointer, TrainState(step=step), model, optimizer)
     assert holder.steps() == [] and not checkpointer.memory.enabled
     said = [args[0] for name, args in ledger.calls if name == "log"]
     assert len([line for line in said if line.startswith("memory tier off")]) == 1
@@ -476,3 +476,27 @@ def test_a_state_that_outgrows_the_ring_is_sent_with_a_line(tmp_path: Path) -> N
         said.count("memory tier: the state outgrew the holder's shared memory; sent through Ray")
         == 1
     )
+
+
+def test_an_optimizer_that_keeps_no_state_is_snapshotted_and_restored(
+    tmp_path: Path, channel: str
+) -> None:
+    # SGD without momentum (torch's default) keeps no tensor: each snapshot used to fail, and
+    # the attempt with it.
+    holder, checkpointer, ledger = tiered(tmp_path, channel)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        model(torch.ones(2, 4)).sum().backward()
+        checkpointer.memory.settle()
+        optimizer.step()
+        step_done(checkpointer, TrainState(step=step, position=32 * step), model, optimizer)
+    assert holder.steps() == [2, 1] and checkpointer.memory.enabled
+    fresh = torch.nn.Linear(4, 3)
+    restored = checkpointer.restore(
+        fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), torch.device("cpu")
+    )
+    assert restored is not None and restored.tier == "memory" and restored.state.step == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(model), strict=True))
+    assert not [args for name, args in ledger.calls if name == "log" and "off" in args[0]]
