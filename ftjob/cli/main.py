@@ -4,11 +4,14 @@ Before Hydra runs a job, :func:`precheck` composes the same config through Hydra
 and validates it, so an unknown key, a wrong type or an invalid value stops the command in
 seconds with one line naming the key and the rule (for a sweep, every swept value is checked
 before the first job starts). Then Hydra takes over as usual: run dir, ``.hydra/``, sweeps.
+``--cfg job|hydra|all`` is checked the same way and printed by ftjob, without secrets
+(:mod:`ftjob.cli.show_config`); ``--version`` is ftjob's.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import re
 import sys
 from collections.abc import Callable
@@ -20,6 +23,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+import ftjob
+from ftjob.cli.show_config import KINDS, config_text
 from ftjob.config import ConfigError, load_job, register_schema
 from ftjob.config.compose import (
     PRIMARY_CONFIG,
@@ -125,6 +130,8 @@ def _explain(
         rule = f"unknown key ({detail}); check the spelling, or see the keys with --cfg job"
     else:
         rule = detail
+    if key not in given:  # a key under an unknown one (trainr.epochs=3): what was typed
+        key = next((k for k in given if k.startswith(f"{key}.")), key)
     return ConfigError(key, given[key] if key in given else getattr(cause, "value", None), rule)
 
 
@@ -205,32 +212,36 @@ def spell_argv(argv: list[str]) -> list[str]:
     return [spelled.get(arg, arg) for arg in argv]
 
 
-def precheck(argv: list[str]) -> None:
+def shown_config(flags: dict[str, Any]) -> str | None:
+    """What ``--cfg`` prints (``job``, ``hydra`` or ``all``) when that is the command; None
+    with another command flag (``-m``, ``--help``, ``--info``: Hydra answers, as it does a
+    kind it does not know)."""
+    kind = flags.get("--cfg", flags.get("-c"))
+    others = set(flags) & (_NO_RUN_FLAGS | {"-m", "--multirun"})
+    return kind if kind in KINDS and not others - {"--cfg", "-c", "--resolve"} else None
+
+
+def precheck(argv: list[str]) -> DictConfig | None:
     """Raise ConfigError (one line) if the command's config, or any value it sweeps -- on the
-    command line or in a ``+sweep=`` preset's ``hydra.sweeper.params`` -- is invalid."""
+    command line or in a ``+sweep=`` preset's ``hydra.sweeper.params`` -- is invalid. Returns
+    the config composed with Hydra's node (a sweep's first combination; for ``--cfg``, the
+    overrides as given); None where Hydra composes nothing to run (``--help``, ``--info``) or
+    the config comes from ``--config-path``."""
     flags, overrides = split_args(argv)
-    if any(flag in _NO_RUN_FLAGS for flag in flags) or "--config-path" in flags or "-cp" in flags:
-        return
+    showing = shown_config(flags) is not None
+    if "--config-path" in flags or "-cp" in flags:
+        return None
+    if not showing and any(flag in _NO_RUN_FLAGS for flag in flags):
+        return None
     composer, target = _command_target(flags)
+    if showing:
+        return _checked(composer, target, overrides, hydra=True)
     try:
         given = sweep_values(None, overrides)
     except HydraException as exc:  # an argument that is no override (``imagenet_ft``, ``k=[1``)
         raise _unparsable(exc, overrides, lambda g: composer.group_options(g, target)) from None
     first = [values[0] for values in given.values.values()] + list(given.unlisted.values())
-
-    def check(combo: list[str], hydra: bool = False) -> DictConfig:
-        try:
-            cfg = composer.compose(target, combo, hydra=hydra)
-        except (HydraException, OmegaConfBaseException) as exc:
-            raise _explain(exc, combo, lambda g: composer.group_options(g, target)) from None
-        job = cfg.copy()
-        if hydra:
-            with open_dict(job):
-                del job["hydra"]
-        load_job(job)
-        return cfg
-
-    cfg = check(first, hydra=True)
+    cfg = _checked(composer, target, first, hydra=True)
     multirun = "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN
     check_output_dir(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
     if multirun:
@@ -239,7 +250,24 @@ def precheck(argv: list[str]) -> None:
         swept = sweep_values(params, overrides)  # type: ignore[arg-type]
         for key, values in swept.values.items():
             for value in values[1:]:  # the first value is in the combination checked above
-                check([o for o in first if override_key(o) != key] + [value])
+                _checked(composer, target, [o for o in first if override_key(o) != key] + [value])
+    return cfg
+
+
+def _checked(
+    composer: Composer, target: Target, overrides: list[str], hydra: bool = False
+) -> DictConfig:
+    """``overrides`` composed and the job validated (ConfigError: one line)."""
+    try:
+        cfg = composer.compose(target, overrides, hydra=hydra)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise _explain(exc, overrides, lambda g: composer.group_options(g, target)) from None
+    job = cfg.copy()
+    if hydra:
+        with open_dict(job):
+            del job["hydra"]
+    load_job(job)
+    return cfg
 
 
 def check_output_dir(cfg: DictConfig, key: str) -> None:
@@ -273,8 +301,26 @@ def cannot_make_dir(path: str) -> str | None:
     return None
 
 
+def version_line() -> str:
+    """``ftjob --version``: ftjob's version, and those of what it runs on (read from their
+    installed metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"Python {platform.python_version()}"]
+    for dist, label in (("hydra-core", "Hydra"), ("ray", "Ray"), ("torch", "torch")):
+        try:
+            parts.append(f"{label} {version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{label} not installed")
+    return f"ftjob {ftjob.__version__} ({', '.join(parts)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    flags = split_args(argv)[0]
+    if "--version" in flags:  # Hydra's own flag prints Hydra's version
+        print(version_line())
+        return 0
     register_schema()
     expose_hydra_plugins()  # before Hydra's plugin scan: hydra/launcher=ftjob
     # The command line's secrets, before any config is composed: out of the config-error line
@@ -283,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     guard_logging(redactor)
     try:
         argv = spell_argv(argv)
-        precheck(argv)
+        cfg = precheck(argv)
+        kind = shown_config(flags)
+        if kind is not None and cfg is not None:  # --cfg: printed by ftjob, without secrets
+            package = flags.get("--package") or flags.get("-p")
+            text, code = config_text(cfg, kind, package, "--resolve" in flags, redactor)
+            sys.stdout.write(text)
+            return code
     except ConfigError as exc:
         print(f"ftjob: config error: {redactor.text(str(exc))}", file=sys.stderr)
         return 2

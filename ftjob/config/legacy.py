@@ -1,5 +1,6 @@
 """Keys spelled the way earlier versions did: they still work, moved to where they live now,
-with one line on stderr that names the new key."""
+with one line on stderr that names the new key, and stay out of the config a user reads
+(``--cfg job``)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,21 @@ def move_renamed_failure_keys(failure: Any) -> None:
         say_deprecated(f"{failure._group}.{old}", f"{failure._group}.{new}")
     for section in moved_to:
         getattr(failure, section).__post_init__()
+
+
+def without_renamed_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """A plain job config (``--cfg job``'s) as a user reads it: the old spellings hold null in
+    the schema -- so that an override or a config file may still give them -- and would list
+    a dozen keys no one set; each one given is shown at its new home, the rest left out."""
+    failure = config.get("failure")
+    if not isinstance(failure, dict):
+        return config
+    failure = dict(failure)
+    for old, new in RENAMED_FAILURE_KEYS.items():
+        value = failure.pop(old, None)
+        if value is None:
+            continue
+        section, key = new.split(".")
+        if isinstance(failure.get(section), dict):
+            failure[section] = {**failure[section], key: value}
+    return {**config, "failure": failure}

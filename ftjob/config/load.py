@@ -36,8 +36,8 @@ _MISSING_HINTS = {
 def load_job(cfg: DictConfig) -> JobConfig:
     """Turn a composed config into a validated JobConfig, or raise ConfigError (one line).
     Imports the ``_target_`` of ``model``, ``dataset`` and ``optimizer`` to check them."""
-    _check_known_keys(cfg, JobConfig)
     try:
+        _check_known_keys(cfg, JobConfig)
         job = OmegaConf.to_object(cfg)
     except ConfigError:
         raise
@@ -52,10 +52,23 @@ def load_job(cfg: DictConfig) -> JobConfig:
             raise cause from None
         key = getattr(exc, "full_key", None) or "config"
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(key, getattr(exc, "value", None), message) from None
+        raise ConfigError(key, _given(cfg, key, getattr(exc, "value", None)), message) from None
     assert isinstance(job, JobConfig)
     check_job_targets(job)
     return job
+
+
+def _given(cfg: DictConfig, key: str, value: Any) -> Any:
+    """``value``, or where it is unknown the text ``key`` holds as written: an interpolation
+    that does not resolve (``${oc.env:TOKEN}`` without TOKEN) is named as the user wrote it."""
+    if value is not None:
+        return value
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node if isinstance(node, str) else None
 
 
 def _check_known_keys(node: Any, schema: type, prefix: str = "") -> None:
