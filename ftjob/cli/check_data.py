@@ -4,7 +4,8 @@ run lists it, then every file read and decoded up front, in parallel, and the ba
 
 The overrides are a run's (``dataset=imagefolder dataset.path=/data/imagenet``). Each file is
 decoded as validation decodes it (:meth:`ImageFolderDataset.check_file`), in a pool of
-processes (``--jobs``, default: this machine's cores), with the dataset's own limits
+processes (``--jobs``, default: the cores this process may use -- its CPU affinity within its
+cgroup's quota, :func:`ftjob.driver.machine.usable_cpus` -- not the host's), with the dataset's own limits
 (``dataset.max_image_pixels``); Parquet shards (``dataset=parquet``) row by row, in this
 process, each row group read once, a bad row named by its shard and row. Exit 0 when every file decodes, 1 when any does not (or the
 tree fails its audit: an empty class folder, validation classes that differ...), 2 when the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import multiprocessing
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +33,7 @@ from ftjob.config.compose import Composer, Target
 from ftjob.data.audit import audited_catalogs
 from ftjob.data.bad_files import over_budget
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset
+from ftjob.driver.machine import usable_cpus
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def check_data(overrides: Sequence[str], jobs: int | None = None) -> int:
         return 0
     else:
         files = {s: [str(p) for p in t.column("path").to_pylist()] for s, t in catalogs.items()}
-        jobs = max(1, jobs or os.cpu_count() or 1)
+        jobs = max(1, jobs or usable_cpus())  # the cores of this process's affinity and cgroup
         total = sum(len(paths) for paths in files.values())
         _say(
             f"{dataset.describe()}: decoding {len(files[TRAIN])} {TRAIN} + {len(files[VAL])} "

@@ -3,6 +3,7 @@ fails, naming the file and the key. No Ray: composition and validation only."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from importlib.resources import files
@@ -241,6 +242,25 @@ def test_check_data_decodes_every_file_in_parallel_and_lists_the_bad_ones(tmp_pa
         path.unlink()
     assert main(["--data", "--jobs", "2", *args]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "ftjob.check --data: all 54 files decode"
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two cores to allow one",
+)
+def test_check_data_sizes_its_pool_by_the_cores_it_may_use(tmp_path: Path, capsys) -> None:
+    # Allowed one core of several (taskset, a scheduler's cgroup): one decoding process, not
+    # one per core of the host.
+    from tests.support.images import write_images
+
+    write_images(tmp_path, per_class=2, val=1)
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        assert main(["--data", "dataset=imagefolder", f"dataset.path={tmp_path}"]) == 0
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert os.cpu_count() != 1 and "files in 1 process(es)" in capsys.readouterr().out
 
 
 def test_check_data_refuses_a_tree_that_fails_its_audit_before_decoding(tmp_path: Path, capsys):
