@@ -6,8 +6,10 @@
 #   2. a short GPU run with a failure forced at step 50, twice: the memory tier off (Ray Train
 #      restarts the worker, ftjob restores the step-40 checkpoint from storage) and on (a snapshot
 #      after every step; the restore comes from memory): the recovery's parts, and the training
-#      thread's blocking time per snapshot of a ResNet-50 state on the GPU, and that copy
-#      alone (benchmarks/gpu_snapshot_copy.py);
+#      thread's blocking time per snapshot of a ResNet-50 state on the GPU; that copy alone,
+#      and the tier in a training loop -- before and after its copy left the step, what a
+#      snapshot after every step takes from a step, and what every_n_steps=auto picks
+#      (benchmarks/gpu_snapshot_copy.py);
 #   3. JPEG decoders side by side on ImageNet-like files (benchmarks/gpu_decoders.py): PIL,
 #      torchvision on the CPU and nvJPEG, ftjob's device path, TorchCodec and DALI where
 #      installed; the same bytes -> the same pixels on the GPU;
@@ -69,8 +71,9 @@ for f in s["failures"]:
     )
 snapshots = m.get("checkpoint/memory_snapshots", 0)
 if snapshots:
-    print(f"  memory snapshots {int(snapshots)}, training thread blocked per snapshot "
-          f"{m['checkpoint/memory_snapshot_time']}, restores from memory {int(m['checkpoint/memory_restores'])}")
+    lost, wait = (1e3 * m.get(k, 0) / snapshots for k in ("checkpoint/memory_snapshot_time", "checkpoint/memory_snapshot_wait"))
+    print(f"  memory snapshots {int(snapshots)}, training thread lost per snapshot {lost:.2f} ms "
+          f"(of it waiting before optimizer steps {wait:.2f} ms), restores from memory {int(m['checkpoint/memory_restores'])}")
 assert s["status"] == "succeeded" and s["failures"] and s["failures"][0]["recovered"], "GPU recovery failed"
 PY
 }
@@ -79,8 +82,9 @@ for run in tier_off tier_on; do
     summarise "$OUT/$run/summary.json" 2>&1 | tee "$OUT/summary_$run.txt" || status=1
   fi
 done
-# The snapshot's copy off the GPU alone: per tensor, gathered, into page-locked memory.
-part snapshot_copy 90 "$PY" benchmarks/gpu_snapshot_copy.py
+# The snapshot's copy off the GPU alone (per tensor, gathered, into page-locked memory), then
+# the tier beside ResNet-50's steps: before/after, blocking per snapshot against a step.
+part snapshot_copy 180 "$PY" benchmarks/gpu_snapshot_copy.py
 
 # JPEG decoders alone, then the input path in whole jobs (their files made in temporary folders).
 part decoders 120 "$PY" benchmarks/gpu_decoders.py --files 512 --batch 128 --repeats 3

@@ -13,7 +13,19 @@ memory file, mapped), side by side in one run:
 Milliseconds per snapshot (median of ``--repeats`` after two warm-ups) and the ratios to the
 per-tensor copy. Needs CUDA.
 
-    python benchmarks/gpu_snapshot_copy.py [--repeats 10]
+Then (``--part tier``) the memory tier itself in a training loop: ResNet-50 at 224 px, batch 64,
+bf16, channels_last, SGD with momentum, a snapshot after every step into a holder's ring in
+this process (page-locked), the ways taking turns (:func:`snapshot_cost.blocking`): no tier;
+the tier before its copy left the step (read from git's history: left out where the repository
+has none); the copy waited for in ``take`` (the stream synchronised, as the copy into host
+memory did before); the copy beside the next step -- the step's time, what the training thread
+lost per snapshot (``take``, ``settle``'s wait, the device's wait measured by timing events)
+against a step, and the interval ``every_n_steps=auto`` picks at its 2 %. Runs on
+the CPU too with small sizes (``--device cpu --model resnet18 --image-size 32 --batch 4``: the
+copy part needs CUDA and is left out there).
+
+    python benchmarks/gpu_snapshot_copy.py [--repeats 10] [--part copy|tier|all]
+        [--steps 10] [--rounds 3] [--model resnet50] [--image-size 224] [--batch 64]
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import argparse
 import mmap
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,6 +43,9 @@ import torch
 import torchvision
 
 from ftjob.storage.memory.format import Flat, copy_from_devices
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from snapshot_cost import add_loop_arguments, blocking  # noqa: E402 -- a sibling benchmark
 
 
 def state() -> list[torch.Tensor]:
@@ -62,7 +78,27 @@ def timed(fn: Callable[[], None], repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--part", choices=["copy", "tier", "all"], default="all")
+    add_loop_arguments(parser, device="cuda" if torch.cuda.is_available() else "cpu")
+    parser.set_defaults(
+        model="resnet50",
+        image_size=224,
+        batch=64,
+        steps=10,
+        rounds=3,
+        bf16=True,
+        channels_last=True,
+        threads=torch.get_num_threads(),
+    )
     args = parser.parse_args()
+    if args.part in ("copy", "all") and torch.device(args.device).type == "cuda":
+        copies(args.repeats)
+    if args.part in ("tier", "all"):
+        blocking(args)
+
+
+def copies(repeats: int) -> None:
+    """The copy alone, four ways (the module's docstring)."""
     tensors = state()
     offsets, size = layout(tensors)
     fd = os.memfd_create("ftjob-bench")
@@ -81,24 +117,22 @@ def main() -> None:
         ]
         return lambda: [v.copy_(t) for v, t in zip(views, tensors, strict=True)] and None
 
-    results = {"per tensor": timed(per_tensor(ring), args.repeats)}
+    results = {"per tensor": timed(per_tensor(ring), repeats)}
     expected = ring.clone()
     ring.zero_()
-    results["gathered"] = timed(lambda: copy_from_devices(ring, offsets, tensors), args.repeats)
+    results["gathered"] = timed(lambda: copy_from_devices(ring, offsets, tensors), repeats)
     assert torch.equal(ring, expected), "the gathered copy differs"
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(ring.data_ptr(), size, 0)
     if err == cudart.cudaError.success:
         ring.zero_()
-        results["registered"] = timed(
-            lambda: copy_from_devices(ring, offsets, tensors), args.repeats
-        )
+        results["registered"] = timed(lambda: copy_from_devices(ring, offsets, tensors), repeats)
         assert torch.equal(ring, expected), "the registered copy differs"
         cudart.cudaHostUnregister(ring.data_ptr())
     else:
         print(f"cudaHostRegister refused: {err}", flush=True)
     pinned = torch.zeros(size, dtype=torch.uint8).pin_memory()
-    results["pinned"] = timed(lambda: copy_from_devices(pinned, offsets, tensors), args.repeats)
+    results["pinned"] = timed(lambda: copy_from_devices(pinned, offsets, tensors), repeats)
     assert torch.equal(pinned, expected), "the pinned copy differs"
     torch.randn(4, device="cuda").sum().item()  # a kernel after it all: no stale CUDA error
     base = results["per tensor"]
