@@ -32,6 +32,9 @@ What each is used for:
   included (:mod:`ftjob.worker.context`).
 - :data:`STREAMING_EXECUTOR_LOGGER`: Ray Data's executor logger, quietened (one line per
   decoded window would drown the worker logs; :mod:`ftjob.data.streams`).
+- :func:`started_ray_processes` (``ray._private.worker.global_worker.node``, a ``Node``'s
+  ``all_processes``): the raylet and GCS server of a Ray this process started, watched so the
+  driver says at once that Ray died under the run (:mod:`ftjob.driver.ray_death`).
 
 Each name is imported when it is first used, not when this module is: the drain relay and a
 worker's preemption reader load only what they read (Ray Train's preemption and dataset types
@@ -163,3 +166,23 @@ __all__ = [
     "set_ray_exit_handler",
     "time_monotonic",
 ]
+
+
+# What a Node's processes are called in its ``all_processes`` (ray._private.ray_constants).
+RAY_PROCESSES = {"raylet": "raylet", "gcs_server": "GCS server"}
+
+
+def started_ray_processes(node: Any = None) -> dict[str, int]:
+    """``{"raylet": pid, "gcs_server": pid}`` of the Ray ``node`` (a ``ray._private.node.Node``;
+    by default this process's: the one ``ray.init(address="local")`` started) -- {} for a Ray
+    this process only connected to, whose processes it did not start."""
+    if node is None:
+        import ray._private.worker
+
+        node = getattr(ray._private.worker.global_worker, "node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    return {
+        kind: infos[0].process.pid
+        for kind in RAY_PROCESSES
+        if (infos := processes.get(kind)) and getattr(infos[0], "process", None) is not None
+    }

@@ -636,6 +636,35 @@ class RunSnapshot(Record):
         return [c for c in self.checkpoints if c.committed]
 
 
+def merged_audit(slices: typing.Iterable[AuditStep]) -> tuple[AuditStep, ...]:
+    """Each rank's slice of a step, as the ledger received them, merged into one entry per
+    (attempt, step) in that order: the ranks' ids in arrival order, their skipped ids too."""
+    ids: dict[tuple[int, int], list[int]] = {}
+    skipped: dict[tuple[int, int], list[int]] = {}
+    epochs: dict[tuple[int, int], int] = {}
+    for s in slices:
+        key = (s.attempt, s.step)
+        ids.setdefault(key, []).extend(s.ids)
+        skipped.setdefault(key, []).extend(s.skipped or ())
+        epochs[key] = s.epoch
+    return tuple(
+        AuditStep(key[0], key[1], epochs[key], tuple(ids[key]), tuple(skipped[key]) or None)
+        for key in sorted(ids)
+    )
+
+
+@dataclass(frozen=True)
+class RecordPull(Record):
+    """What the driver pulls from the ledger as the run goes, to hold the run's record on its
+    side: the snapshot without its audit, and the audit's slices since the driver's cursor
+    (each rank's slice of a step as it came: the audit grows with every step, so it is sent
+    once)."""
+
+    snapshot: RunSnapshot
+    audit: tuple[AuditStep, ...] = ()
+    cursor: int = 0
+
+
 # -- the calls a training worker makes --------------------------------------------------------
 
 

@@ -7,7 +7,9 @@ or a local checkpoint.storage_path's run directory): the outputs mirrored there
 A sweep dir (finished, partial or failed) gets its sweep_summary.csv/.md/.png rebuilt from the
 job dirs' own files (:func:`ftjob.reporting.sweep.build_sweep_report`); a run dir (one holding
 summary.json) is printed as the run printed it at its end (:func:`ftjob.reporting.summary.format_summary`)
-and its ``timeline.png`` drawn again (:mod:`ftjob.reporting.timeline`).
+and its ``timeline.png`` drawn again (:mod:`ftjob.reporting.timeline`). A run dir without
+summary.json whose driver kept its record (``run_record.jsonl``: the driver did not end) has its
+summary rebuilt from that record and printed, saying so (:mod:`ftjob.reporting.run_record`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import tempfile
 
 from ftjob.config import RetryConfig
 from ftjob.reporting.outputs import EARLIER_DIR, TRACEBACK_FILE, fetch_outputs, outputs_root
+from ftjob.reporting.run_record import RECORD_FILE, read_record, rebuilt_summary
 from ftjob.reporting.summary import SUMMARY_FILE, format_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
@@ -33,6 +36,8 @@ from ftjob.reporting.timeline import draw_timeline
 
 
 def summarise_run(run_dir: str) -> int:
+    if not os.path.isfile(os.path.join(run_dir, SUMMARY_FILE)):
+        return summarise_kept_record(run_dir)
     try:
         with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
             summary = json.load(f)
@@ -48,6 +53,26 @@ def summarise_run(run_dir: str) -> int:
     trace = os.path.join(run_dir, TRACEBACK_FILE)
     if os.path.isfile(trace):  # a driver stopped by a bug
         print(f"traceback: {trace}")
+    return 0
+
+
+def summarise_kept_record(run_dir: str) -> int:
+    """A run dir without summary.json whose driver kept its record (it did not end: SIGKILL,
+    its machine lost): the summary rebuilt from that record, printed, and its timeline."""
+    try:
+        kept = read_record(run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"ftjob.report: {run_dir}: unreadable {RECORD_FILE} ({exc})", file=sys.stderr)
+        return 2
+    if kept is None:
+        print(f"ftjob.report: {run_dir}: no {SUMMARY_FILE}, no record", file=sys.stderr)
+        return 2
+    summary = rebuilt_summary(kept)
+    print(f"rebuilt from {os.path.join(run_dir, RECORD_FILE)}: the driver did not end")
+    print(format_summary(summary))
+    if "resume_command" in summary:
+        print(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    print(draw_timeline(summary, run_dir))
     return 0
 
 
@@ -108,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     target: str = args.dir
     if "://" in target or (
         os.path.isdir(target)
-        and not os.path.isfile(os.path.join(target, SUMMARY_FILE))
-        and os.path.isfile(os.path.join(target, "outputs", SUMMARY_FILE))
+        and not _is_run_dir(target)
+        and _is_run_dir(os.path.join(target, "outputs"))
     ):
         try:
             local = from_storage(target)
@@ -126,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(target):
         print(f"ftjob.report: {target}: no such directory", file=sys.stderr)
         return 2
-    if os.path.isfile(os.path.join(target, SUMMARY_FILE)):
+    if _is_run_dir(target):
         return summarise_run(target)
     copied_report = os.path.join(target, SWEEP_MD)
     if not find_job_dirs(target) and os.path.isfile(copied_report):
@@ -142,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(report_text(build_sweep_report(target)))
     return 0
+
+
+def _is_run_dir(path: str) -> bool:
+    """A run's dir: its summary.json, or the record a driver that did not end kept."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in (SUMMARY_FILE, RECORD_FILE))
 
 
 if __name__ == "__main__":

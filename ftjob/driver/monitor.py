@@ -1,6 +1,7 @@
 """The driver's side of a running job, on its main thread: the progress lines, the duties each
-poll of the run ledger serves (hang and straggler handling, node replacement, the lease), and
-what SIGTERM means before and after training started."""
+poll of the run ledger serves (hang and straggler handling, node replacement, the lease, the
+run's record held on the driver's side), and what SIGTERM means before and after training
+started."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ftjob.driver.held_record import HeldRecord
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.record import Hang, RunSnapshot, StackCapture, Straggler
 from ftjob.reporting.loggers import LogFeed
@@ -79,8 +81,10 @@ class StopSignal:
 
 class Monitor:
     """Prints the ledger's progress lines, ends a hung (or, if so configured, straggling)
-    worker the ledger found, replaces killed nodes of a local cluster, and watches the lease.
-    Each duty asks the ledger on its own: one that fails is said, and the others go on."""
+    worker the ledger found, replaces killed nodes of a local cluster, watches the lease, and
+    keeps the run's record on the driver's side (``held``: pulled every few seconds and at
+    every committed checkpoint). Each duty asks the ledger on its own: one that fails is
+    said, and the others go on."""
 
     def __init__(
         self,
@@ -91,12 +95,15 @@ class Monitor:
         feed: LogFeed,
         clean: Callable[[str], str] = lambda text: text,
         outputs: OutputsMirror | None = None,
+        held: HeldRecord | None = None,
     ) -> None:
         self.ledger, self.echo, self.local, self.keeper = ledger, echo, local, keeper
         self.feed, self.clean, self.outputs = feed, clean, outputs
+        self.held = held or HeldRecord(empty_snapshot())
         self.cursor = 0
         self.started = time.time()
         self.failing: dict[str, int] = {}  # duty -> failed asks in a row
+        self.unanswered: str | None = None  # the ledger's last error: why it did not answer
 
     def ask(self, duty: str, call: Callable[[], Any]) -> Any:
         """``call()`` (which asks the ledger); None when the ledger did not answer, said at
@@ -107,8 +114,9 @@ class Monitor:
             value = call()
         except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             count = self.failing[duty] = self.failing.get(duty, 0) + 1
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            self.unanswered = f"{type(exc).__name__}: {first}"
             if count == 1 or count % 60 == 0:
-                first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self.echo(
                     f"warning: the run ledger did not answer ({duty}; {count} time(s) in a row): "
                     f"{type(exc).__name__}: {first}"
@@ -135,7 +143,10 @@ class Monitor:
         for line in lines:
             elapsed = int(time.time() - self.started)
             self.echo(f"{elapsed // 60:02d}:{elapsed % 60:02d} {line}")
-        if self.outputs is not None and any(COMMIT_LINE.match(line) for line in lines):
+        committed = any(COMMIT_LINE.match(line) for line in lines)
+        if committed or self.held.due(time.time()):
+            self.pull("record")
+        if self.outputs is not None and committed:
             self.outputs.request()  # a durable point: the mirror catches up, on its thread
         if self.feed.loggers:
             records = self.ask(
@@ -164,18 +175,29 @@ class Monitor:
                 self.local.service(kills, time.time(), trained)
         return True
 
-    def final_snapshot(self) -> RunSnapshot:
-        """The ledger's record of the run; if the ledger is gone, an empty one that says so
-        (the run is then failed, and its checkpoints are still in storage)."""
+    def pull(self, duty: str, timeout: float = 10) -> bool:
+        """The ledger's record since the last pull, into the held record (and its file)."""
         import ray
 
-        snap = self.ask("final record", lambda: ray.get(self.ledger.snapshot.remote(), timeout=30))
-        if snap is None:
-            snap = empty_snapshot(
-                "the run ledger was lost before the run ended: its records (failures, steps, "
-                "checkpoints) are gone; the committed checkpoints are still in storage"
-            )
-        return snap
+        cursor = self.held.cursor
+        pulled = self.ask(duty, lambda: ray.get(self.ledger.pull.remote(cursor), timeout=timeout))
+        if pulled is not None:
+            self.held.take(pulled, time.time())
+        return pulled is not None
+
+    def final_snapshot(self, ray_died: str | None = None) -> RunSnapshot:
+        """The ledger's record of the run; if the ledger is gone (``ray_died``: with Ray, and
+        why), the record the driver holds -- at most a few seconds old --, saying why it
+        ends there (the run is then failed; its checkpoints are in storage)."""
+        if ray_died is None and self.pull("final record", timeout=30):
+            return self.held.record()
+        pulled = self.held.pulled
+        age = f"{time.time() - pulled:.0f} s old" if pulled is not None else "empty"
+        why = ray_died or (
+            f"the run ledger died before the run ended ({self.unanswered}); its record is the "
+            f"driver's copy ({age}); the committed checkpoints are in storage"
+        )
+        return self.held.record(why)
 
     def _end_stalled(self, action: Hang | Straggler) -> None:
         """Capture a hung worker's stack and kill it (Ray Train restarts the group)."""

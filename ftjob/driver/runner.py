@@ -20,7 +20,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,9 +39,11 @@ from ftjob.driver.cluster import (
     oversubscribed_note,
     probe_cluster,
 )
+from ftjob.driver.held_record import HeldRecord
 from ftjob.driver.holders import held_snapshots
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
+from ftjob.driver.ray_death import RayDeathWatch
 from ftjob.driver.resume import (
     NothingLeftToTrain,
     ResumeError,
@@ -55,6 +57,7 @@ from ftjob.driver.started_catalog import remember_catalog, started_catalog
 from ftjob.record import RunPlan, RunSnapshot, RunStatus
 from ftjob.reporting.loggers import LogFeed, LoggerError, continued_loggers
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
+from ftjob.reporting.run_record import RecordFile, RecordStart
 from ftjob.reporting.summary import (
     FitOutcome,
     build_summary,
@@ -284,7 +287,7 @@ def run(
 
     stop = StopSignal(job.failure.preemption)
     prep: Prepared | None = None
-    trained = Trained(empty_snapshot(), FitOutcome())
+    trained = Trained(empty_snapshot(), FitOutcome(), summary=SummaryFile(run_dir))
     try:
         try:
             prep = prepare(job, run_dir, redactor)
@@ -293,7 +296,11 @@ def run(
         except (FileNotFoundError, ValueError, TypeError, PermissionError) as exc:
             raise JobError(redactor.text(str(exc))) from None
         if prep.finished is None:
-            trained = _train(job, prep, run_dir, echo, stop, trained)
+            start = record_start(prep, started, overrides or [], redactor)
+            ended = functools.partial(
+                _ray_died, job, run_dir, prep, trained, started, overrides or [], echo, redactor
+            )
+            trained = _train(job, prep, run_dir, echo, stop, trained, start, ended)
     except (KeyboardInterrupt, StoppedDuringStartUp, SystemExit) as exc:
         # SystemExit(SIGTERM): Ray's own handler, while ray.init starts the cluster.
         if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
@@ -309,6 +316,26 @@ def run(
     return _finish(job, run_dir, prep, trained, started, overrides or [], echo, redactor)
 
 
+class SummaryFile:
+    """summary.json in the run dir: written at the driver's end, or before it by the thread
+    that saw Ray die under the run (the driver may not outlive Ray by long); the end's
+    stands."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir, self.ended = run_dir, False
+        self._lock = threading.Lock()
+
+    def early(self, summary: dict[str, Any]) -> str | None:
+        """Writes ``summary`` unless the end's is written already (then None)."""
+        with self._lock:
+            return None if self.ended else write_summary(summary, self.run_dir)
+
+    def end(self, summary: dict[str, Any]) -> str:
+        with self._lock:
+            self.ended = True
+            return write_summary(summary, self.run_dir)
+
+
 @dataclass
 class Trained:
     """How the run went, as the driver saw it."""
@@ -318,6 +345,17 @@ class Trained:
     feed: LogFeed | None = None
     lease_lost: str | None = None  # another driver holds the run now: why this one stopped
     outputs: OutputsMirror | None = None  # the run dir's copy in the run's storage
+    held: HeldRecord | None = None  # the run's record on the driver's side, and in the run dir
+    summary: SummaryFile | None = None
+
+
+def record_start(
+    prep: Prepared, started: float, overrides: list[str], redactor: Redactor
+) -> RecordStart:
+    """What the run's record in the run dir starts with: what ``python -m ftjob.report``
+    needs besides the ledger's record to rebuild the summary of a driver that did not end."""
+    command, _ = resume_command(overrides, prep, redactor)
+    return RecordStart(prep.name, started, prep.public_config, command)
 
 
 def _train(
@@ -327,11 +365,16 @@ def _train(
     echo: Callable[[str], None],
     stop: StopSignal,
     out: Trained,
+    start: RecordStart,
+    ray_died: Callable[[str], None] = lambda reason: None,
 ) -> Trained:
-    """Loggers, lease keeper, cluster, fit; whatever it starts it stops (the scratch of every
-    attempt on this node, killed ones' included, and the lease, when it is still ours)."""
+    """Loggers, lease keeper, the run's record in the run dir (``start``: what it starts
+    with), cluster, fit; whatever it starts it stops (the scratch of every attempt on this
+    node, killed ones' included, and the lease, when it is still ours). ``ray_died(reason)``:
+    a Ray this driver started died under the run."""
     keeper = LeaseKeeper(prep.lease).start()
     try:
+        out.held = HeldRecord(empty_snapshot(), RecordFile(run_dir, start, prep.redactor.text))
         echo(
             f"run {prep.name}: {prep.dataset.describe()} ({prep.catalogs[TRAIN].num_rows} train / "
             f"{prep.catalogs[VAL].num_rows} val), {job.trainer.num_workers} workers x batch "
@@ -349,7 +392,7 @@ def _train(
         out.feed.params(prep.public_config)
         try:
             out.snapshot, out.fit = _train_on_cluster(
-                job, prep, echo, out.feed, keeper, stop, out.outputs
+                job, prep, echo, out.feed, keeper, stop, out.outputs, out.held, ray_died
             )
         except LeaseLost as exc:  # a holder knew a newer driver, and the lease agreed
             out.lease_lost = str(exc)
@@ -418,30 +461,17 @@ def _finish(
         # success (exit 0), not a failure to retry
         echo(prep.finished)
         status, error = RunStatus.succeeded, None
-    name = prep.name if prep else (job.name or "")
-    summary = build_summary(
-        snapshot,
-        name=name,
-        status=status,
-        error=redactor.text(error) if error else error,
-        wall_time_s=time.time() - started,
-        config=prep.public_config if prep else redactor.config(to_plain(job)),
-        driver_storage=prep.fs.snapshot_stats() if prep else None,
-        run_started=started,
-    )
-    if status != "succeeded" and prep is not None and not trained.lease_lost:
-        _how_to_resume(summary, snapshot, prep, overrides, echo, redactor)
+    ended = _Ending(job, prep, started, overrides, echo, redactor)
+    summary = ended.summary(snapshot, status, error, resumable=not trained.lease_lost)
     if prep is not None and prep.finished_step is not None:
         path = CheckpointStore(prep.fs, prep.run_path).path_for(prep.finished_step)
         summary["checkpoints"]["latest"] = path
         summary["already_finished"] = {"step": prep.finished_step, "checkpoint": path}
     summary = redactor.strings(summary)  # workers' error texts, paths: every string scrubbed
-    path = write_summary(summary, run_dir)
-    for line in format_summary(summary).splitlines():
-        echo(line)
-    if "resume_command" in summary:  # before the slow parts: a stop's SIGKILL may come next
-        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
-    echo(f"summary: {path}")
+    path = (trained.summary or SummaryFile(run_dir)).end(summary)
+    if trained.held is not None:
+        trained.held.end(status, time.time())
+    ended.say(summary, path)
     picture = draw_timeline(summary, run_dir)
     if trained.feed is not None:
         trained.feed.finish(summary)
@@ -450,7 +480,89 @@ def _finish(
         warning = trained.outputs.close(final=not trained.lease_lost)
         if warning:
             echo(warning)
-    return RunResult(name, status, error, summary, path)
+    return RunResult(ended.name, status, error, summary, path)
+
+
+@dataclass
+class _Ending:
+    """What a run's summary is made with, at its end or when Ray died under it."""
+
+    job: JobConfig
+    prep: Prepared | None
+    started: float
+    overrides: list[str]
+    echo: Callable[[str], None]
+    redactor: Redactor
+
+    @property
+    def name(self) -> str:
+        return self.prep.name if self.prep else (self.job.name or "")
+
+    def summary(
+        self,
+        snapshot: RunSnapshot,
+        status: RunStatus,
+        error: str | None,
+        resumable: bool = True,
+        settle: bool = True,
+    ) -> dict[str, Any]:
+        """summary.json's content; a run that did not succeed names the checkpoint it
+        continues from (``settle``: the newest in storage) and the command."""
+        prep, redactor = self.prep, self.redactor
+        summary = build_summary(
+            snapshot,
+            name=self.name,
+            status=status,
+            error=redactor.text(error) if error else error,
+            wall_time_s=time.time() - self.started,
+            config=prep.public_config if prep else redactor.config(to_plain(self.job)),
+            driver_storage=prep.fs.snapshot_stats() if prep else None,
+            run_started=self.started,
+        )
+        if status != "succeeded" and prep is not None and resumable:
+            _how_to_resume(summary, snapshot, prep, self.overrides, self.echo, redactor, settle)
+        return summary
+
+    def say(self, summary: dict[str, Any], path: str) -> None:
+        for line in format_summary(summary).splitlines():
+            self.echo(line)
+        if "resume_command" in summary:  # before the slow parts: a stop's SIGKILL may come next
+            latest = summary["checkpoints"]["latest"]
+            self.echo(f"to continue from {latest}: {summary['resume_command']}")
+        self.echo(f"summary: {path}")
+
+
+def _ray_died(
+    job: JobConfig,
+    run_dir: str,
+    prep: Prepared,
+    trained: Trained,
+    started: float,
+    overrides: list[str],
+    echo: Callable[[str], None],
+    redactor: Redactor,
+    reason: str,
+) -> None:
+    """Ray died under the run (on the thread that saw it): summary.json at once, from the
+    record the driver holds -- this process may be ended by Ray's core worker within seconds
+    --, then again with the newest checkpoint in storage. The driver's end, if it comes,
+    writes it once more."""
+    echo(reason)
+    if trained.held is None or trained.summary is None:
+        return
+    snapshot = trained.held.record(reason)
+    ended = _Ending(job, prep, started, overrides, echo, redactor)
+    for settle in (False, True):
+        summary = ended.summary(snapshot, RunStatus.failed, reason, settle=settle)
+        path = trained.summary.early(redactor.strings(summary))
+        if path is None:
+            return  # the driver's end wrote it
+        if not settle:  # the whole summary is printed at the driver's end, if it comes
+            echo(f"summary (the driver's record as Ray died): {path}")
+    if "resume_command" in summary:
+        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    if trained.outputs is not None:
+        trained.outputs.request()
 
 
 def outputs_mirror(job: JobConfig, prep: Prepared, run_dir: str) -> OutputsMirror:
@@ -472,11 +584,14 @@ def _how_to_resume(
     overrides: list[str],
     echo: Callable[[str], None],
     redactor: Redactor,
+    settle: bool = True,
 ) -> None:
-    """A run that did not succeed: the checkpoint it continues from, and the command."""
+    """A run that did not succeed: the checkpoint it continues from (``settle``: the newest
+    in storage, else the newest the record holds), and the command."""
     restored = [r.step for r in snapshot.restores()]
-    store = CheckpointStore(prep.fs, prep.run_path)
-    settle_latest(summary, store, echo, max(restored, default=-1))
+    if settle:
+        store = CheckpointStore(prep.fs, prep.run_path)
+        settle_latest(summary, store, echo, max(restored, default=-1))
     if summary["checkpoints"]["latest"]:
         summary["resume_command"], notes = resume_command(overrides, prep, redactor)
         for note in notes:
@@ -537,22 +652,23 @@ def _train_on_cluster(
     keeper: LeaseKeeper,
     stop: StopSignal,
     outputs: OutputsMirror | None = None,
-) -> tuple[dict[str, Any], FitOutcome]:
+    held: HeldRecord | None = None,
+    ray_died: Callable[[str], None] = lambda reason: None,
+) -> tuple[RunSnapshot, FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
-    Returns the ledger's final snapshot and how fit() ended."""
+    Returns the ledger's final snapshot -- or the record the driver holds, where Ray died
+    under the run (``ray_died(reason)`` is called at once, from the thread that saw it) --
+    and how fit() ended."""
     interrupted = preempted = False
     stop.stage = "starting the cluster"
     with cluster(job) as local, contextlib.ExitStack() as run_actors:
         import ray
 
         stop.install()  # ray.init put its own SIGTERM handler in
+        watch = run_actors.enter_context(ray_death_watch(job, local, ray_died))
         check_resources(job, echo)  # an existing cluster: waits ray.resources_timeout
-        if job.chaos.takes_nodes() and not node_chaos_targets():
-            echo(
-                f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
-                "the driver's node, which chaos never takes away; each window will be skipped"
-            )
+        _check_chaos_targets(job, echo)
         stop.stage = "starting the run ledger"
         ledger, killer = _start_run_actors(job, prep)
         memory, lease = job.checkpoint.memory, prep.lease  # holders: released before Ray stops
@@ -560,7 +676,7 @@ def _train_on_cluster(
         holders = run_actors.enter_context(
             held_snapshots(prep.run, memory, prep.continues, echo, lease.generation, check)
         )
-        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs)
+        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome, holders), name="ftjob-fit", daemon=True
@@ -568,10 +684,10 @@ def _train_on_cluster(
         stop.training = True  # from now on SIGTERM is a preemption notice
         fit_thread.start()
         try:
-            while fit_thread.is_alive():
+            while fit_thread.is_alive() and watch.died is None:
                 fit_thread.join(timeout=1.0)
-                if not monitor.tick():
-                    break  # another driver holds the run: stop writing to it now
+                if watch.died is not None or not monitor.tick():
+                    break  # Ray died; or another driver holds the run: stop writing to it now
                 if monitor.ask("preemption", lambda: stop.done(ledger, echo)):
                     preempted = True
                     break
@@ -579,11 +695,39 @@ def _train_on_cluster(
             interrupted = True
             echo("interrupted: stopping the run")
         finally:
-            if killer is not None:
+            if killer is not None and watch.died is None:
                 monitor.ask("stopping chaos", lambda: ray.get(killer.stop.remote(), timeout=15))
-            monitor.tick()
-            snapshot = monitor.final_snapshot()
+            if watch.died is None:
+                monitor.tick()
+            snapshot = monitor.final_snapshot(watch.died)
     return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
+
+
+def _check_chaos_targets(job: JobConfig, echo: Callable[[str], None]) -> None:
+    if job.chaos.takes_nodes() and not node_chaos_targets():
+        echo(
+            f"warning: chaos kind={job.chaos.kind}: every node of this cluster is the head or "
+            "the driver's node, which chaos never takes away; each window will be skipped"
+        )
+
+
+@contextlib.contextmanager
+def ray_death_watch(
+    job: JobConfig, local: Any, ray_died: Callable[[str], None]
+) -> Iterator[RayDeathWatch]:
+    """The watch on the Ray this driver started (its raylet and GCS server: an embedded Ray's,
+    a simulated cluster's head's), stopped before this driver shuts Ray down itself; on a
+    cluster it only joined, a watch of nothing."""
+    from ftjob.ray_internals import started_ray_processes
+
+    processes = {}
+    if job.ray.address is None:
+        processes = started_ray_processes(local.cluster.head_node if local is not None else None)
+    watch = RayDeathWatch(processes, ray_died).start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
 
 
 def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ftjob.config.secrets import Redactor
+from ftjob.reporting.run_record import RECORD_FILE
 from ftjob.reporting.summary import SUMMARY_FILE
 from ftjob.storage.wrapper import innermost
 
@@ -39,6 +40,7 @@ TRACEBACK_FILE = "traceback.txt"
 # logger.mlflow_tracking_uri keep their defaults in the run dir).
 MIRRORED_FILES = (
     SUMMARY_FILE,
+    RECORD_FILE,  # the driver's record: a driver that did not end leaves its summary there
     "timeline.png",
     TRACEBACK_FILE,
     "sweep_summary.csv",  # a sweep dir's report (ftjob.reporting.sweep)
@@ -54,7 +56,7 @@ LOGGER_TREES = {"logs": "", "mlruns": "", "wandb": "offline-run-"}  # dir -> its
 MAX_DEPTH = 8  # path parts below the run dir (MLflow's metric keys make folders: train/loss)
 EARLIER_DIR = "earlier"  # under outputs/: earlier drivers' copies of a continued run, 1, 2, ...
 SWEEPS_DIR = "sweeps"  # under checkpoint.storage_path: a sweep's report, by its sweep dir
-TEXT_SUFFIXES = (".json", ".log", ".yaml", ".txt", ".csv", ".md")
+TEXT_SUFFIXES = (".json", ".jsonl", ".log", ".yaml", ".txt", ".csv", ".md")
 # The ledger's line for a committed checkpoint: the moment the mirror is brought up to date.
 COMMIT_LINE = re.compile(r"^checkpoint step \d+ committed\b")
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
@@ -381,7 +383,7 @@ def outputs_root(fs: Any, path: str) -> str | None:
     """Where a run's outputs are, given the run's directory or its ``outputs/`` folder (or
     where a sweep's report was copied)."""
     for candidate in (path.rstrip("/"), posixpath.join(path.rstrip("/"), OUTPUTS_DIR)):
-        for marker in (SUMMARY_FILE, "sweep_summary.md"):
+        for marker in (SUMMARY_FILE, RECORD_FILE, "sweep_summary.md"):
             if fs.isfile(posixpath.join(candidate, marker)):
                 return candidate
     return None

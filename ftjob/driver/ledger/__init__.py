@@ -42,6 +42,7 @@ from ftjob.record import (
     Notice,
     NoticeSource,
     Progress,
+    RecordPull,
     Restore,
     RunPlan,
     RunSnapshot,
@@ -285,7 +286,13 @@ class RunLedger:
     def poll(self, cursor: int) -> tuple[list[str], int]:
         return self.lines[cursor:], len(self.lines)
 
-    def snapshot(self) -> RunSnapshot:
+    def pull(self, cursor: int) -> RecordPull:
+        """What the driver keeps of the run on its side (about every few seconds): the
+        snapshot without its audit, and the audit's slices since ``cursor``."""
+        audit, after = self.samples.since(cursor)
+        return RecordPull(self.snapshot(audit=False), audit, after)
+
+    def snapshot(self, audit: bool = True) -> RunSnapshot:
         return RunSnapshot(
             plan=self.plan,
             started=self.started,
@@ -299,7 +306,7 @@ class RunLedger:
             replaced_validations=self.steps.replaced_validations,
             checkpoints=tuple(self.steps.checkpoints),
             storage=dict(self.storage),
-            audit=self.samples.audited(),
+            audit=self.samples.audited() if audit else (),
             skipped_files=self.samples.files(),
             decode=self.decode,
             metrics=dict(self.steps.metrics),

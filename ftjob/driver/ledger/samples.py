@@ -4,30 +4,21 @@ samples, from every rank) and the files skipped as bad (``dataset.bad_files=skip
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from ftjob.record import AuditStep, SkippedFile
-
-
-@dataclass
-class _StepSamples:
-    epoch: int = 0
-    ids: list[int] = field(default_factory=list)
-    skipped: list[int] = field(default_factory=list)
+from ftjob.record import AuditStep, SkippedFile, merged_audit
 
 
 class SampleAudit:
     def __init__(self, log: Callable[[str], None]) -> None:
         self.log = log
-        self.steps: dict[tuple[int, int], _StepSamples] = {}
+        # Each rank's slice of a step as it came, never changed: the driver pulls what came
+        # since its last pull (:meth:`since`), not the whole audit again.
+        self.slices: list[AuditStep] = []
         self.bad_files: dict[tuple[str, int], SkippedFile] = {}
 
     def step(self, attempt: int, step: int, epoch: int, ids: list[int], skipped: list[int]) -> None:
         """A rank's slice of a step: its samples, and those of them skipped (bad files)."""
-        entry = self.steps.setdefault((attempt, step), _StepSamples())
-        entry.epoch = epoch
-        entry.ids.extend(ids)
-        entry.skipped.extend(skipped)
+        self.slices.append(AuditStep(attempt, step, epoch, tuple(ids), tuple(skipped) or None))
 
     def skipped_files(self, attempt: int, rank: int, files: list[SkippedFile]) -> dict[str, int]:
         """Files a rank skipped; each said once for the run. The answer: how many samples of
@@ -50,10 +41,11 @@ class SampleAudit:
         return counts
 
     def audited(self) -> tuple[AuditStep, ...]:
-        return tuple(
-            AuditStep(a, s, e.epoch, tuple(e.ids), tuple(e.skipped) if e.skipped else None)
-            for (a, s), e in sorted(self.steps.items())
-        )
+        return merged_audit(self.slices)
+
+    def since(self, cursor: int) -> tuple[tuple[AuditStep, ...], int]:
+        """The slices that came since ``cursor``, and the cursor after them."""
+        return tuple(self.slices[cursor:]), len(self.slices)
 
     def files(self) -> tuple[SkippedFile, ...]:
         return tuple(self.bad_files[k] for k in sorted(self.bad_files))

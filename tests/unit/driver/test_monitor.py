@@ -78,6 +78,7 @@ def test_a_lost_lease_stops_the_run_and_tells_the_ledger() -> None:
 
 
 def test_a_lost_ledger_leaves_a_record_that_says_so() -> None:
-    monitor = _Monitor(Ledger({"snapshot"}), [].append, None, Keeper(), LogFeed([]))
+    monitor = _Monitor(Ledger({"pull"}), [].append, None, Keeper(), LogFeed([]))
     snapshot = monitor.final_snapshot()
-    assert snapshot.attempts == () and "run ledger was lost" in (snapshot.fatal or "")
+    assert snapshot.attempts == () and "run ledger died" in (snapshot.fatal or "")
+    assert "RayActorError" in (snapshot.fatal or "") and "driver's copy (empty)" in snapshot.fatal
