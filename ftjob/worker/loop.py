@@ -354,10 +354,14 @@ class Worker:
         self._wait_start = time.perf_counter()
 
     def _finish(self) -> None:
-        """The final checkpoint must commit; the run's last progress line."""
+        """The final checkpoint must commit; the run's last progress line, with the mean loss
+        of the steps since the line before it (summary.json's ``train/loss``) -- not that
+        line's again."""
         with self.beat.section("checkpoint"):
             self.checkpointer.finish(self.state)
         self.checkpointer.send_storage_stats()
+        if self.losses.steps:  # every rank has the same steps: the all-reduce is everyone's
+            self.metrics.set(M.TRAIN_LOSS, self.losses.read(self.state.step)[0])
         busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
         rate = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
         self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), rate)

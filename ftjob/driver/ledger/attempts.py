@@ -66,7 +66,7 @@ class Attempts:
         for bad in restore.skipped:
             self.log(f"checkpoint at step {bad.step} is not usable ({bad.reason}): fell back")
         self.log(
-            f"restored step {restore.step} (epoch {restore.epoch}, sample {restore.position}) "
+            f"restored step {restore.step} (epoch {restore.epoch + 1}, sample {restore.position}) "
             f"from {restore.path}: download {restore.download:.2f}s, load {restore.load:.2f}s, "
             f"skip {restore.skip:.3f}s"
         )
