@@ -10,12 +10,13 @@
    (google-crc32c, crc32c) where installed; interleaved, medians; prints ``X/sha256``.
 3. ``resnet50``: whole snapshots of ResNet-50 + SGD momentum (~200 MB) into a holder's ring on
    this machine, with the tier's checksum and with SHA-256, alternating: the time on the
-   training thread (the copy), the background thread's wall and CPU, and the digest's share.
+   training thread (``take``: the copy itself is the background thread's since it left the
+   step), the background thread's wall and CPU, and the digest's share.
 4. ``blocking``: what a snapshot after every step takes from a training loop (forward,
-   backward, ``settle``, optimizer step, snapshot), three ways in blocks of ``--steps`` steps
-   taking turns: no tier; the copy waited for in ``take`` (as before the copy moved beside the
-   step: on a GPU the stream is synchronised, as the copy into host memory did); the copy
-   beside the next step (the tier as it is). Per way: the step's time, what the training
+   backward, ``settle``, optimizer step, snapshot), four ways in blocks of ``--steps`` steps
+   taking turns: no tier; the tier before its copy moved beside the step (:data:`PREVIOUS`,
+   read from git); the copy waited for in ``take`` (on a GPU the stream synchronised, as the
+   copy into host memory did); the copy beside the next step (the tier as it is). Per way: the step's time, what the training
    thread lost per snapshot (``take``, the wait at ``settle``, the device's wait), its share of
    a step, the whole process's extra CPU per snapshot, and the interval
    ``every_n_steps=auto`` would pick at its 2 % (the cost it weighs: the training thread's on a

@@ -207,6 +207,10 @@ class MemoryTier:
         are sent)."""
         return self.writer.ring
 
+    @ring.setter
+    def ring(self, ring: Ring | bool | None) -> None:
+        self.writer.ring = ring
+
     def _no_slot(self, step: int, why: str) -> None:
         """No ring slot for this snapshot: skipped, said once until a snapshot gets one."""
         self.skipped += 1
