@@ -101,7 +101,7 @@ def restore_bench(repeats: int) -> None:
             memory = checkpointer(storage, options, holder, os.path.join(scratch, "mem"))
             tensors = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict()}
             state = TrainState(step=101)
-            memory.memory.take(101, tensors, lambda: memory._records(state))
+            memory.memory.take(101, tensors, memory._records(state))
             memory.memory.wait()
             times: dict[str, list[float]] = {"storage": [], "memory": []}
             for _ in range(repeats):  # interleaved: the machine's noise hits both alike
