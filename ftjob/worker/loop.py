@@ -354,17 +354,12 @@ class Worker:
         self._wait_start = time.perf_counter()
 
     def _finish(self) -> None:
-        """The final checkpoint must commit; the run's last progress line, with the mean loss
-        of the steps since the line before it (summary.json's ``train/loss``) -- not that
-        line's again."""
+        """The final checkpoint must commit; the run's last progress line."""
         with self.beat.section("checkpoint"):
             self.checkpointer.finish(self.state)
         self.checkpointer.send_storage_stats()
-        if self.losses.steps:  # every rank has the same steps: the all-reduce is everyone's
-            self.metrics.set(M.TRAIN_LOSS, self.losses.read(self.state.step)[0])
-        busy = self.metrics.get(M.TRAIN_STEP) + self.metrics.get(M.TRAIN_ITER_BATCH)
-        rate = self.metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
-        self._send_progress(self.state.epoch - 1, self.metrics.get(M.TRAIN_LOSS), rate)
+        loss, rate = self.losses.final(self.state.step, self.metrics)
+        self._send_progress(self.state.epoch - 1, loss, rate)
         self.record.finish()
 
     def _close(self) -> None:
@@ -659,6 +654,17 @@ class LossWindow:
         throughput = self.rows / max(time.perf_counter() - self.started, 1e-9)
         self._reset()
         return loss, throughput
+
+    def final(self, step: int, metrics: M.MetricSet) -> tuple[float, float]:
+        """The run's last progress line: its loss, set as ``train/loss`` (summary.json's) --
+        the mean of the steps since the line before it, not that line's loss again, or that
+        line's where it was at the last step --, and this rank's images/s over the attempt.
+        Every rank has the same steps: the all-reduce of :meth:`peek` is everyone's or no
+        one's."""
+        if self.steps:
+            metrics.set(M.TRAIN_LOSS, self.read(step)[0])
+        busy = metrics.get(M.TRAIN_STEP) + metrics.get(M.TRAIN_ITER_BATCH)
+        return metrics.get(M.TRAIN_LOSS), metrics.get(M.TRAIN_ROWS_PROCESSED) / max(busy, 1e-9)
 
 
 def end_on_data_error(exc: Exception, record: RunRecorder, world: int) -> None:
