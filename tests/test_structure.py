@@ -33,6 +33,7 @@ LAYERS = {
     "record": 0.5,  # the run record: typed with config's choices, under everything that records
     "ray_internals": 0,
     "placement": 0,
+    "text": 0,  # a line of text cut to fit, for every layer that prints one
 }
 # Top-level modules: entry points (the command line's layer) and the public names of the
 # extension points users reference in their configs.

@@ -18,6 +18,7 @@ from ftjob.record import Hang, RunSnapshot, StackCapture, Straggler
 from ftjob.reporting.loggers import LogFeed
 from ftjob.reporting.outputs import COMMIT_LINE, OutputsMirror
 from ftjob.storage.lease import LeaseKeeper
+from ftjob.text import shorten
 
 logger = logging.getLogger("ftjob")
 
@@ -114,7 +115,7 @@ class Monitor:
             value = call()
         except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             count = self.failing[duty] = self.failing.get(duty, 0) + 1
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            first = shorten((str(exc).strip().splitlines() or [""])[0], 200)
             self.unanswered = f"{type(exc).__name__}: {first}"
             if count == 1 or count % 60 == 0:
                 self.echo(

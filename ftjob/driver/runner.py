@@ -78,6 +78,7 @@ from ftjob.storage.fs import (
 from ftjob.storage.identity import RunIdentity, run_identity
 from ftjob.storage.lease import LeaseHeld, LeaseKeeper, LeaseLost, RunLease
 from ftjob.storage.wrapper import exclusive_create_guarantee
+from ftjob.text import shorten
 from ftjob.worker.scratch import run_scratch_dir, scratch_name
 
 logger = logging.getLogger("ftjob")
@@ -255,7 +256,7 @@ def _fit_outcome(
     from ray.train import ControllerError, PreemptionError, WorkerGroupError
 
     text = str(exc).strip().splitlines()
-    root = next((line for line in reversed(text) if line.strip()), type(exc).__name__)[:400]
+    root = shorten(next((line for line in reversed(text) if line.strip()), type(exc).__name__), 400)
     if isinstance(exc, WorkerGroupError):
         return FitOutcome(root, budget_exhausted=True, interrupted=interrupted)
     if isinstance(exc, PreemptionError):

@@ -30,6 +30,7 @@ from typing import Any
 from ftjob import record
 from ftjob.config import LoggerConfig
 from ftjob.storage.checkpoint import CheckpointStore
+from ftjob.text import shorten
 
 LOGGER_RUNS_FILE = "loggers.json"  # under the run's directory in its storage
 
@@ -300,7 +301,7 @@ def build_loggers(
         # directory that cannot be written) raises its own error types; the run stops before
         # training with one line naming the backend.
         except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            first = shorten((str(exc).strip().splitlines() or [""])[0], 300)
             raise LoggerError(
                 f"logger.backends: {backend} could not start ({type(exc).__name__}: {first}); "
                 "fix its settings (logger.*) or drop it from logger.backends"

@@ -30,6 +30,7 @@ from ftjob.config.secrets import Redactor
 from ftjob.reporting.run_record import RECORD_FILE
 from ftjob.reporting.summary import SUMMARY_FILE
 from ftjob.storage.wrapper import innermost
+from ftjob.text import shorten
 
 OUTPUTS_DIR = "outputs"  # under the run's directory in its storage
 CONSOLE_LOG = "console.log"
@@ -256,7 +257,7 @@ class OutputsMirror:
             )
         if self.failed:
             rel, error = next(iter(self.failed.items()))
-            first = (error.strip().splitlines() or [""])[0][:300]
+            first = shorten((error.strip().splitlines() or [""])[0], 300)
             said.append(
                 f"warning: {len(self.failed)} output file(s) could not be copied to {self.url} "
                 f"({rel}: {first}); the run dir keeps them"

@@ -54,6 +54,7 @@ from ftjob.record import (
     WorkerLedger,
     WorkerPlace,
 )
+from ftjob.text import shorten
 
 
 class RunLedger:
@@ -166,7 +167,7 @@ class RunLedger:
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
         self.failures.append(Failure(noticed=now, errors=errors))
         first = next(iter(errors.values()), "")
-        self.log(f"failure noticed ({len(errors)} worker(s)): {first[:200]}")
+        self.log(f"failure noticed ({len(errors)} worker(s)): {shorten(first, 200)}")
 
     def set_fatal(self, error: str) -> None:
         if self.fatal is None:
@@ -349,7 +350,7 @@ class _FailureWatch:
 def one_line(error: BaseException) -> str:
     """An exception as its type and its message's last line (a traceback's error)."""
     text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[-1][:300] if text else ''}"
+    return f"{type(error).__name__}: {shorten(text.splitlines()[-1], 300) if text else ''}"
 
 
 def failure_watch(ledger: Any) -> Any:
