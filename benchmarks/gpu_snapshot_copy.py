@@ -3,7 +3,7 @@ tensors) copied from the device into host memory shaped like the holder's ring (
 memory file, mapped), side by side in one run:
 
   per tensor   one ``copy_`` a tensor (the tier's copy before it gathered on the device);
-  gathered     :func:`ftjob.storage.memory.format.copy_from_devices`: runs of one dtype gathered
+  gathered     :func:`ftjob.memory.format.copy_from_devices`: runs of one dtype gathered
                on the device, one copy to the host a run, into pageable memory (the tier where
                the driver refuses to page-lock the ring);
   registered   the same into the mapping page-locked with ``cudaHostRegister`` (the copy engine
@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torchvision
 
-from ftjob.storage.memory.format import Flat, copy_from_devices
+from ftjob.memory.format import Flat, copy_from_devices
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from snapshot_cost import add_loop_arguments, blocking  # noqa: E402 -- a sibling benchmark

@@ -31,10 +31,10 @@ from storage_bench import create_bucket, moto_server  # noqa: E402
 
 from ftjob import metrics as M  # noqa: E402
 from ftjob.config import CheckpointConfig, MemoryConfig, RetryConfig  # noqa: E402
+from ftjob.memory.tier import MemoryTier  # noqa: E402
 from ftjob.storage.fs import build_filesystem  # noqa: E402
 from ftjob.worker.checkpointer import Checkpointer, TrainState  # noqa: E402
 from ftjob.worker.recorder import RunRecorder  # noqa: E402
-from ftjob.worker.snapshots import MemoryTier  # noqa: E402
 
 
 class Quiet:
@@ -78,7 +78,7 @@ def checkpointer(storage: str, options: dict[str, Any], holder: Any, scratch: st
 def restore_bench(repeats: int) -> None:
     import ray
 
-    from ftjob.storage.memory import start_holder
+    from ftjob.memory import start_holder
 
     model, optimizer = resnet50_state()
     size = sum(p.numel() * p.element_size() for p in model.state_dict().values())

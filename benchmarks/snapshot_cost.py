@@ -49,9 +49,7 @@ import xxhash
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.models import SmallCNN
-from ftjob.policy.cadence import snapshot_interval
-from ftjob.storage.memory import (
+from ftjob.memory import (
     Flat,
     Snapshot,
     SnapshotHolder,
@@ -60,9 +58,11 @@ from ftjob.storage.memory import (
     start_holder,
     state_bytes,
 )
-from ftjob.storage.memory import format as fmt
+from ftjob.memory import format as fmt
+from ftjob.memory.tier import MemoryTier
+from ftjob.models import SmallCNN
+from ftjob.policy.cadence import snapshot_interval
 from ftjob.worker.checkpointer import snapshot_tensors
-from ftjob.worker.snapshots import MemoryTier
 
 
 def cpu_seconds(pid: int) -> float:
@@ -308,6 +308,11 @@ def resnet50_snapshots(n: int) -> None:
 
 WAYS = ("no tier", "before", "copy in take", "copy beside the step")
 PREVIOUS = "f69b8eef6d277ac10dd0d9cb5c0927ebccaae497"  # the tier before its copy left the step
+MOVED = {
+    "ftjob.storage.memory": "ftjob.memory",
+    "ftjob.worker.nearest_copy": "ftjob.memory.nearest_copy",
+    "ftjob.worker.node_holders": "ftjob.memory.node_holders",
+}
 
 
 def previous_tier() -> type | None:
@@ -324,6 +329,8 @@ def previous_tier() -> type | None:
     except (OSError, subprocess.CalledProcessError) as exc:
         print(f"the tier before the change could not be read from git ({exc}): left out")
         return None
+    for moved, home in MOVED.items():  # the modules it imports, where they live now
+        source = source.replace(moved, home)
     module = types.ModuleType("previous_snapshots")
     exec(compile(source, "previous_snapshots.py", "exec"), module.__dict__)
     return module.MemoryTier

@@ -2,7 +2,7 @@
 
 Runs digits_ft with the memory tier on (a snapshot every step) on a simulated cluster of a head
 without CPUs and 4 worker nodes, one training worker each, for each model asked. The holders'
-own counters (:class:`ftjob.storage.memory.traffic.HolderTraffic`, said by the driver at the
+own counters (:class:`ftjob.memory.traffic.HolderTraffic`, said by the driver at the
 run's end) give what each node's writer put in place into its own node's holder and what
 reached a holder through Ray: rank 0's per-rank part (module buffers, per-rank records) for
 each of its peers. The design this replaced -- one holder, on the driver's node -- received

@@ -6,10 +6,14 @@ a worker node, or hit the wrong one. So they are pinned (``soft=False``: never s
 their node is busy or gone), take no CPU (the node's CPUs are the training's), and are never
 restarted or retried (a restarted ledger or holder would have lost its state; a retried kill
 would kill twice).
+
+And which machine a process runs on (:func:`machine`): what only processes of one kernel and pid
+namespace may do -- map each other's memory, know each other's pids -- is asked of it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -42,4 +46,15 @@ def run_on_node(node_id: str, fn: Any, *args: Any, timeout: float | None = 60.0)
     return ref if timeout is None else ray.get(ref, timeout=timeout)
 
 
-__all__ = ["pinned_to", "run_on_node", "start_pinned_actor"]
+def machine() -> str:
+    """Which kernel and pid namespace this process runs in: two processes that agree can map
+    each other's memory files through ``/proc/<pid>/fd``."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+__all__ = ["machine", "pinned_to", "run_on_node", "start_pinned_actor"]

@@ -25,6 +25,7 @@ LAYERS = {
     "worker": 2,
     "chaos": 2,
     "reporting": 2,
+    "memory": 1.5,  # the memory tier: its protocol, and the worker's and driver's sides of it
     "data": 1,
     "storage": 1,
     "policy": 1,

@@ -79,7 +79,7 @@ class MemoryConfig:
     by a process on every node that runs training ranks, outliving the workers (and, where the
     cluster lives on, the driver), restored after a failure, preemption or resize when newer
     than the newest durable checkpoint. Durable checkpoints are unchanged; a run's final
-    checkpoint is always durable. See :mod:`ftjob.storage.memory`."""
+    checkpoint is always durable. See :mod:`ftjob.memory`."""
 
     _group: ClassVar[str] = "checkpoint.memory"
     enabled: bool = False

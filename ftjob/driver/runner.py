@@ -40,7 +40,6 @@ from ftjob.driver.cluster import (
     probe_cluster,
 )
 from ftjob.driver.held_record import HeldRecord
-from ftjob.driver.holders import held_snapshots
 from ftjob.driver.ledger import empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
 from ftjob.driver.ray_death import RayDeathWatch
@@ -54,6 +53,7 @@ from ftjob.driver.resume import (
     finished_line,
 )
 from ftjob.driver.started_catalog import remember_catalog, started_catalog
+from ftjob.memory.lifecycle import held_snapshots
 from ftjob.record import RunPlan, RunSnapshot, RunStatus
 from ftjob.reporting.loggers import LogFeed, LoggerError, continued_loggers
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
@@ -392,9 +392,8 @@ def _train(
         out.feed = logger_feed(job, prep, run_dir, echo)
         out.feed.params(prep.public_config)
         try:
-            t0 = start.started  # the driver's start: the progress lines' clock, the timeline's
             out.snapshot, out.fit = _train_on_cluster(
-                job, prep, echo, out.feed, keeper, stop, out.outputs, out.held, ray_died, t0
+                job, prep, echo, out.feed, keeper, stop, out.outputs, out.held, ray_died
             )
         except LeaseLost as exc:  # a holder knew a newer driver, and the lease agreed
             out.lease_lost = str(exc)
@@ -656,7 +655,6 @@ def _train_on_cluster(
     outputs: OutputsMirror | None = None,
     held: HeldRecord | None = None,
     ray_died: Callable[[str], None] = lambda reason: None,
-    started: float | None = None,
 ) -> tuple[RunSnapshot, FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
@@ -679,9 +677,7 @@ def _train_on_cluster(
         holders = run_actors.enter_context(
             held_snapshots(prep.run, memory, prep.continues, echo, lease.generation, check)
         )
-        monitor = Monitor(
-            ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held, started
-        )
+        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held)
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome, holders), name="ftjob-fit", daemon=True

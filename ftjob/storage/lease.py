@@ -49,8 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftjob.placement import machine
 from ftjob.storage.errors import is_storage_error
-from ftjob.storage.memory.ring import machine
 from ftjob.storage.retry import RetryPolicy
 from ftjob.storage.urls import is_object_store
 

@@ -30,14 +30,14 @@ from typing import Any
 
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
+from ftjob.memory.format import unpack
+from ftjob.memory.node_holders import BUFFERS_SUFFIX
+from ftjob.memory.tier import MemoryTier
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import CheckpointRecord, Fallback, Holder, JitCheckpoint, Restore, Tier
 from ftjob.storage.checkpoint import CheckpointStore, NewerFormat, RestoreChoice
 from ftjob.storage.lease import LeaseLost
-from ftjob.storage.memory.format import unpack
-from ftjob.worker.node_holders import BUFFERS_SUFFIX
 from ftjob.worker.recorder import JobStopped, RunRecorder
-from ftjob.worker.snapshots import MemoryTier
 from ftjob.worker.uploads import (
     CONFIG_FILE,
     AsyncUploader,
@@ -183,7 +183,7 @@ def load_state(state_of: Callable[[str], Any], module: Any, optimizer: Any) -> N
 def snapshot_state(files: dict[str, Any], device: Any) -> Callable[[str], Any]:
     """A memory snapshot's state dicts: the model's as views of its buffer (a module copies
     what it loads into its parameters), with its buffers kept apart
-    (:func:`~ftjob.worker.node_holders.split_buffers`) back in it; the optimizer's copied onto
+    (:func:`~ftjob.memory.node_holders.split_buffers`) back in it; the optimizer's copied onto
     ``device`` (it keeps the tensors it is given)."""
 
     def state_of(name: str) -> Any:
@@ -197,7 +197,7 @@ def snapshot_state(files: dict[str, Any], device: Any) -> Callable[[str], Any]:
 
 def snapshot_tensors(module: Any, optimizer: Any) -> dict[str, Any]:
     """What a memory snapshot copies: the model's state dict with its parameters as such
-    (``keep_vars``: its buffers are told apart, :func:`~ftjob.worker.node_holders.split_buffers`)
+    (``keep_vars``: its buffers are told apart, :func:`~ftjob.memory.node_holders.split_buffers`)
     and the optimizer's."""
     return {MODEL_FILE: module.state_dict(keep_vars=True), OPTIMIZER_FILE: optimizer.state_dict()}
 

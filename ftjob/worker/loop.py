@@ -58,6 +58,8 @@ from ftjob.data.streams import (
     decode_threads,
     numpy_rows,
 )
+from ftjob.memory.node_holders import holders_for
+from ftjob.memory.tier import MemoryTier
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import DecodeChoice, Progress
 from ftjob.storage.faults import set_fault_stream
@@ -69,12 +71,10 @@ from ftjob.worker.context import WorkerContext, ray_context
 from ftjob.worker.exact import pin_kernels, refused_op
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
-from ftjob.worker.node_holders import holders_for
 from ftjob.worker.optim import LRSchedule, build_optimizer, parameter_groups
 from ftjob.worker.preemption import PreemptionNotices
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from ftjob.worker.scratch import attempt_scratch_dir
-from ftjob.worker.snapshots import MemoryTier
 from ftjob.worker.validation import Validator
 
 

@@ -26,11 +26,11 @@ from typing import Any
 from ftjob.config import JobConfig
 from ftjob.driver.ledger import RunLedger
 from ftjob.driver.runner import Prepared, prepare, run_plan, worker_spec
+from ftjob.memory import SnapshotHolder
+from ftjob.memory.cluster import LocalHolders
 from ftjob.policy.hang import WatchConfig
 from ftjob.record import Hang, RunSnapshot, Straggler
 from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
-from ftjob.storage.memory import SnapshotHolder
-from ftjob.storage.memory.cluster import LocalHolders
 from ftjob.worker.context import DirectHandle, TornDown, local_context
 from ftjob.worker.loop import Worker, WorkerSpec
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ftjob import metrics as M
+from ftjob.memory.snapshot_copy import SnapshotCopy, Staged
+from ftjob.memory.tier import MemoryTier
 from ftjob.storage.checkpoint import checkpoint_file
-from ftjob.worker.snapshot_copy import SnapshotCopy, Staged
-from ftjob.worker.snapshots import MemoryTier
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
 

@@ -1,4 +1,4 @@
-"""A memory snapshot copied while the next step trains (ftjob/worker/snapshot_copy.py): what it
+"""A memory snapshot copied while the next step trains (ftjob/memory/snapshot_copy.py): what it
 holds is the step it names, bit for bit -- the buffers the next forward pass changes, the
 weights and the optimizer state the next optimizer step changes -- the same as a copy taken
 on the training thread; the step waits only at ``settle``, before its optimizer's step. The
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
-from ftjob.storage.memory import SnapshotHolder
+from ftjob.memory import SnapshotHolder
+from ftjob.memory.tier import MemoryTier
 from ftjob.worker.checkpointer import (
     OPTIMIZER_FILE,
     STATE_FILE,
@@ -28,7 +29,6 @@ from ftjob.worker.checkpointer import (
     snapshot_tensors,
 )
 from ftjob.worker.context import DirectHandle
-from ftjob.worker.snapshots import MemoryTier
 
 DEVICES = [
     "cpu",

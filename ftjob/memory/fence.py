@@ -1,7 +1,7 @@
 """The memory tier's fence: a run's holders take snapshots from the driver that holds the run's
 lease (:mod:`ftjob.storage.lease`) and from no deposed one.
 
-Holders outlive the driver (:mod:`ftjob.storage.memory.cluster`), and so, for a while, can the
+Holders outlive the driver (:mod:`ftjob.memory.cluster`), and so, for a while, can the
 dead driver's workers: a worker that is still training once the next driver has restored would
 put snapshots into the state the live run restores from. So every write to a holder carries the
 lease generation of the driver whose worker makes it, and a holder keeps the newest generation

@@ -1,6 +1,6 @@
 """Where a memory-tier snapshot goes, on the tier's background thread
-(:class:`~ftjob.worker.snapshots.MemoryTier`): the copy
-:class:`~ftjob.worker.snapshot_copy.SnapshotCopy` makes lands in a slot of the holder's
+(:class:`~ftjob.memory.tier.MemoryTier`): the copy
+:class:`~ftjob.memory.snapshot_copy.SnapshotCopy` makes lands in a slot of the holder's
 shared-memory ring (a rank on the holder's machine: nothing is sent) or in new memory, which is
 sent through Ray; then it is checked (a state that is not finite is never held), packed,
 digested and committed. Rank 0's own part of each step -- its module's buffers and records --
@@ -16,11 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ftjob import metrics as M
-from ftjob.storage.memory.format import Flat, Layout, Snapshot, digest_all, pack
-from ftjob.storage.memory.ring import Arena, Ring, machine
-from ftjob.worker.nearest_copy import holder_errors
-from ftjob.worker.node_holders import BUFFERS_SUFFIX, PER_RANK_SUFFIX, split_per_rank
-from ftjob.worker.snapshot_copy import SnapshotCopy, Staged
+from ftjob.memory.format import Flat, Layout, Snapshot, digest_all, pack
+from ftjob.memory.nearest_copy import holder_errors
+from ftjob.memory.node_holders import BUFFERS_SUFFIX, PER_RANK_SUFFIX, split_per_rank
+from ftjob.memory.ring import Arena, Ring
+from ftjob.memory.snapshot_copy import SnapshotCopy, Staged
+from ftjob.placement import machine
 
 
 class TierOff(Exception):
@@ -192,7 +193,7 @@ class SnapshotWriter:
     def share(self, step: int, states: dict[str, Flat], records: dict[str, Any]) -> None:
         """Rank 0, at every due step (taken or skipped): its own part of the state -- the
         module's buffers, its records: small -- to every peer holder, not waited for; there it
-        completes that node's copy of the step (:mod:`ftjob.worker.node_holders`)."""
+        completes that node's copy of the step (:mod:`ftjob.memory.node_holders`)."""
         if self.rank != 0:
             return
         if time.monotonic() - self._peers_at > 10.0:  # listing them asks Ray's GCS

@@ -1,4 +1,4 @@
-"""A snapshot ring's slots (:class:`~ftjob.storage.memory.ring.Ring`): their headers, the
+"""A snapshot ring's slots (:class:`~ftjob.memory.ring.Ring`): their headers, the
 claims writers hold on them, commits and retention -- each fenced by the run's lease generation
 and by the claim itself, so that no writer's bytes ever lie under another writer's digests.
 
@@ -14,7 +14,7 @@ mid-write, else frees the oldest committed snapshot of the writer's generation o
 one -- never the newest, never a newer generation's; with none of these it is refused
 (:class:`Slots.Busy`: that snapshot is skipped, the next one tries again).
 
-The ring's head holds the run's fence (:mod:`ftjob.storage.memory.fence`): the lease
+The ring's head holds the run's fence (:mod:`ftjob.memory.fence`): the lease
 generation the holder was told holds the run. A writer of an older generation is refused
 (:class:`Slots.Fenced`) before it claims a slot, once its claim is made and again before it
 commits; what a slow writer commits between the check and the holder's fence carries its

@@ -1,4 +1,4 @@
-"""The memory tier with a holder on every node (:mod:`ftjob.storage.memory.cluster`): each
+"""The memory tier with a holder on every node (:mod:`ftjob.memory.cluster`): each
 node's local rank 0 writes into its own node's ring, and a restore reads the nearest verified
 copy -- its own node's, else a surviving peer's, which then fills its own node's holder. Holders
 are plain objects here (one process stands for every node); a run on a Ray cluster that loses
@@ -16,11 +16,13 @@ import torch
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
+from ftjob.memory import Ring, SnapshotHolder
+from ftjob.memory.cluster import LocalHolders, RunHolders
+from ftjob.memory.node_holders import NodeHolders, holders_for, merge_per_rank, split_per_rank
+from ftjob.memory.tier import MemoryTier
+from ftjob.memory.traffic import HolderTraffic, RunTraffic
 from ftjob.record import Holder, WorkerPlace
 from ftjob.storage.identity import RunIdentity
-from ftjob.storage.memory import Ring, SnapshotHolder
-from ftjob.storage.memory.cluster import LocalHolders, RunHolders
-from ftjob.storage.memory.traffic import HolderTraffic, RunTraffic
 from ftjob.worker.checkpointer import (
     MODEL_FILE,
     STATE_FILE,
@@ -30,8 +32,6 @@ from ftjob.worker.checkpointer import (
     snapshot_tensors,
 )
 from ftjob.worker.context import DirectHandle
-from ftjob.worker.node_holders import NodeHolders, holders_for, merge_per_rank, split_per_rank
-from ftjob.worker.snapshots import MemoryTier
 from tests.unit.worker.test_checkpointer import make, model_and_optimizer, weights
 
 

@@ -1,4 +1,4 @@
-"""A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.storage.memory`):
+"""A worker's side of the memory tier (``checkpoint.memory``, :mod:`ftjob.memory`):
 taking snapshots of the training state and restoring one.
 
 Taking: every ``every_n_steps`` steps (``auto``: the interval :class:`SnapshotCadence` picks
@@ -6,10 +6,10 @@ for the measured cost) each node's writer (rank 0 on its node) begins a snapshot
 and optimizer's state; the training thread takes only what the next forward pass would change
 (the module's buffers: small), and a background thread copies the rest while the next step
 trains -- that step waits before its ``optimizer.step()`` until the copy no longer reads what
-the optimizer changes (:mod:`ftjob.worker.snapshot_copy`: on a GPU a side stream into the
+the optimizer changes (:mod:`ftjob.memory.snapshot_copy`: on a GPU a side stream into the
 page-locked ring, the training stream ordered after it). The same thread then checks, packs
-(:func:`~ftjob.storage.memory.format.pack`: each tensor's bytes as an array, the rest as small
-files), digests and commits it (:mod:`ftjob.worker.snapshot_writer`): on the holder's machine
+(:func:`~ftjob.memory.format.pack`: each tensor's bytes as an array, the rest as small
+files), digests and commits it (:mod:`ftjob.memory.snapshot_writer`): on the holder's machine
 the copy lies in a slot of the holder's ring (shared memory; nothing is sent), elsewhere it is
 sent through Ray. One snapshot is in flight at a time; a due snapshot while one is still being
 written is skipped (training never waits for the tier). The state is the same on every rank
@@ -20,7 +20,7 @@ checkpoint and verifies; every rank loads it. A snapshot that fails verification
 from the holder with a line, never loaded.
 
 Every write to a holder carries the lease generation of this worker's driver
-(:mod:`ftjob.storage.memory.fence`). A holder fenced by a newer one -- another driver took the
+(:mod:`ftjob.memory.fence`). A holder fenced by a newer one -- another driver took the
 run, and this worker outlived its own driver -- refuses it: the tier turns itself off with the
 holder's reason (:attr:`MemoryTier.fenced`), and the worker's next checkpoint commit meets the
 run lease's own fence, which stops it. A live run's workers are never refused.
@@ -38,15 +38,15 @@ from typing import Any
 
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
+from ftjob.memory.format import Buffer, Snapshot
+from ftjob.memory.nearest_copy import NearestCopy, holder_errors
+from ftjob.memory.node_holders import bind_holders, merge_per_rank
+from ftjob.memory.ring import Ring
+from ftjob.memory.snapshot_copy import SnapshotCopy
+from ftjob.memory.snapshot_writer import Deposed, NoSlot, SnapshotWriter, TierOff
 from ftjob.policy.cadence import SnapshotCadence
 from ftjob.record import Holder
 from ftjob.storage.checkpoint import RestoreChoice
-from ftjob.storage.memory.format import Buffer, Snapshot
-from ftjob.storage.memory.ring import Ring
-from ftjob.worker.nearest_copy import NearestCopy, holder_errors
-from ftjob.worker.node_holders import bind_holders, merge_per_rank
-from ftjob.worker.snapshot_copy import SnapshotCopy
-from ftjob.worker.snapshot_writer import Deposed, NoSlot, SnapshotWriter, TierOff
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ OVERLAP_CPU = True
 
 class MemoryTier:
     """Rank 0 takes snapshots; every rank restores from one. ``holder``: the run's
-    :class:`~ftjob.storage.memory.holder.SnapshotHolder` handle; ``fetch`` resolves its answers."""
+    :class:`~ftjob.memory.holder.SnapshotHolder` handle; ``fetch`` resolves its answers."""
 
     def __init__(
         self,
@@ -132,7 +132,7 @@ class MemoryTier:
         the module's buffers are taken (the next forward pass changes them); the weights and
         the optimizer's state are copied on the background thread while the next step trains,
         and that step waits at :meth:`settle`, before its optimizer changes them
-        (:mod:`ftjob.worker.snapshot_copy`). ``tensors``: file name -> state dict (model,
+        (:mod:`ftjob.memory.snapshot_copy`). ``tensors``: file name -> state dict (model,
         optimizer); ``records``: the snapshot's JSON files (state.json, config.json), called
         on the background thread -- it must read only what it took when it was made. On the
         holder's machine the copy goes straight into a slot of the holder's ring, and nothing
@@ -254,7 +254,7 @@ class MemoryTier:
         if self.reader.refused is not None:
             self._deposed(self.reader.refused)
 
-    # -- restoring (:class:`~ftjob.worker.nearest_copy.NearestCopy`) ----------------------
+    # -- restoring (:class:`~ftjob.memory.nearest_copy.NearestCopy`) ----------------------
 
     @property
     def source(self) -> Holder:

@@ -1,6 +1,6 @@
 """The memory tier on a cluster: a snapshot holder on every node that runs training ranks.
 
-Each node's holder (:class:`~ftjob.storage.memory.holder.NodeHolder`) is a Ray actor pinned to
+Each node's holder (:class:`~ftjob.memory.holder.NodeHolder`) is a Ray actor pinned to
 that node, and the node's local rank 0 writes its snapshots into that holder's shared-memory
 ring: the state DDP keeps identical on every rank never crosses the network per snapshot, and
 every node holds a full copy, so the loss of any one node leaves the others'. A restarted rank
@@ -16,7 +16,7 @@ driver claims them while it runs and releases them when the run ends; a holder n
 for ``checkpoint.memory.orphan_timeout_s`` releases itself. A holder on a node that joins later
 (an elastic grow, a replaced node) is created by the first rank that runs there. A driver fences
 every holder it finds with its lease generation before its workers start
-(:mod:`ftjob.storage.memory.fence`): the previous driver's workers, should they outlive it,
+(:mod:`ftjob.memory.fence`): the previous driver's workers, should they outlive it,
 write nothing the run restores from after that.
 
 :class:`RunHolders` finds them on Ray; :class:`LocalHolders` is the same directory of plain
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ftjob.memory.fence import Refused
+from ftjob.memory.holder import NodeHolder
 from ftjob.storage.identity import RunIdentity
-from ftjob.storage.memory.fence import Refused
-from ftjob.storage.memory.holder import NodeHolder
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a run name, as ftjob.config checks it
 NODE_ID = re.compile(r"[0-9A-Za-z_.-]+")

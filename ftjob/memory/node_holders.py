@@ -1,4 +1,4 @@
-"""A rank's view of the memory tier's holders (:mod:`ftjob.storage.memory.cluster`): its own
+"""A rank's view of the memory tier's holders (:mod:`ftjob.memory.cluster`): its own
 node's holder, which its node's local rank 0 writes snapshots into, and its peers', which a
 restore reads when its own node holds no verified copy of the chosen snapshot.
 
@@ -11,7 +11,7 @@ Nor are the metric timers and the time in ``state.json``. That small part -- ran
 a snapshot needs from rank 0 to be the run's state: each copy keeps its writer's apart
 (``<state>#buffers``, ``<record>#rank``, naming the writer), and rank 0 sends its own to every
 peer holder with each snapshot (:func:`rank_part`), so a copy written on another node is
-completed with it (:class:`~ftjob.worker.nearest_copy.NearestCopy`) and loads bit for bit what
+completed with it (:class:`~ftjob.memory.nearest_copy.NearestCopy`) and loads bit for bit what
 rank 0's copy would.
 """
 
@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.storage.memory.cluster import LocalHolders, RunHolders
-from ftjob.storage.memory.format import Buffer
+from ftjob.memory.cluster import LocalHolders, RunHolders
+from ftjob.memory.format import Buffer
 
 PER_RANK_KEYS = ("metrics", "time")  # of a record: what its writer's rank alone has
 PER_RANK_SUFFIX = "#rank"
@@ -33,10 +33,10 @@ WRITER = "writer"
 @dataclass(frozen=True)
 class NodeHolders:
     """Rank ``rank``'s holders: ``directory`` (a
-    :class:`~ftjob.storage.memory.cluster.HolderDirectory`, or None: the tier is off), the node
+    :class:`~ftjob.memory.cluster.HolderDirectory`, or None: the tier is off), the node
     it runs on, whether it writes that node's snapshots (its local rank 0), and the lease
     generation of its driver, which its every write to a holder carries (None: the run has no
-    lease; :mod:`ftjob.storage.memory.fence`)."""
+    lease; :mod:`ftjob.memory.fence`)."""
 
     directory: Any
     node: str

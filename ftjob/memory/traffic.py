@@ -9,7 +9,7 @@ network carries for the memory tier, counted where they land.
   buffers, per-rank records), sent by rank 0 with each snapshot it takes.
 
 And what it refused: writes of a worker whose driver no longer holds the run
-(:mod:`ftjob.storage.memory.fence`).
+(:mod:`ftjob.memory.fence`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ftjob.config import ConfigError, MemoryConfig, RetryConfig
-from ftjob.driver.holders import claim_interval, held_snapshots
+from ftjob.memory.lifecycle import claim_interval, held_snapshots
 from ftjob.storage.fs import build_filesystem
 from ftjob.storage.identity import RunIdentity, run_identity
 from ftjob.worker.checkpointer import STATE_FILE, TrainState
@@ -47,9 +47,9 @@ def test_two_runs_of_one_name_with_their_own_storage_never_share_their_holders(t
     import ray
 
     from ftjob import metrics as M
+    from ftjob.memory.node_holders import NodeHolders
+    from ftjob.memory.tier import MemoryTier
     from ftjob.worker.checkpointer import load_state, snapshot_state, snapshot_tensors
-    from ftjob.worker.node_holders import NodeHolders
-    from ftjob.worker.snapshots import MemoryTier
 
     runs = {}
     for who in ("a", "b"):

@@ -1,4 +1,4 @@
-"""The memory tier's fence (:mod:`ftjob.storage.memory.fence`): a holder fenced by the run's
+"""The memory tier's fence (:mod:`ftjob.memory.fence`): a holder fenced by the run's
 lease generation refuses a deposed driver's workers' writes and never offers them to a restore,
 while what the dead driver's workers wrote before the takeover stays restorable. Plain holders
 with their real shared-memory rings; the tier's side of a refusal:
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from ftjob.storage.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
-from ftjob.storage.memory.fence import Refused
+from ftjob.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
+from ftjob.memory.fence import Refused
 
 HERE = machine()
 ROOT = Path(__file__).resolve().parents[3]
@@ -152,7 +152,7 @@ def claim_and_die(address: dict[str, Any]) -> int:
 
 DIES = """
 import json, os, sys
-from ftjob.storage.memory import Ring
+from ftjob.memory import Ring
 slot, payload = Ring.attach(json.loads(sys.argv[1])).claim(2)  # the live run's
 payload[:8] = 99
 print(slot, flush=True)

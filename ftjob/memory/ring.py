@@ -18,20 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from ftjob.storage.memory.format import ALIGN, Buffer, Snapshot
-from ftjob.storage.memory.slots import SlotEntry, Slots
-
-
-def machine() -> str:
-    """Which kernel and pid namespace this process runs in: two processes that agree can map
-    each other's memory files through ``/proc/<pid>/fd``."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return ""
-
+from ftjob.memory.format import ALIGN, Buffer, Snapshot
+from ftjob.memory.slots import SlotEntry, Slots
+from ftjob.placement import machine  # where a ring may be mapped: its holder's machine
 
 _PAGE_LOCKED: list[mmap.mmap] = []  # mappings page-locked for a GPU, kept mapped until unlocked
 
@@ -48,7 +37,7 @@ class Ring(Slots):
     process behind the same pid (a container's), finds no token and uses the Ray path.
 
     Its slots, their claims, commits and retention, each fenced by the run's lease generation
-    and by the writer's claim: :class:`~ftjob.storage.memory.slots.Slots`. A reader trusts a
+    and by the writer's claim: :class:`~ftjob.memory.slots.Slots`. A reader trusts a
     slot only when every file matches its digest, and reads while no snapshot is being
     written into the slot it reads (a restore, before training resumes)."""
 

@@ -3,14 +3,14 @@ the training workers, so a restart restores from memory what storage would give 
 and several steps older.
 
 In a run each node that runs training ranks has one, a :class:`NodeHolder`: a detached Ray
-actor pinned to its node and named by the run (:mod:`ftjob.storage.memory.cluster`), so a
+actor pinned to its node and named by the run (:mod:`ftjob.memory.cluster`), so a
 worker's death leaves it, the loss of a node leaves the other nodes', and a driver's death leaves
 them all where the cluster lives on. A rank on the holder's machine writes its snapshots into the
-holder's shared-memory :class:`~ftjob.storage.memory.ring.Ring` (no call per snapshot); a rank
+holder's shared-memory :class:`~ftjob.memory.ring.Ring` (no call per snapshot); a rank
 elsewhere sends each one through Ray. (:func:`start_holder`: one holder owned by this process,
 on its node, for measurements.) Every write carries the lease generation of the driver whose
 worker makes it, and a holder offers nothing a deposed driver's workers wrote after the next
-driver fenced it (:mod:`ftjob.storage.memory.fence`).
+driver fenced it (:mod:`ftjob.memory.fence`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftjob.placement import start_pinned_actor
-from ftjob.storage.memory.fence import GenerationFence, Refused
-from ftjob.storage.memory.format import Snapshot
-from ftjob.storage.memory.ring import Ring, SlotEntry, machine
-from ftjob.storage.memory.traffic import HolderTraffic
+from ftjob.memory.fence import GenerationFence, Refused
+from ftjob.memory.format import Snapshot
+from ftjob.memory.ring import Ring, SlotEntry
+from ftjob.memory.traffic import HolderTraffic
+from ftjob.placement import machine, start_pinned_actor
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,7 @@ class SnapshotHolder:
 
 
 class NodeHolder(SnapshotHolder):
-    """A node's holder as a detached Ray actor (:mod:`ftjob.storage.memory.cluster`): it
+    """A node's holder as a detached Ray actor (:mod:`ftjob.memory.cluster`): it
     outlives the driver that started it, so the next driver of the run finds its snapshots;
     a thread releases it and ends the actor once no driver claimed it for
     ``orphan_timeout_s``."""

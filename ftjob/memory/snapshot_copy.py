@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.storage.memory.format import Flat, Layout
-from ftjob.worker.node_holders import BUFFERS_SUFFIX, split_buffers
+from ftjob.memory.format import Flat, Layout
+from ftjob.memory.node_holders import BUFFERS_SUFFIX, split_buffers
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@ surviving peer's (one transfer), which then fills this node's holder (a replaced
 empty one). Rank 0 finds the newest held snapshot newer than storage (:meth:`NearestCopy.newest`);
 every other rank reads the same one (:meth:`NearestCopy.chosen`). Its writes to a holder (a
 peer's copy kept here, drops, discards) and its reads carry its driver's lease generation, as
-a snapshot's do (:mod:`ftjob.storage.memory.fence`): a holder no driver fenced moves its fence
+a snapshot's do (:mod:`ftjob.memory.fence`): a holder no driver fenced moves its fence
 on at this rank's first read, and offers it nothing a deposed driver's workers wrote. The holders:
-:mod:`ftjob.storage.memory.cluster`; taking snapshots: :mod:`ftjob.worker.snapshots`.
+:mod:`ftjob.memory.cluster`; taking snapshots: :mod:`ftjob.memory.tier`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ftjob.memory.fence import Refused
+from ftjob.memory.format import Snapshot
+from ftjob.memory.holder import RingRef
+from ftjob.memory.node_holders import NodeHolders, rank_part, written_by
+from ftjob.memory.ring import Ring
 from ftjob.record import Holder
-from ftjob.storage.memory.fence import Refused
-from ftjob.storage.memory.format import Snapshot
-from ftjob.storage.memory.holder import RingRef
-from ftjob.storage.memory.ring import Ring
-from ftjob.worker.node_holders import NodeHolders, rank_part, written_by
 
 
 def holder_errors() -> tuple[type[BaseException], ...]:

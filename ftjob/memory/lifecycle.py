@@ -1,4 +1,4 @@
-"""The driver's side of the memory tier's holders (:mod:`ftjob.storage.memory.cluster`): one
+"""The driver's side of the memory tier's holders (:mod:`ftjob.memory.cluster`): one
 on every node that can run training ranks at the start, claimed while the driver runs,
 released when the run ends.
 
@@ -8,7 +8,7 @@ them when they hold a state newer than storage's. A run that starts afresh relea
 of its identity first: what they hold is not this run's. Holders are the run's by its identity
 (its name and storage, :mod:`ftjob.storage.identity`): another run of the same name never
 touches them. Either way the driver fences every holder
-with its lease generation before its workers start (:mod:`ftjob.storage.memory.fence`), and at
+with its lease generation before its workers start (:mod:`ftjob.memory.fence`), and at
 the end releases none that a newer driver of the run has fenced since.
 """
 
@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 from ftjob.config import MemoryConfig
+from ftjob.memory.cluster import RunHolders
+from ftjob.memory.traffic import RunTraffic
 from ftjob.storage.identity import RunIdentity
-from ftjob.storage.memory.cluster import RunHolders
-from ftjob.storage.memory.traffic import RunTraffic
 
 logger = logging.getLogger("ftjob")
 

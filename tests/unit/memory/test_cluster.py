@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from ftjob.memory import Snapshot, SnapshotHolder, machine
+from ftjob.memory.cluster import LocalHolders, holder_name, holder_namespace
+from ftjob.memory.holder import PutAnswer
 from ftjob.storage.identity import RunIdentity
-from ftjob.storage.memory import Snapshot, SnapshotHolder, machine
-from ftjob.storage.memory.cluster import LocalHolders, holder_name, holder_namespace
-from ftjob.storage.memory.holder import PutAnswer
 
 
 def snapshot(step: int) -> Snapshot:
@@ -89,9 +89,9 @@ def test_on_ray_a_driver_fences_the_runs_holders_and_one_that_refused_it_is_drop
     import ray
 
     from ftjob.config import MemoryConfig
-    from ftjob.driver.holders import held_snapshots
+    from ftjob.memory.cluster import RunHolders
+    from ftjob.memory.lifecycle import held_snapshots
     from ftjob.storage.lease import LeaseLost
-    from ftjob.storage.memory.cluster import RunHolders
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ftjob.storage.memory import (
+from ftjob.memory import (
     DIGEST,
     Flat,
     Ring,
@@ -28,8 +28,8 @@ from ftjob.storage.memory import (
     pack,
     unpack,
 )
-from ftjob.storage.memory import format as memory_format
-from ftjob.storage.memory.holder import PutAnswer
+from ftjob.memory import format as memory_format
+from ftjob.memory.holder import PutAnswer
 
 ROOT = Path(__file__).resolve().parents[3]
 HERE = machine()
@@ -203,7 +203,7 @@ def test_a_nan_or_inf_in_any_floating_tensor_is_found_and_integers_are_not_check
 WRITER = """
 import json, os, sys
 import numpy as np
-from ftjob.storage.memory import Ring, digest_all
+from ftjob.memory import Ring, digest_all
 ring = Ring.attach(json.loads(sys.argv[1]))
 slot, payload = ring.claim()
 payload[:4] = np.frombuffer(b"abcd", np.uint8)
@@ -283,8 +283,8 @@ def test_through_ray_a_snapshot_outlives_its_sender_and_a_reader_elsewhere_gets_
 
     from ftjob import metrics as M
     from ftjob.config import MemoryConfig
-    from ftjob.storage.memory import start_holder
-    from ftjob.worker.snapshots import MemoryTier
+    from ftjob.memory import start_holder
+    from ftjob.memory.tier import MemoryTier
 
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
