@@ -43,11 +43,16 @@ _HASHES: dict[str, Callable[[memoryview], str]] = {
 }
 
 
+def _bytes_of(data: Buffer) -> memoryview:
+    """``data``'s bytes as one flat view (an array's as they lie in its memory)."""
+    return memoryview(data if isinstance(data, bytes) else data.data).cast("B")
+
+
 def digest(data: Buffer, algorithm: str | None = None) -> str:
     """``algorithm:hex`` of ``data`` (:data:`DIGEST` by default): the algorithm travels with
     the digest, so a snapshot is verified with the one it was taken with."""
     algorithm = algorithm or DIGEST
-    return f"{algorithm}:{_HASHES[algorithm](memoryview(data).cast('B'))}"
+    return f"{algorithm}:{_HASHES[algorithm](_bytes_of(data))}"
 
 
 def digest_as(data: Buffer, recorded: str) -> str:
@@ -55,7 +60,7 @@ def digest_as(data: Buffer, recorded: str) -> str:
     SHA-256, as snapshots were digested before the algorithm was named)."""
     algorithm, sep, _ = recorded.partition(":")
     if not sep:
-        return _HASHES["sha256"](memoryview(data).cast("B"))
+        return _HASHES["sha256"](_bytes_of(data))
     if algorithm not in _HASHES:
         return f"{algorithm}: unknown digest"  # matches no recorded digest: not trusted
     return digest(data, algorithm)
@@ -82,7 +87,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(data).nbytes for data in self.files.values())
+        return sum(_bytes_of(data).nbytes for data in self.files.values())
 
     def verify(self) -> str | None:
         """None when every buffer matches its digest, else what does not."""

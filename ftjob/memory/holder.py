@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,7 @@ class SnapshotHolder:
         return refused
 
     def _take_over(self, generation: int, admit: bool) -> None:
+        held: list[tuple[int | None, Hashable]]
         held = [(self.born.get(s), ("sent", s)) for s in self.snapshots]
         held += [(self.part_born.get(s), ("part", s)) for s in self.parts]
         entries = self.ring.entries() if self.ring is not None else []

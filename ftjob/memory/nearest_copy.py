@@ -47,7 +47,8 @@ class NearestCopy:
         attach: Callable[[dict[str, Any]], Ring | None],
     ) -> None:
         self.place, self.holder, self.rank = place, holder, rank
-        self.generation, self.refused = place.generation, None
+        self.generation = place.generation
+        self.refused: str | None = None
         self.fetch, self.log, self.attach = fetch, log, attach
         self.source, self.node_read = Holder.storage, place.node
 

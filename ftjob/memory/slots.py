@@ -115,7 +115,7 @@ class Slots:
 
     def _header(self, slot: int) -> tuple[int, int, int, int, int]:
         """State, step, JSON length, generation and nonce of slot ``slot``."""
-        return struct.unpack_from("<QQQQQ", self.memory, self._start(slot))  # type: ignore[return-value]
+        return struct.unpack_from("<QQQQQ", self.memory, self._start(slot))
 
     def _set_state(self, slot: int, state: int, step: int = 0) -> None:
         struct.pack_into("<QQ", self.memory, self._start(slot), state, step)

@@ -76,7 +76,7 @@ class SnapshotWriter:
         if self.opened:
             self.ring = self._open_ring(size)
         slot, arena = None, None
-        if self.ring:
+        if isinstance(self.ring, Ring):
             try:
                 slot, payload = self.ring.claim(self.generation)
             except Ring.Fenced as exc:

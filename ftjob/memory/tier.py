@@ -61,6 +61,8 @@ class MemoryTier:
     """Rank 0 takes snapshots; every rank restores from one. ``holder``: the run's
     :class:`~ftjob.memory.holder.SnapshotHolder` handle; ``fetch`` resolves its answers."""
 
+    reader: NearestCopy
+
     def __init__(
         self,
         holder: Any,
