@@ -75,6 +75,12 @@ DATA_DECODE_PLACE = "data/decode_place"
 DECODE_PLACES = {"worker": 1, "ray": 2, "device": 3}  # data/decode_place's codes (0: not chosen)
 DATA_PROBE = "data/probe_"  # + place: auto's measured images/s
 DATA_PROBES = tuple(DATA_PROBE + place for place in DECODE_PLACES)
+# The memory tensors held on rank 0's GPU (MiB, torch's allocated bytes; 0 on a CPU): the peak
+# of the last epoch that ended, the highest of any epoch, and the largest rise of an epoch's
+# peak over the epoch before it -- 0 while the run's memory is flat.
+GPU_MEMORY_EPOCH_PEAK = "gpu/memory_epoch_peak_mb"
+GPU_MEMORY_PEAK = "gpu/memory_peak_mb"
+GPU_MEMORY_GROWTH = "gpu/memory_growth_mb"
 
 METRIC_KEYS: tuple[str, ...] = (
     TRAIN_STEP,
@@ -125,6 +131,9 @@ METRIC_KEYS: tuple[str, ...] = (
     *DATA_FALLBACKS,
     DATA_DECODE_PLACE,
     *DATA_PROBES,
+    GPU_MEMORY_EPOCH_PEAK,
+    GPU_MEMORY_PEAK,
+    GPU_MEMORY_GROWTH,
 )
 
 

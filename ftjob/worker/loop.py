@@ -68,6 +68,7 @@ from ftjob.storage.lease import LeaseFence
 from ftjob.worker.backward import Backward, data_parallel
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, Restored, TrainState
 from ftjob.worker.context import WorkerContext, ray_context
+from ftjob.worker.device_memory import epoch_ended
 from ftjob.worker.exact import pin_kernels, refused_op
 from ftjob.worker.heartbeat import Heartbeat
 from ftjob.worker.models import build_model
@@ -334,6 +335,7 @@ class Worker:
         s, t = self.state, self.trainer
         if epoch_end:
             s.epoch, s.position = epoch + 1, 0
+            epoch_ended(self.ctx.device, self.metrics)  # the GPU's peak of the epoch
         else:
             if s.step % t.log_every_n_steps == 0:
                 self._log_progress()
@@ -358,8 +360,7 @@ class Worker:
         with self.beat.section("checkpoint"):
             self.checkpointer.finish(self.state)
         self.checkpointer.send_storage_stats()
-        loss, rate = self.losses.final(self.state.step, self.metrics)
-        self._send_progress(self.state.epoch - 1, loss, rate)
+        self._send_progress(self.state.epoch - 1, *self.losses.final(self.state.step, self.metrics))
         self.record.finish()
 
     def _close(self) -> None:
