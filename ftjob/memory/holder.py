@@ -272,6 +272,18 @@ class SnapshotHolder:
             return []
         return sorted(self._held(), reverse=True)
 
+    def keys(self, generation: int | None = None) -> list[tuple[int, int]]:
+        """(lease generation of its writer, step) of each snapshot held, newest first in the
+        run's order -- as storage orders its checkpoints (:mod:`ftjob.storage.catalog`) -- for
+        a reader of lease ``generation`` (:meth:`_reader`). 0: a writer of no known generation
+        (a run without a lease)."""
+        if not self._reader(generation, "a read of the steps held"):
+            return []
+        born = {step: self.born.get(step) or 0 for step in self.snapshots}
+        for step, entry in self._offered().items():
+            born.setdefault(step, entry.generation)
+        return sorted(((g, step) for step, g in born.items()), reverse=True)
+
     def get(self, step: int, generation: int | None = None) -> Any:
         """The snapshot of ``step`` (None: not held): a :class:`RingRef` when it lies in the
         ring, else the snapshot (as a Ray actor, its ObjectRef)."""

@@ -76,24 +76,25 @@ class NearestCopy:
         if isinstance(answer, Refused):
             self.refused = answer.reason
 
-    def newest(self, committed: Callable[[], list[int]]) -> Snapshot | None:
+    def newest(self, committed: Callable[[], list[tuple[int, int]]]) -> Snapshot | None:
         """Rank 0: the newest snapshot any holder has that is newer than every committed
-        durable checkpoint (``committed()``: their steps, newest first) and verifies -- this
-        node's copy first, else a peer's; one that does not verify is dropped from its holder,
-        with a line."""
-        held: dict[int, list[tuple[str, Any]]] = {}
+        durable checkpoint and verifies -- this node's copy first, else a peer's; one that does
+        not verify is dropped from its holder, with a line. Newer in the run's order, storage's
+        (``committed()``: (lease generation, step) of the checkpoints, newest first): a
+        snapshot of the live driver's generation outranks a deposed driver's later step."""
+        held: dict[tuple[int, int], list[tuple[str, Any]]] = {}
         for node, handle in self.holders():
             try:
-                for step in self.fetch(handle.steps.remote(self.generation)):
-                    held.setdefault(step, []).append((node, handle))
+                for key in self.fetch(handle.keys.remote(self.generation)):
+                    held.setdefault(tuple(key), []).append((node, handle))
             except holder_errors() as exc:
                 self.log(f"memory tier: the holder of node {node[:12]} did not answer ({exc})")
         durable = committed() if held else []
-        after_step = durable[0] if durable else -1
-        for step in sorted(held, reverse=True):
-            if step <= after_step:
+        for key in sorted(held, reverse=True):
+            if durable and key <= durable[0]:
                 return None
-            for node, handle in held[step]:
+            step = key[1]
+            for node, handle in held[key]:
                 snapshot = self.complete(self.get(step, handle), handle)
                 if snapshot is not None:
                     self._keep_here(node, snapshot)

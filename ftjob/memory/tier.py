@@ -263,12 +263,13 @@ class MemoryTier:
         """Whose copy the last restore read: this node's holder, or a peer's."""
         return self.reader.source
 
-    def newest(self, committed: Callable[[], list[int]]) -> Snapshot | None:
+    def newest(self, committed: Callable[[], list[tuple[int, int]]]) -> Snapshot | None:
         return self.reader.newest(committed) if self.holder is not None else None
 
-    def offer(self, committed: Callable[[], list[int]]) -> RestoreChoice | None:
+    def offer(self, committed: Callable[[], list[tuple[int, int]]]) -> RestoreChoice | None:
         """Rank 0: the restore choice for the newest verified snapshot newer than storage
-        (:meth:`newest`), or None."""
+        (:meth:`newest`; ``committed()``: storage's newest checkpoint as (lease generation,
+        step)), or None."""
         self._offered = self.newest(committed)
         if self._offered is None:
             return None

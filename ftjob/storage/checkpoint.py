@@ -370,16 +370,17 @@ class CheckpointStore(CheckpointCatalog):
             return False
         return True
 
-    def newest_verified(self) -> list[int]:
-        """[the newest committed step that verifies], or [] (what a memory snapshot must be
-        newer than: a damaged newest checkpoint is no reason to pass one over). Raises
-        :class:`NewerFormat` when the newest is of a format this ftjob does not read."""
+    def newest_verified(self) -> list[tuple[int, int]]:
+        """[(lease generation, step) of the newest committed checkpoint that verifies], or []:
+        what a memory snapshot must be newer than, in the run's order (a damaged newest
+        checkpoint is no reason to pass one over). Raises :class:`NewerFormat` when the newest
+        is of a format this ftjob does not read."""
 
         def said(entry: Listed, exc: CorruptCheckpoint) -> None:
             logger.warning("checkpoint %s does not verify: %s", self.path_for(entry.step), exc)
 
         found = self.newest(lambda entry: self._check(entry.step), said)
-        return [found[0].step] if found else []
+        return [found[0].key] if found else []
 
     def download(self, step: int, local_dir: str) -> dict[str, Any]:
         """Download and verify the checkpoint of ``step`` into ``local_dir`` (each file under

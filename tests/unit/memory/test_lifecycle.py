@@ -85,7 +85,7 @@ def test_two_runs_of_one_name_with_their_own_storage_never_share_their_holders(t
                 for step in range(1, 9):
                     take(writer_b, step, 2.0)
                 restart_a = tier(holders_a, node)  # A's worker failed: its next attempt
-                chosen = restart_a.offer(lambda: [2])
+                chosen = restart_a.offer(lambda: [(1, 2)])
                 assert chosen is not None and chosen.step == 3, said
                 restored, its_optimizer = trained()
                 load_state(snapshot_state(restart_a.files(chosen), "cpu"), restored, its_optimizer)

@@ -151,7 +151,7 @@ def test_a_rank_whose_node_holds_no_copy_reads_rank_0s_from_its_peer_once_and_ke
     model, optimizer = model_and_optimizer(0)
     snap(tier(directory, "node0", 0), 4, model, optimizer, 0)  # node1 was replaced: empty
     rank0, rank1 = tier(directory, "node0", 0), tier(directory, "node1", 1)
-    choice = rank0.offer(lambda: [2])
+    choice = rank0.offer(lambda: [(0, 2)])
     assert choice is not None and choice.node == "node0" and rank0.source == Holder.local
     files = rank1.files(choice)
     assert rank1.source == Holder.peer and rank1.reader.node_read == "node0"

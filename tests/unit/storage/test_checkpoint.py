@@ -578,7 +578,7 @@ def test_the_newest_verified_checkpoint_is_looked_for_again_when_one_is_pruned_m
     # would have been restored over step 20).
     base, run_path = storage
     reader, landed = _lingering_upload(base, run_path, str(tmp_path), "cat_file", "/manifest.")
-    assert reader.newest_verified() == [20] and landed
+    assert reader.newest_verified() == [(0, 20)] and landed  # no lease: generation 0
 
 
 def test_a_directory_is_deleted_manifest_first(
@@ -645,7 +645,7 @@ def test_a_deposed_drivers_later_step_never_becomes_the_runs_newest(
     _, live = _zombie_commits_a_later_step(base, run_path, str(tmp_path))
     reader = CheckpointStore(RetryingFileSystem(base, no_sleep_policy()), run_path)
     assert reader.committed_steps() == [10, 15]  # generation 2's step 10 first
-    assert reader.newest_verified() == [10]
+    assert reader.newest_verified() == [(2, 10)]
     restored = reader.restore_latest(str(tmp_path / "r1"))
     assert restored.step == 10 and restored.skipped == []
     assert Path(restored.local_dir, "model.pt").read_text() == "B model.pt step 10\n"

@@ -16,6 +16,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig, MemoryConfig
 from ftjob.memory import Ring, Snapshot, SnapshotHolder
+from ftjob.memory.node_holders import bind_holders
 from ftjob.memory.tier import MemoryTier
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.retry import RetryPolicy
@@ -47,8 +48,25 @@ class FakeLedger:
         return next((args[0] for name, args in self.calls if name == "set_fatal"), None)
 
 
+class Fence:
+    """A run lease's fence for a driver of lease ``generation`` that lets every write through
+    (whether it should is the lease's test): what a checkpoint's objects and a snapshot's
+    writes are stamped with."""
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+
+    def __call__(self) -> None:
+        return None
+
+
 def make(
-    tmp_path: Path, fs: Any = None, global_batch: int = 32, holder: Any = None, **config: Any
+    tmp_path: Path,
+    fs: Any = None,
+    global_batch: int = 32,
+    holder: Any = None,
+    fence: Fence | None = None,
+    **config: Any,
 ) -> tuple[Checkpointer, FakeLedger]:
     ledger = FakeLedger()
     policy: RetryPolicy = no_sleep_policy()
@@ -56,7 +74,9 @@ def make(
     recorder = RunRecorder(ledger, 0, lambda value, timeout=None: value, attempt=0)
     answer = lambda value: value  # noqa: E731 -- a DirectHandle answers at once
     tier = MemoryConfig(enabled=True, max_mb=64.0)
-    memory = MemoryTier(holder, tier, 0, metrics, answer, recorder.log) if holder else None
+    generation = fence.generation if fence is not None else None
+    place = bind_holders(holder, 0, generation=generation)
+    memory = MemoryTier(place, tier, 0, metrics, answer, recorder.log) if holder else None
     checkpointer = Checkpointer(
         fs=fs or RetryingFileSystem(LocalFileSystem(), policy),
         run_path=str(tmp_path / "storage" / "run"),
@@ -70,6 +90,7 @@ def make(
         local_root=str(tmp_path / "scratch"),
         global_batch=global_batch,
         memory=memory,
+        fence=fence,
     )
     return checkpointer, ledger
 
@@ -370,6 +391,34 @@ def test_a_damaged_newer_durable_checkpoint_does_not_pass_over_a_good_snapshot(
     fresh, fresh_optimizer = model_and_optimizer(1)
     restored = next_attempt.restore(fresh, fresh_optimizer, torch.device("cpu"))
     assert restored is not None and restored.tier == "memory" and restored.state.step == 13
+
+
+def test_a_deposed_drivers_later_durable_step_never_hides_the_live_runs_newer_snapshot(
+    tmp_path: Path, channel: str
+) -> None:
+    """Storage ranks a deposed driver's late commit below every checkpoint of the generation
+    that took over, whatever its step: so does a restore that weighs a snapshot against it.
+    Right after a takeover, before the live driver commits anything, a step the deposed one
+    committed past its fence (30) must not pass for newer than the live run's snapshot (25)."""
+    holder = SnapshotHolder(cap_bytes=2**20 if channel == "sent" else 2**24, keep=2)
+    deposed, _ = make(tmp_path, fence=Fence(1))
+    model, optimizer = model_and_optimizer(0)
+    deposed.save(TrainState(step=20, epoch=0, position=640), model, optimizer)
+    assert holder.fence(2) is None  # the next driver took the run, before its workers start
+    live, _ = make(tmp_path, holder=DirectHandle(holder), fence=Fence(2))
+    ours, its_optimizer = model_and_optimizer(2)  # what the live run trained since step 20
+    step_done(live, TrainState(step=25, position=800), ours, its_optimizer)
+    deposed.save(TrainState(step=30, epoch=0, position=960), model, optimizer)  # past its fence
+    assert live.store.newest_verified() == [(1, 30)]  # storage's newest: no commit of gen 2 yet
+
+    fresh, fresh_optimizer = model_and_optimizer(1)
+    restored = live.restore(fresh, fresh_optimizer, torch.device("cpu"))
+    assert restored is not None and restored.tier == "memory" and restored.state.step == 25
+    assert all(torch.equal(a, b) for a, b in zip(weights(fresh), weights(ours), strict=True))
+    # Once the live run has committed a step of its own, that checkpoint ranks above both.
+    live.save(TrainState(step=26, epoch=0, position=832), ours, its_optimizer)
+    again = live.restore(*model_and_optimizer(1), torch.device("cpu"))
+    assert again is not None and again.tier == "storage" and again.state.step == 26
 
 
 def test_a_snapshot_that_fails_verification_is_skipped_for_the_durable_checkpoint(
