@@ -22,6 +22,7 @@ from ftjob.reporting.outputs import (
     append_console,
     close_open_mirror,
     finished_run_outputs,
+    log_to_console_log,
 )
 from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
@@ -44,6 +45,7 @@ def _job(cfg: DictConfig) -> str:
     multirun = hc.mode == RunMode.MULTIRUN
     logging.getLogger("ray").setLevel(logging.ERROR)
     redactor = _keep_secrets(cfg, run_dir, multirun)
+    log_to_console_log(run_dir)
     try:
         job = load_job(cfg)
         overrides = list(hc.overrides.task)

@@ -384,9 +384,7 @@ def _train(
         )
         echo(f"checkpoints: {prep.fs.unstrip_protocol(prep.run_path)}")
         out.outputs = outputs_mirror(job, prep, run_dir)
-        echo(
-            f"outputs: {out.outputs.url} (summary, console log, timeline, config, loggers' files: a copy)"
-        )
+        echo(out.outputs.line())  # where its copy is, or that the run dir is beside storage
         for note in prep.notes:
             echo(note)
         out.feed = logger_feed(job, prep, run_dir, echo)

@@ -18,6 +18,7 @@ reads a run back from there (:func:`fetch_outputs`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import re
@@ -136,11 +137,16 @@ def plain_name(name: str) -> bool:
 class OutputsMirror:
     """Copies the run dir's outputs (:func:`mirrored_files`) to ``target`` on ``fs`` (a
     retrying filesystem): what changed since the last copy, when :meth:`request` asks (on the
-    mirror's thread) and at :meth:`close` (on the caller's)."""
+    mirror's thread) and at :meth:`close` (on the caller's). A ``target`` inside the run dir
+    (the default storage, ``<run dir>/checkpoints``) gets no copy: the run dir already lies
+    beside its checkpoints, and a copy inside it would put every file there twice --
+    ``tensorboard --logdir`` on the run dir showed each run twice, a glob for W&B's offline
+    runs found two of one run."""
 
     def __init__(self, fs: Any, target: str, run_dir: str, redactor: Redactor) -> None:
         self.fs, self.target, self.run_dir, self.redactor = fs, target, run_dir, redactor
         self.local = "file" in _protocols(innermost(fs))
+        self.inside = self.local and _within(target, run_dir)
         self.sent: dict[str, tuple[int, int]] = {}  # path -> (mtime_ns, size) last copied
         self.kept_earlier: str | None = None  # where another driver's copy was set aside
         self._looked = False  # for another driver's copy, before the first write
@@ -154,6 +160,17 @@ class OutputsMirror:
     @property
     def url(self) -> str:
         return str(self.fs.unstrip_protocol(self.target))
+
+    def line(self) -> str:
+        """Where a run's outputs are, as the run says it once."""
+        if self.inside:
+            return (
+                f"outputs: {os.path.abspath(self.run_dir)} (checkpoint storage lies inside this "
+                "run dir: nothing is copied)"
+            )
+        return (
+            f"outputs: {self.url} (summary, console log, timeline, config, loggers' files: a copy)"
+        )
 
     def start(self) -> OutputsMirror:
         self._thread = threading.Thread(target=self._serve, name="ftjob-outputs", daemon=True)
@@ -176,6 +193,8 @@ class OutputsMirror:
 
     def sync(self) -> int:
         """Copy what changed; returns how many files were copied. Never raises for storage."""
+        if self.inside:
+            return 0
         with self._lock:
             if not self._looked:
                 self._looked = True
@@ -282,6 +301,8 @@ def close_open_mirror(run_dir: str, last_line: str | None = None) -> str | None:
         return None
     if last_line is not None:
         append_console(run_dir, mirror.redactor.text(last_line))
+    if mirror.inside:
+        return mirror.close()
     return mirror.close() or f"outputs: {mirror.url} (a copy, traceback included)"
 
 
@@ -304,6 +325,8 @@ def finished_run_outputs(
     url = posixpath.join(storage_path.rstrip("/"), name, OUTPUTS_DIR)
     fs, target = build_filesystem(url, options, retry)
     mirror = OutputsMirror(fs, target, run_dir, redactor)
+    if mirror.inside:  # the finished run's outputs are this run dir's (storage lies inside it)
+        return
     if _succeeded_there(fs, target):
         say(f"outputs: {mirror.url} (the run's own, from the driver that finished it: kept)")
         return
@@ -338,6 +361,12 @@ def scrubbed(data: bytes, rel: str, redactor: Redactor) -> bytes:
     return redactor.binary(data)
 
 
+def _within(path: str, run_dir: str) -> bool:
+    """Is ``path`` (a local one) the run dir or under it, links resolved?"""
+    here = os.path.realpath(run_dir)
+    return os.path.commonpath([os.path.realpath(path), here]) == here
+
+
 def _protocols(fs: Any) -> set[str]:
     protocol = fs.protocol
     return {protocol} if isinstance(protocol, str) else set(protocol)
@@ -346,19 +375,63 @@ def _protocols(fs: Any) -> set[str]:
 def tee_console(run_dir: str, say: Callable[[str], None]) -> Callable[[str], None]:
     """``say``, each line also appended to ``<run_dir>/console.log`` -- unless standard output
     already goes to that file (a sweep job started by ftjob's launcher)."""
-    path = os.path.join(run_dir, CONSOLE_LOG)
-    try:
-        out, here = os.fstat(sys.stdout.fileno()), os.stat(path)
-        if (out.st_dev, out.st_ino) == (here.st_dev, here.st_ino):
-            return say
-    except (OSError, ValueError, AttributeError):  # stdout without a file (a test's capture)
-        pass
+    if _stdout_is_console_log(run_dir):
+        return say
 
     def echo(line: str) -> None:
         say(line)
         append_console(run_dir, line)
 
     return echo
+
+
+def _stdout_is_console_log(run_dir: str) -> bool:
+    try:
+        out, here = os.fstat(sys.stdout.fileno()), os.stat(os.path.join(run_dir, CONSOLE_LOG))
+    except (OSError, ValueError, AttributeError):  # stdout without a file (a test's capture)
+        return False
+    return (out.st_dev, out.st_ino) == (here.st_dev, here.st_ino)
+
+
+# How a record reads in the console log where the console's own format is unknown (Hydra's).
+RECORD_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+_CONSOLE = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+
+
+class ConsoleLogRecords(logging.Handler):
+    """Log records (a storage request the driver retried, a sweep job's traceback) appended to
+    the run dir's console log as the console shows them: the run dir keeps one log, read as
+    the console was, where Hydra's job log (``<job>.log``, not made: conf/config.yaml) held
+    the records alone -- empty in most runs. A line at a time, no file kept open: a sweep's
+    jobs each have their own."""
+
+    def __init__(self, run_dir: str) -> None:
+        super().__init__()
+        self.run_dir = run_dir
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            append_console(self.run_dir, self.format(record))
+        except Exception:  # logging's rule: a record that cannot be written never stops the run
+            self.handleError(record)
+
+
+def log_to_console_log(run_dir: str) -> None:
+    """The root logger's records go to ``run_dir``'s console log too (formatted as on the
+    console), instead of an earlier job's of this process -- unless standard output already
+    goes to that file (a sweep job of ftjob's launcher: they are there)."""
+    root = logging.getLogger()
+    for earlier in [h for h in root.handlers if isinstance(h, ConsoleLogRecords)]:
+        root.removeHandler(earlier)
+    if _stdout_is_console_log(run_dir):
+        return
+    handler = ConsoleLogRecords(run_dir)
+    shown = next(  # as the console shows them (Hydra's handler of standard output)
+        (h.formatter for h in root.handlers if getattr(h, "stream", None) in _CONSOLE),
+        None,
+    )
+    handler.setFormatter(shown or logging.Formatter(RECORD_FORMAT))
+    root.addHandler(handler)
 
 
 def append_console(run_dir: str, line: str) -> None:
