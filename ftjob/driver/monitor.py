@@ -85,7 +85,8 @@ class Monitor:
     worker the ledger found, replaces killed nodes of a local cluster, watches the lease, and
     keeps the run's record on the driver's side (``held``: pulled every few seconds and at
     every committed checkpoint). Each duty asks the ledger on its own: one that fails is
-    said, and the others go on."""
+    said, and the others go on. A line's ``mm:ss`` counts from ``started``: the driver's
+    start, summary.json's ``timing.run_started`` -- second 0 of timeline.png too."""
 
     def __init__(
         self,
@@ -97,12 +98,13 @@ class Monitor:
         clean: Callable[[str], str] = lambda text: text,
         outputs: OutputsMirror | None = None,
         held: HeldRecord | None = None,
+        started: float | None = None,
     ) -> None:
         self.ledger, self.echo, self.local, self.keeper = ledger, echo, local, keeper
         self.feed, self.clean, self.outputs = feed, clean, outputs
         self.held = held or HeldRecord(empty_snapshot())
         self.cursor = 0
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self.failing: dict[str, int] = {}  # duty -> failed asks in a row
         self.unanswered: str | None = None  # the ledger's last error: why it did not answer
 

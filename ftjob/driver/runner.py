@@ -390,8 +390,9 @@ def _train(
         out.feed = logger_feed(job, prep, run_dir, echo)
         out.feed.params(prep.public_config)
         try:
+            t0 = start.started  # the driver's start: the progress lines' clock, the timeline's
             out.snapshot, out.fit = _train_on_cluster(
-                job, prep, echo, out.feed, keeper, stop, out.outputs, out.held, ray_died
+                job, prep, echo, out.feed, keeper, stop, out.outputs, out.held, ray_died, t0
             )
         except LeaseLost as exc:  # a holder knew a newer driver, and the lease agreed
             out.lease_lost = str(exc)
@@ -653,6 +654,7 @@ def _train_on_cluster(
     outputs: OutputsMirror | None = None,
     held: HeldRecord | None = None,
     ray_died: Callable[[str], None] = lambda reason: None,
+    started: float | None = None,
 ) -> tuple[RunSnapshot, FitOutcome]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
@@ -675,7 +677,9 @@ def _train_on_cluster(
         holders = run_actors.enter_context(
             held_snapshots(prep.run, memory, prep.continues, echo, lease.generation, check)
         )
-        monitor = Monitor(ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held)
+        monitor = Monitor(
+            ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held, started
+        )
         outcome: dict[str, Any] = {}
         fit_thread = threading.Thread(
             target=_fit, args=(job, prep, ledger, outcome, holders), name="ftjob-fit", daemon=True
