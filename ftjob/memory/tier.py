@@ -164,10 +164,13 @@ class MemoryTier:
         waited = self.copier.settle()
         if waited:
             self._lost(waited)
-            self.metrics.add(M.TRAIN_STEP, -waited)
 
     def _lost(self, seconds: float) -> None:
+        """The training lost ``seconds`` to the snapshot's copy -- its thread at
+        :meth:`settle`, or on a GPU the device's stream, timed there and known a few steps
+        later (:meth:`SnapshotCopy.stalled`): the snapshot's time, taken out of the step's."""
         self._wait_s += seconds
+        self.metrics.add(M.TRAIN_STEP, -seconds)
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_WAIT, seconds)
         self.metrics.add(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME, seconds)
 

@@ -223,3 +223,18 @@ def test_optimizer_state_is_read_before_the_step_changes_its_dicts() -> None:
     saved = snapshot_state(found.files, torch.device("cpu"))(OPTIMIZER_FILE)
     assert {state["count"] for state in saved["state"].values()} == {1}
     memory.close(timeout=10)
+
+
+def test_the_devices_wait_for_the_copy_leaves_the_steps_time_as_the_threads_wait_does() -> None:
+    # On a GPU the training stream waits for the copy before the optimizer's kernels, timed on
+    # the device and known a few steps later (SnapshotCopy.stalled): it is the snapshot's time,
+    # not the step's -- counted in train/step as well, goodput would count it twice.
+    memory, _ = tier()
+    memory.metrics.add(M.TRAIN_STEP, 1.0)
+    stalls = [0.25]
+    memory.copier.stalled = lambda: stalls.pop() if stalls else 0.0  # type: ignore[method-assign]
+    memory.due(1)  # the device's waits are read as the next snapshot is weighed
+    assert memory.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_WAIT) == 0.25
+    assert memory.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) == 0.25
+    assert memory.metrics.get(M.TRAIN_STEP) == 0.75
+    memory.close(timeout=10)
