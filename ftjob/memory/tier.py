@@ -243,11 +243,15 @@ class MemoryTier:
 
     def close(self, timeout: float) -> None:
         """An attempt that ends (an error, a notice) first lets its newest snapshot reach the
-        holder (up to ``timeout`` seconds); then the sending thread ends."""
+        holder, then the sending thread end -- both within ``timeout`` seconds: a process that
+        exits while the thread copies ends it inside torch's work ("terminate called without
+        an active exception")."""
+        deadline = time.monotonic() + timeout
         self.wait(timeout)
-        if self._thread is not None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._work.put(None)  # a thread stuck in a call to a holder that is gone never reads it
-            self._thread = None
+            thread.join(max(0.0, deadline - time.monotonic()))  # such a one is left behind
 
     def restored(self, step: int) -> None:
         """After every restore (of either tier, or of nothing: step 0), rank 0 drops the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from ftjob import metrics as M
 from ftjob.config import MemoryConfig
 from ftjob.memory import SnapshotHolder
+from ftjob.memory.cluster import LocalHolders
+from ftjob.memory.node_holders import NodeHolders
 from ftjob.memory.tier import MemoryTier
 from ftjob.worker.checkpointer import (
     OPTIMIZER_FILE,
@@ -238,3 +241,58 @@ def test_the_devices_wait_for_the_copy_leaves_the_steps_time_as_the_threads_wait
     assert memory.metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME) == 0.25
     assert memory.metrics.get(M.TRAIN_STEP) == 0.75
     memory.close(timeout=10)
+
+
+def two_nodes() -> tuple[MemoryTier, dict[str, SnapshotHolder]]:
+    """Rank 0's tier on node0 of two: its own part of each step goes to node1's holder too."""
+    held = {node: SnapshotHolder(cap_bytes=2**26, keep=2) for node in ("node0", "node1")}
+    directory = LocalHolders({n: DirectHandle(h) for n, h in held.items()})
+    config = MemoryConfig(enabled=True, max_mb=64.0)
+    place = NodeHolders(directory, "node0", writes=True)
+    return MemoryTier(place, config, 0, M.MetricSet(), lambda v: v, print), held
+
+
+def test_closing_the_tier_waits_for_its_thread_to_end_within_its_bound() -> None:
+    """A process that exits while the tier's thread is in torch's work ends it there
+    ("terminate called without an active exception"): close() joins the thread -- here busy
+    with rank 0's part of a step it skipped, which a slow peer holder takes its time over --
+    and never waits past its bound for one stuck in a call that does not return."""
+    model = model_with_batchnorm("cpu")
+    optimizer = OPTIMIZERS["sgd_momentum"](model.parameters())
+    memory, held = two_nodes()
+    memory.take(1, snapshot_tensors(model, optimizer), lambda: {})
+    memory.wait()
+    assert held["node1"].parts  # rank 0's part of step 1 reached its peer: it has one
+    release, started = threading.Event(), threading.Event()
+
+    def held_until_released() -> dict[str, Any]:
+        assert release.wait(timeout=60)
+        return {}
+
+    def slow_part() -> dict[str, Any]:  # as a slow call to a peer's holder would be
+        started.set()
+        time.sleep(0.3)
+        return {}
+
+    memory.take(2, snapshot_tensors(model, optimizer), held_until_released)
+    memory.take(3, snapshot_tensors(model, optimizer), slow_part)  # skipped: its part goes
+    assert memory.skipped == 1
+    release.set()
+    assert started.wait(timeout=60)
+    thread = memory._thread
+    assert thread is not None
+    memory.close(timeout=30)
+    assert not thread.is_alive()
+
+    # A thread that does not end within the bound is left behind, and close() returns.
+    memory, _ = two_nodes()
+    release.clear()
+    memory.take(1, snapshot_tensors(model, optimizer), held_until_released)  # a call stuck
+    thread = memory._thread
+    closing = threading.Thread(target=memory.close, args=(0.2,))
+    closing.start()
+    closing.join(timeout=30)
+    assert not closing.is_alive() and thread is not None and thread.is_alive()
+    release.set()  # its call returns: it ends
+    thread.join(timeout=30)
+    assert not thread.is_alive()
