@@ -445,3 +445,25 @@ def test_every_key_the_docs_set_composes(keys: DocumentedKeys, monkeypatch) -> N
                 errors.append(refused)
         else:
             raise errors[0]
+
+
+# -- the README's set-up ----------------------------------------------------------------------
+
+
+def readme_block(section: str) -> list[str]:
+    """The command lines of the first code block under README.md's ``## section``."""
+    text = (ROOT / "README.md").read_text().split(f"\n## {section}\n", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #", 1)[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_set_up_is_two_commands_and_ci_runs_its_test_command() -> None:
+    """Install from a clone (ftjob is on no index yet), then ``ftjob``; the test command is
+    the one ``.ci/run`` ends with, in the environment the install made."""
+    install, run = readme_block("Install and run")
+    [test] = readme_block("Test")
+    assert "pip install ftjob" not in install and 'pip install -e ".[test]"' in install
+    assert install.startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    assert run == "ftjob" and test.startswith(".venv/bin/python -m pytest ")
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci[-1] == test and '.venv/bin/pip install -q -e ".[test]"' in ci
