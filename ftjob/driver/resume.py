@@ -55,13 +55,6 @@ EXACT = "trainer.exact (exact mode's arithmetic, from the run's first step)"
 MICRO = "trainer.micro_batch_size (exact mode's micro-batch: its arithmetic)"
 # Trainer keys the checkpoint was made with: refused, their lines above.
 REFUSED_TRAINER_KEYS = ("seed", "weight_decay_norm_and_bias", "exact")
-# Honoured keys with a limit worth saying: a memory-tier holder is made once per node and run
-# (storage.memory.cluster: get_if_exists), so one that outlived the last driver keeps its own.
-HONOURED_WITH = {
-    f"checkpoint.memory.{key}": "a snapshot holder that outlived the last driver on this "
-    "cluster keeps its own until it is released"
-    for key in ("max_mb", "keep", "orphan_timeout_s")
-}
 
 
 class ResumeError(RuntimeError):
@@ -134,8 +127,7 @@ def stated_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if key in NOT_CHANGES or _refused(key) or old.get(key) == new.get(key):
             continue
         before = repr(old[key]) if key in old else "(not in the checkpoint's config)"
-        limit = f" ({HONOURED_WITH[key]})" if key in HONOURED_WITH else ""
-        lines.append(f"{key}: {before} -> {new.get(key)!r}{limit}")
+        lines.append(f"{key}: {before} -> {new.get(key)!r}")
     return lines
 
 

@@ -143,6 +143,28 @@ class RunHolders:
                 ray.kill(handle)
         return outcome
 
+    def configure(self, generation: int | None, timeout_s: float = 30.0) -> list[dict[str, float]]:
+        """Every holder of the run takes this driver's settings (one that outlived the last
+        driver keeps those it was made with until told: a holder is made once per node and
+        run, ``get_if_exists``). The settings before of each that had others; a holder that
+        does not answer, or refuses (a newer driver fenced it), keeps its own."""
+        import ray
+        import ray.exceptions
+
+        asked = [
+            h.configure.remote(self.cap_bytes, self.keep, self.orphan_timeout_s, generation)
+            for h in self.held().values()
+        ]
+        before = []
+        for ref in asked:
+            try:
+                answer = ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # gone, or silent: its orphan time ends it
+            if isinstance(answer, dict):
+                before.append(answer)
+        return before
+
     def drop(self, nodes: list[str], timeout_s: float = 30.0) -> list[str]:
         """These nodes' holders released now (one that refused a driver whose lease holds),
         and gone by name once this returns (up to ``timeout_s``): a rank's first call there

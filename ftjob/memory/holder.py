@@ -92,6 +92,35 @@ class SnapshotHolder:
         timeout = self.orphan_timeout_s
         return timeout is not None and self.clock() - self.claimed > timeout
 
+    def settings(self) -> dict[str, float]:
+        """What the holder was made with, as ``checkpoint.memory`` names it."""
+        timeout = self.orphan_timeout_s
+        return {
+            "max_mb": self.cap_bytes / 2**20,
+            "keep": self.keep,
+            "orphan_timeout_s": timeout or 0,
+        }
+
+    def configure(
+        self, cap_bytes: int, keep: int, orphan_timeout_s: float, generation: int | None = None
+    ) -> dict[str, float] | Refused | None:
+        """A resumed run's driver (of lease ``generation``) found the holder that outlived the
+        last one: it takes this run's settings -- its settings before, where they differ, else
+        None; refused when the fence knows a newer driver. What it holds beyond them goes,
+        oldest first; a ring of another shape is made again for the run's first writer (the
+        restore has read it by then: :meth:`channel`)."""
+        refused = self.gate.refuses(generation, "the settings", by="a driver")
+        if refused is not None:
+            return refused
+        before = self.settings()
+        self.cap_bytes, self.keep, self.orphan_timeout_s = cap_bytes, keep, orphan_timeout_s
+        while self.snapshots and (
+            len(self.snapshots) > keep or self._sent_bytes() > cap_bytes - self._ring_bytes()
+        ):
+            self._drop(min(self.snapshots))
+            self.dropped += 1
+        return before if before != self.settings() else None
+
     def release(self) -> None:
         """Every snapshot and the ring let go (the run ended, or no driver claims it)."""
         for step in list(self.snapshots):
@@ -163,6 +192,9 @@ class SnapshotHolder:
             return None
         if not where or where != machine():
             return None
+        if self.ring is not None and not self._ring_fits():  # made before the settings changed
+            self.ring.close()
+            self.ring = None
         if self.ring is None:
             slots = self.keep + 1  # the newest `keep`, and the one being written
             if Ring.size(slots, slot_bytes) > self.cap_bytes - self._sent_bytes():
@@ -252,6 +284,11 @@ class SnapshotHolder:
     def _ring_bytes(self) -> int:
         return self.ring.nbytes if self.ring is not None else 0
 
+    def _ring_fits(self) -> bool:
+        """Is the ring of the holder's settings: ``keep + 1`` slots, within the cap?"""
+        ring = self.ring
+        return ring is None or (ring.slots == self.keep + 1 and ring.nbytes <= self.cap_bytes)
+
     def _offered(self) -> dict[int, SlotEntry]:
         """Step -> slot of the ring's snapshots the fence admits (what a restore may read)."""
         entries = self.ring.entries() if self.ring is not None else []
@@ -340,6 +377,7 @@ class SnapshotHolder:
             "dropped": self.dropped + dropped,
             "generation": self.gate.generation,  # the run's lease generation, as told
             "refused": self.gate.refused,  # writes of an older generation
+            **self.settings(),
         }
 
     def traffic(self) -> HolderTraffic:
@@ -362,13 +400,18 @@ class NodeHolder(SnapshotHolder):
 
     def __init__(self, cap_bytes: int, keep: int, orphan_timeout_s: float) -> None:
         super().__init__(cap_bytes, keep, True, orphan_timeout_s)
-        every, self.ended = min(max(orphan_timeout_s / 4, 0.5), 30.0), threading.Event()
-        threading.Thread(target=self._reap, args=(every,), name="ftjob-orphan", daemon=True).start()
+        self.ended = threading.Event()
+        threading.Thread(target=self._reap, name="ftjob-orphan", daemon=True).start()
 
-    def _reap(self, every: float) -> None:
+    def _every(self) -> float:
+        """How often the reaper looks: several times within the orphan time (as it is now: a
+        resumed run's driver may have set another, :meth:`configure`)."""
+        return min(max((self.orphan_timeout_s or 0) / 4, 0.5), 30.0)
+
+    def _reap(self) -> None:
         import ray
 
-        while not self.ended.wait(every):
+        while not self.ended.wait(self._every()):
             if self.orphaned():
                 self.release()
                 ray.kill(ray.get_runtime_context().current_actor)

@@ -71,6 +71,8 @@ def held_snapshots(
     holders.start(training_nodes())
     if generation is not None:
         fence(holders, generation, check_lease, echo)
+    if found and continues:
+        retune(holders, generation, echo)
     stop = threading.Event()
 
     def claim() -> None:
@@ -131,6 +133,25 @@ def fence(
         )
 
 
+def retune(holders: RunHolders, generation: int | None, echo: Callable[[str], None]) -> None:
+    """The holders that outlived the last driver take this run's ``checkpoint.memory``
+    settings (after the fence: none a newer driver holds); what changed, said once."""
+    before = holders.configure(generation)
+    if not before:
+        return
+    now = {"max_mb": holders.cap_bytes / 2**20, "keep": holders.keep}
+    now["orphan_timeout_s"] = holders.orphan_timeout_s
+    changes = [
+        f"{key} {' / '.join(sorted({f'{old[key]:g}' for old in before}))} -> {value:g}"
+        for key, value in now.items()
+        if any(old[key] != value for old in before)
+    ]
+    echo(
+        f"memory tier: {len(before)} snapshot holder(s) that outlived the last driver take this "
+        f"run's checkpoint.memory settings ({', '.join(changes)})"
+    )
+
+
 def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
     """What reached the run's live holders: snapshots in place, and bytes through Ray."""
     import ray
@@ -139,4 +160,11 @@ def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
     return RunTraffic.of(ray.get([h.traffic.remote() for h in handles], timeout=timeout_s))
 
 
-__all__ = ["claim_interval", "fence", "held_snapshots", "run_traffic", "training_nodes"]
+__all__ = [
+    "claim_interval",
+    "fence",
+    "held_snapshots",
+    "retune",
+    "run_traffic",
+    "training_nodes",
+]

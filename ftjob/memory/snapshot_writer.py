@@ -118,6 +118,7 @@ class SnapshotWriter:
         except holder_errors():
             return False
         ring = self.attach(address) if address else None
+        self._let_go(ring)
         locked = ring is not None and (ring.locked is not None or ring.page_lock())
         self.log(
             "memory tier: snapshots go into the holder's shared memory (this machine"
@@ -133,6 +134,15 @@ class SnapshotWriter:
         self.ring.release(slot)
         self.ring = False
         self.log("memory tier: the state outgrew the holder's shared memory; sent through Ray")
+
+    def _let_go(self, ring: Ring | None) -> None:
+        """This process's mappings of every ring but ``ring``: one its restore read, which
+        its holder has since made again (a resumed run's other settings) -- mapped, its
+        memory would stay taken beside the new one's."""
+        for key, other in list(self._rings.items()):
+            if other is not None and other is not ring:
+                other.close()
+                del self._rings[key]
 
     def attach(self, address: dict[str, Any]) -> Ring | None:
         """This process's mapping of the holder's ring (one per ring), or None: it cannot

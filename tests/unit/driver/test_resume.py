@@ -448,11 +448,9 @@ def test_every_other_changed_key_is_honoured_and_said_one_line_each(tmp_path: Pa
     ]
     assert "trainer.num_workers: 2 -> 1 (changed since the checkpoint; allowed)" in stated
     assert "dataset.path: '/data/a' -> '/data/b' (changed since the checkpoint; allowed)" in stated
-    # Honoured with a limit, said in its line: a holder that outlived the last driver.
+    # Honoured whole: a holder that outlived the last driver takes it too (ftjob.memory).
     assert (
-        "checkpoint.memory.max_mb: 2048.0 -> 1024.0 (a snapshot holder that outlived the last "
-        "driver on this cluster keeps its own until it is released) (changed since the "
-        "checkpoint; allowed)"
+        "checkpoint.memory.max_mb: 2048.0 -> 1024.0 (changed since the checkpoint; allowed)"
     ) in stated
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from ftjob.memory import Snapshot, SnapshotHolder, machine
+from ftjob.memory import Ring, RingRef, Snapshot, SnapshotHolder, digest_all, machine
 from ftjob.memory.cluster import LocalHolders, holder_name, holder_namespace
+from ftjob.memory.fence import Refused
 from ftjob.memory.holder import PutAnswer
 from ftjob.storage.identity import RunIdentity
 
@@ -40,6 +41,38 @@ def test_a_holder_no_driver_claims_for_its_orphan_time_is_orphaned_and_releases_
     assert holder.steps() == [] and holder.ring is None and holder.held_bytes() == 0
     # Without an orphan time (a holder owned by its driver) it never is.
     assert not SnapshotHolder(cap_bytes=2**20, keep=2, clock=clock).orphaned()
+
+
+def test_a_holder_that_outlived_its_driver_takes_a_resumed_runs_settings() -> None:
+    """A holder is made once per node and run: a resumed run that asks for other
+    checkpoint.memory settings tells the one the last driver left, which takes them -- what it
+    holds beyond them goes, oldest first; its ring, made for the old ones, is kept for the
+    restore and made again for the first writer; the new orphan time counts from now."""
+    clock = Clock()
+    holder = SnapshotHolder(cap_bytes=2**20, keep=3, orphan_timeout_s=60.0, clock=clock)
+    ring = Ring.attach(holder.channel(1000, machine(), 1))
+    assert ring is not None
+    slot, payload = ring.claim(1)
+    files = {"model.pt#tensors": payload[:8]}
+    ring.commit(slot, 9, {"model.pt#tensors": (0, 8, True)}, digest_all(files), 1)
+    for step in (6, 7, 8):
+        assert holder.put(snapshot(step), 1).kept
+    assert holder.fence(2) is None  # the resumed run's driver, before its workers start
+
+    before = holder.configure(2**19, 1, 10.0, generation=2)
+    assert before == {"max_mb": 1.0, "keep": 3, "orphan_timeout_s": 60.0}
+    assert holder.stats()["max_mb"] == 0.5 and holder.stats()["keep"] == 1
+    assert sorted(holder.snapshots) == [8] and holder.steps(2) == [9, 8]  # the newest kept
+    assert isinstance(holder.get(9, 2), RingRef)  # the restore still reads the old ring
+    address = holder.channel(1000, machine(), 2)  # the first writer: a ring of 2 slots
+    assert address is not None and address["token"] != ring.address["token"]
+    assert holder.ring is not None and holder.ring.slots == 2
+    assert holder.ring.nbytes <= 2**19
+    clock.now += 11
+    assert holder.orphaned()  # ten seconds now, not sixty
+    assert holder.configure(2**19, 1, 10.0, generation=2) is None  # the same: nothing said
+    refused = holder.configure(2**20, 3, 60.0, generation=1)  # a deposed driver's
+    assert isinstance(refused, Refused) and holder.stats()["keep"] == 1
 
 
 def test_a_step_already_held_keeps_its_first_copy():

@@ -94,3 +94,33 @@ def test_two_runs_of_one_name_with_their_own_storage_never_share_their_holders(t
         assert not any("outlived its last driver" in line for line in said), said
     finally:
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_a_resumed_run_gives_the_holders_that_outlived_its_last_driver_its_settings():
+    """A holder is made once per node and run: the one the last driver left on a cluster that
+    lived on keeps what it was made with until the resumed run's driver tells it otherwise --
+    after its fence -- saying once what changed."""
+    import ray
+
+    from ftjob.memory.cluster import RunHolders
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        run = RunIdentity("retuned-run", "0123456789abcdef")
+        RunHolders(run, 2**24, 2, 60.0).start([node])  # the last driver's, left behind
+        config = MemoryConfig(enabled=True, max_mb=8.0, keep=3, orphan_timeout_s=120.0)
+        said: list[str] = []
+        with held_snapshots(run, config, True, said.append, 2) as holders:
+            assert holders is not None
+            stats = ray.get(holders.held()[node].stats.remote())
+            assert (stats["max_mb"], stats["keep"], stats["orphan_timeout_s"]) == (8, 3, 120)
+            assert stats["generation"] == 2
+        retuned = [line for line in said if "settings" in line]
+        assert retuned == [
+            "memory tier: 1 snapshot holder(s) that outlived the last driver take this run's "
+            "checkpoint.memory settings (max_mb 16 -> 8, keep 2 -> 3, orphan_timeout_s 60 -> 120)"
+        ], said
+    finally:
+        ray.shutdown()

@@ -249,6 +249,30 @@ def test_a_deposed_drivers_workers_are_refused_and_the_live_run_restores_what_ca
     assert live.fenced is None and held["node1"].steps() == [5, 4]
 
 
+def test_a_resumed_runs_writer_lets_go_of_the_ring_its_holder_made_again_for_new_settings():
+    """A resumed run asks for other checkpoint.memory settings: the holder that outlived the
+    last driver takes them, keeps its ring until the restore has read it, then makes it again
+    in the new shape for the first writer -- which lets go of its mapping of the old one: kept,
+    that memory would stay taken beside the new ring's."""
+    directory, held = cluster("node0")
+    holder = held["node0"]
+    model, optimizer = model_and_optimizer(0)
+    snap(tier(directory, "node0", 0), 4, model, optimizer, 0)  # the last driver's worker
+    old = holder.ring
+    assert old is not None and old.slots == 3
+    assert holder.configure(2**24, 3, 60.0) == {"max_mb": 16.0, "keep": 2, "orphan_timeout_s": 0}
+    resumed = tier(directory, "node0", 0)  # the resumed run's worker
+    choice = resumed.offer(lambda: [])
+    assert choice is not None and choice.step == 4  # read from the ring made for the last run
+    assert json.loads(resumed.files(choice)[STATE_FILE])["step"] == 4
+    (mapped,) = resumed.writer._rings.values()
+    snap(resumed, 5, model, optimizer, 0)
+    assert holder.ring is not old and holder.ring is not None and holder.ring.slots == 4
+    assert mapped is not None and mapped.memory.closed
+    assert list(resumed.writer._rings.values()) == [resumed.ring]
+    assert holder.steps() == [5]
+
+
 def writer(holder: SnapshotHolder, keep: int, lines: list[str]) -> MemoryTier:
     """Rank 0 of a driver of lease generation 1, writing into ``holder`` with
     ``checkpoint.memory.keep=keep``."""
