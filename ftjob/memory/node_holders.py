@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftjob.memory.cluster import LocalHolders, RunHolders
-from ftjob.memory.format import Buffer
+from ftjob.memory.format import Buffer, unpack
 
 PER_RANK_KEYS = ("metrics", "time")  # of a record: what its writer's rank alone has
 PER_RANK_SUFFIX = "#rank"
@@ -144,6 +144,16 @@ def split_buffers(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def unpack_state(files: dict[str, Buffer], name: str, device: Any = None) -> Any:
+    """The state dict a snapshot stores as ``name`` (:func:`~ftjob.memory.format.unpack`;
+    ``device``: its tensors copied there), with the buffers :func:`split_buffers` kept apart
+    back in it."""
+    state = unpack(files, name, device)
+    if f"{name}{BUFFERS_SUFFIX}" in files:
+        state.update(unpack(files, f"{name}{BUFFERS_SUFFIX}"))
+    return state
+
+
 def rank_part(files: dict[str, Buffer]) -> dict[str, Buffer]:
     """The files of a snapshot that are its writer's own (buffers, per-rank records)."""
     return {name: data for name, data in files.items() if _per_rank(name)}
@@ -170,5 +180,6 @@ __all__ = [
     "rank_part",
     "split_buffers",
     "split_per_rank",
+    "unpack_state",
     "written_by",
 ]

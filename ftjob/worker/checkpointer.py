@@ -30,8 +30,7 @@ from typing import Any
 
 from ftjob import metrics as M
 from ftjob.config import CheckpointConfig
-from ftjob.memory.format import unpack
-from ftjob.memory.node_holders import BUFFERS_SUFFIX
+from ftjob.memory.node_holders import unpack_state
 from ftjob.memory.tier import MemoryTier
 from ftjob.policy.cadence import CheckpointSchedule
 from ftjob.record import CheckpointRecord, Fallback, Holder, JitCheckpoint, Restore, Tier
@@ -181,18 +180,10 @@ def load_state(state_of: Callable[[str], Any], module: Any, optimizer: Any) -> N
 
 
 def snapshot_state(files: dict[str, Any], device: Any) -> Callable[[str], Any]:
-    """A memory snapshot's state dicts: the model's as views of its buffer (a module copies
-    what it loads into its parameters), with its buffers kept apart
-    (:func:`~ftjob.memory.node_holders.split_buffers`) back in it; the optimizer's copied onto
-    ``device`` (it keeps the tensors it is given)."""
-
-    def state_of(name: str) -> Any:
-        state = unpack(files, name, None if name == MODEL_FILE else device)
-        if f"{name}{BUFFERS_SUFFIX}" in files:
-            state.update(unpack(files, f"{name}{BUFFERS_SUFFIX}"))
-        return state
-
-    return state_of
+    """A memory snapshot's state dicts (:func:`~ftjob.memory.node_holders.unpack_state`): the
+    model's as views of its buffer (a module copies what it loads into its parameters), the
+    optimizer's copied onto ``device`` (it keeps the tensors it is given)."""
+    return lambda name: unpack_state(files, name, None if name == MODEL_FILE else device)
 
 
 def snapshot_tensors(module: Any, optimizer: Any) -> dict[str, Any]:
