@@ -25,13 +25,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
 
 from ftjob import metrics as M
-from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import manifest_of
+from ftjob.storage.identity import run_identity
 from tests.support.images import digits_tree
 from tests.support.processes import read_until, start_ftjob
+from tests.support.summaries import exactly_once
 
 pytestmark = pytest.mark.ray
 
@@ -461,10 +463,12 @@ def driver_killed_with_the_cluster_kept(
     # the submitted job, its attempts (one, unless a loaded machine made Ray Train restart the
     # group: then as many as the summary counts), each with its two workers.
     job_id = dashboard_get(dashboard, "/api/jobs/ftjob-requeued")["job_id"]
+    # Ray Train knows the run by its identity on the cluster: its name and its storage's key.
+    label = run_identity(fsspec.filesystem("file"), str(tmp_path / "ckpt" / "stopped"), "stopped")
     [run] = [
         r
         for r in dashboard_get(dashboard, "/api/train/v2/runs/v1")["train_runs"]
-        if r["name"] == "stopped" and r["job_id"] == job_id
+        if r["name"] == label.label and r["job_id"] == job_id
     ]
     assert run["status"] == "FINISHED"
     assert len(run["attempts"]) == s["attempts"] >= 1
