@@ -433,7 +433,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"run {summary.get('name') or '?'}: {summary.get('status', 'failed')}, wall time "
         f"{float(summary.get('wall_time_s') or 0.0):.1f} s" + (f" -- {error}" if error else ""),
-        f"  steps {fmt(m[M.TRAIN_STEPS_COMPLETED], '.0f')}, {fmt(m[M.TRAIN_GLOBAL_THROUGHPUT], '.0f')} img/s, "
+        f"  steps {fmt(m[M.TRAIN_STEPS_COMPLETED], '.0f')} ({fmt(m[M.TRAIN_STEP], '.1f')} s in them: "
+        f"train/step), {fmt(m[M.TRAIN_GLOBAL_THROUGHPUT], '.0f')} img/s, "
         f"train loss {fmt(m[M.TRAIN_LOSS])}, validation accuracy {fmt(m[M.VALIDATION_ACCURACY])} "
         f"(loss {fmt(m[M.VALIDATION_LOSS])})",
         f"  checkpoints committed {checkpoints.get('committed', 0)}, upload retries "
@@ -442,6 +443,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{fmt(m[M.RECOVERY_TIME_TO_RECOVER], '.1f')}s, restoration {fmt(m[M.CHECKPOINT_RESTORATION_TIME], '.2f')}s, "
         f"lost steps {fmt(m[M.RECOVERY_LOST_STEPS], '.0f')}",
     ]
+    if done := summary.get("already_finished"):  # resume=auto of a finished run
+        return _already_finished(lines[0], done.get("step"), done.get("checkpoint"))
     buckets = (summary.get("goodput") or {}).get("buckets") or {}
     if buckets:
         spent = ", ".join(f"{k} {v:.1f}" for k, v in buckets.items() if v >= 0.05 or v <= -0.05)
@@ -469,6 +472,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  audit epoch {a['epoch']}: unique {a['unique']}, duplicates {a['duplicates']}, missing {a['missing']}"
         )
     return "\n".join(lines)
+
+
+def _already_finished(head: str, step: object, checkpoint: object) -> str:
+    """``resume=auto`` found the run finished: nothing was trained by this command, so no
+    figures are printed -- zeros would read as a run that trained nothing."""
+    return f"{head}\n  already finished at step {step} ({checkpoint}): this command trained nothing"
 
 
 def write_failed_summary(
