@@ -141,7 +141,7 @@ def write_timeline(path: str, summary: dict[str, Any]) -> None:
         for kind, at, _ in found:
             ax.axvline(at, color=MARKS[kind], lw=1, ls="--", alpha=0.6)
     loss_ax.set_xlim(0, max(wall, 1.0))
-    loss_ax.set_xlabel("seconds since the run started")
+    loss_ax.set_xlabel("seconds since the driver started (the console's mm:ss)")
     fig.savefig(path, dpi=100)
 
 
