@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 # Timers: total seconds spent.
-TRAIN_STEP = "train/step"
+TRAIN_STEP = "train/step"  # seconds in training steps, not a count (that is train/steps_completed)
 TRAIN_ITER_BATCH = "train/iter_batch"
 TRAIN_ITER_FIRST_BATCH = "train/iter_first_batch"
 TRAIN_ITER_SKIP_BATCH = "train/iter_skip_batch"
