@@ -151,10 +151,15 @@ class RunHolders:
         import ray
         import ray.exceptions
 
-        asked = [
-            h.configure.remote(self.cap_bytes, self.keep, self.orphan_timeout_s, generation)
-            for h in self.held().values()
-        ]
+        asked = []
+        for handle in self.held().values():
+            try:
+                configure = handle.configure
+            except AttributeError:  # a holder of an older ftjob: it keeps its own
+                continue
+            asked.append(
+                configure.remote(self.cap_bytes, self.keep, self.orphan_timeout_s, generation)
+            )
         before = []
         for ref in asked:
             try:
