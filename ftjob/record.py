@@ -36,6 +36,19 @@ def renamed(key: str, default: Any = None) -> Any:
     return field(default=default, metadata={"key": key})
 
 
+def flattened() -> Any:
+    """A record field (default None) whose fields are its parent's in the JSON form, there
+    only while it is set: a part of a record that some of its kind have (a failure's
+    recovery, which a failure the run died of has not)."""
+    return field(default=None, metadata={"flatten": True})
+
+
+def empty_when_none() -> Any:
+    """A record field (default None) written as ``{}`` while it is None, as summary.json has
+    always had it."""
+    return field(default=None, metadata={"empty_when_none": True})
+
+
 class Record:
     """JSON (de)serialisation for the frozen dataclasses below, from their type hints."""
 
@@ -45,26 +58,57 @@ class Record:
         out: dict[str, object] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.metadata.get("flatten"):
+                out.update(value.to_json() if value is not None else {})
+                continue
             if value is None and f.metadata.get("omit_none"):
+                continue
+            if value is None and f.metadata.get("empty_when_none"):
+                out[f.name] = {}
                 continue
             out[f.metadata.get("key", f.name)] = _encode(value)
         return out
 
     @classmethod
     def from_json(cls: type[R], data: typing.Mapping[str, object]) -> R:
-        hints = _hints(cls)
-        kwargs = {}
+        hints = field_types(cls)
+        kwargs: dict[str, object] = {}
         for f in dataclasses.fields(cls):
             key = f.metadata.get("key", f.name)
-            if key in data:
-                kwargs[f.name] = _decode(hints[f.name], data[key])
+            if f.metadata.get("flatten"):
+                part = record_type(hints[f.name])
+                if any(k in data for k in json_keys(part)):
+                    kwargs[f.name] = part.from_json(data)
+            elif key in data:
+                empty = f.metadata.get("empty_when_none") and data[key] == {}
+                kwargs[f.name] = None if empty else _decode(hints[f.name], data[key])
         return cls(**kwargs)
+
+
+def record_type(hint: Any) -> type[Record]:
+    """The record class of a field typed ``SomeRecord`` or ``SomeRecord | None``."""
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if len(kinds) != 1 or not (isinstance(kinds[0], type) and issubclass(kinds[0], Record)):
+        raise TypeError(f"{hint} is not a record type")
+    return kinds[0]
+
+
+def json_keys(cls: type[Record]) -> list[str]:
+    """The keys of a record's JSON form, in order (a flattened part's in its place)."""
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("flatten"):
+            keys += json_keys(record_type(field_types(cls)[f.name]))
+        else:
+            keys.append(f.metadata.get("key", f.name))
+    return keys
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
+    """A record class's fields' types (resolved once)."""
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
@@ -93,6 +137,8 @@ def _decode(hint: Any, value: Any) -> Any:
         return hint.from_json(value)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(value)
+    if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):  # (step, digest)
+        return tuple(_decode(a, v) for a, v in zip(args, value, strict=True))
     if origin is tuple:
         return tuple(_decode(args[0], v) for v in value)
     if origin is list:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -17,6 +16,7 @@ from omegaconf import DictConfig
 from ftjob.config import ConfigError, JobConfig, load_job
 from ftjob.config.secrets import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.driver.ledger import empty_snapshot
+from ftjob.record import RunStatus
 from ftjob.reporting.outputs import (
     TRACEBACK_FILE,
     append_console,
@@ -24,7 +24,7 @@ from ftjob.reporting.outputs import (
     finished_run_outputs,
     log_to_console_log,
 )
-from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
+from ftjob.reporting.summary import SUMMARY_FILE, read_summary, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
 ERROR_PREFIX = "ftjob: error: "  # the line a run that stops on an error ends with
-EXIT_CODES = {"failed": 1, "interrupted": 130, "preempted": 143}
+EXIT_CODES = {RunStatus.failed: 1, RunStatus.interrupted: 130, RunStatus.preempted: 143}
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ftjob.conf", config_name="config")
@@ -75,13 +75,13 @@ def _stop_on_ctrl_c(cfg: DictConfig, run_dir: str, redactor: Redactor) -> NoRetu
         # Ctrl-C after the run wrote its record (drawing its timeline, closing loggers): the
         # record stands, and so does its exit code (a scheduler must not requeue a run that
         # succeeded).
-        with open(written) as f:
-            status = json.load(f).get("status")
+        status = read_summary(written).status
         print(f"ftjob: Ctrl-C after the run ended ({status}); its summary stands", file=sys.stderr)
         _close_mirror(run_dir, None)
         sys.exit(EXIT_CODES.get(status, 0))
     error = "interrupted (Ctrl-C) during start-up (reading the config), before the first step"
-    write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, "interrupted")
+    interrupted = RunStatus.interrupted
+    write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, interrupted)
     print(f"ftjob: {error}", file=sys.stderr)
     sys.exit(130)
 
@@ -112,7 +112,7 @@ def _stop_on_error(
 def after_run(job: JobConfig, result: RunResult, run_dir: str, redactor: Redactor) -> None:
     """What the runner leaves to the command line once a run returned: ``resume=auto`` found
     the run finished, so its outputs in storage are kept or completed."""
-    if result.summary.get("already_finished") and job.checkpoint.storage_path:
+    if result.summary.already_finished and job.checkpoint.storage_path:
         _copy_finished_run(job, result.name, run_dir, redactor)
 
 

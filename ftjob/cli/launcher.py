@@ -15,7 +15,6 @@ run name), and the rest run from the start. The report is then rebuilt over all 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -34,7 +33,8 @@ from omegaconf.errors import OmegaConfBaseException
 from ftjob.config.names import RUN_NAME
 from ftjob.config.secrets import Redactor, redact_yaml, redactor_for
 from ftjob.driver.ledger import empty_snapshot
-from ftjob.reporting.summary import SUMMARY_FILE, write_failed_summary
+from ftjob.reporting.run_summary import RunSummary
+from ftjob.reporting.summary import SUMMARY_FILE, read_summary, write_failed_summary
 from ftjob.reporting.sweep import MULTIRUN_FILE
 from ftjob.storage.catalog import CheckpointCatalog
 
@@ -43,15 +43,12 @@ def previous_run(job_dir: str) -> tuple[str, str | None]:
     """What an earlier sweep left in ``job_dir``: ("succeeded", name), ("resume", name) when
     it has a committed checkpoint under the default storage or a summary naming one, else
     ("fresh", None)."""
-    summary: dict[str, Any] = {}
     path = os.path.join(job_dir, SUMMARY_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            summary = json.load(f)
-    if summary.get("status") == "succeeded":
-        return "succeeded", summary.get("name")
-    if summary.get("name") and (summary.get("checkpoints") or {}).get("latest"):
-        return "resume", summary["name"]
+    summary = read_summary(path) if os.path.exists(path) else RunSummary()
+    if summary.ok:
+        return "succeeded", summary.name or None
+    if summary.name and summary.checkpoints.latest:
+        return "resume", summary.name
     names = committed_runs(os.path.join(job_dir, "checkpoints"))
     if len(names) == 1:
         return "resume", names.pop()
@@ -133,12 +130,12 @@ class SweepLauncher(Launcher):
             self._run(queue, running, returns, job_overrides, initial_job_idx)
         except KeyboardInterrupt:  # Ctrl-C reached the jobs too: let them write their record
             print("[sweep] interrupted: waiting for the running jobs to stop", flush=True)
-            for job in running.values():
+            for still in running.values():
                 try:
-                    job.proc.wait(timeout=120)
+                    still.proc.wait(timeout=120)
                 except subprocess.TimeoutExpired:
-                    job.proc.kill()
-                job.console.close()
+                    still.proc.kill()
+                still.console.close()
             raise
         return [returns[i] for i in sorted(returns)]
 

@@ -15,7 +15,6 @@ summary rebuilt from that record and printed, saying so (:mod:`ftjob.reporting.r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import tempfile
 from ftjob.config import RetryConfig
 from ftjob.reporting.outputs import EARLIER_DIR, TRACEBACK_FILE, fetch_outputs, outputs_root
 from ftjob.reporting.run_record import RECORD_FILE, read_record, rebuilt_summary
-from ftjob.reporting.summary import SUMMARY_FILE, format_summary
+from ftjob.reporting.summary import SUMMARY_FILE, format_summary, read_summary
 from ftjob.reporting.sweep import (
     OVERRIDES_FILE,
     SWEEP_MD,
@@ -39,9 +38,8 @@ def summarise_run(run_dir: str) -> int:
     if not os.path.isfile(os.path.join(run_dir, SUMMARY_FILE)):
         return summarise_kept_record(run_dir)
     try:
-        with open(os.path.join(run_dir, SUMMARY_FILE)) as f:
-            summary = json.load(f)
-    except (OSError, ValueError) as exc:
+        summary = read_summary(os.path.join(run_dir, SUMMARY_FILE))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"ftjob.report: {run_dir}: unreadable {SUMMARY_FILE} ({exc})", file=sys.stderr)
         return 2
     overrides_path = os.path.join(run_dir, OVERRIDES_FILE)
@@ -70,8 +68,8 @@ def summarise_kept_record(run_dir: str) -> int:
     summary = rebuilt_summary(kept)
     print(f"rebuilt from {os.path.join(run_dir, RECORD_FILE)}: the driver did not end")
     print(format_summary(summary))
-    if "resume_command" in summary:
-        print(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    if summary.resume_command:
+        print(f"to continue from {summary.checkpoints.latest}: {summary.resume_command}")
     print(draw_timeline(summary, run_dir))
     return 0
 

@@ -10,7 +10,9 @@ an existing cluster at ``ray.address``; whatever the runner starts, it stops.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import importlib
 import logging
 import os
 import posixpath
@@ -30,7 +32,7 @@ from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
 from ftjob.data.audit import audited_catalogs
 from ftjob.data.datasets import TRAIN, VAL, ImageDataset, build_dataset, epoch_plan
-from ftjob.data.order import EpochPlan, ShuffleWindows
+from ftjob.data.order import EpochPlan
 from ftjob.driver.cluster import (
     check_local_gpus,
     check_machine,
@@ -58,14 +60,10 @@ from ftjob.record import RunPlan, RunSnapshot, RunStatus
 from ftjob.reporting.loggers import LogFeed, LoggerError, continued_loggers
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, tee_console
 from ftjob.reporting.run_record import RecordFile, RecordStart
-from ftjob.reporting.summary import (
-    FitOutcome,
-    build_summary,
-    decide_status,
-    format_summary,
-    write_summary,
-)
+from ftjob.reporting.run_summary import AlreadyFinished, CheckpointsSection, RunSummary
+from ftjob.reporting.summary import build_summary, format_summary, write_summary
 from ftjob.reporting.timeline import draw_timeline
+from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.errors import is_storage_error
 from ftjob.storage.fs import (
@@ -89,7 +87,7 @@ class RunResult:
     name: str
     status: RunStatus
     error: str | None
-    summary: dict[str, Any]
+    summary: RunSummary
     summary_path: str
 
     @property
@@ -245,25 +243,26 @@ def _take_run(
     return lease, notes + ([lease_note] if lease_note else []), identity
 
 
-def _fit_outcome(
-    exc: BaseException | None, interrupted: bool, preempted: bool = False
-) -> FitOutcome:
-    """How fit() ended, as the plain data :func:`ftjob.reporting.summary.decide_status` decides on. Only
-    worker-group failures spend the failure budget; Ray Train's controller failing is said as
-    such."""
-    if preempted or exc is None:
-        return FitOutcome(interrupted=interrupted, preempted=preempted)
+def fit_end(exc: BaseException | None, stopped: FitEnd | None = None) -> FitEnd:
+    """The terminal state of the run's training: where the driver stopped it (``stopped``:
+    Ctrl-C, a notice, Ray dying under it), else how fit() ended -- returned, or the error it
+    raised. Only worker-group failures spend the failure budget; Ray Train's controller
+    failing is said as such."""
+    if stopped is not None:
+        return stopped
+    if exc is None:
+        return FitEnd(RunEnd.FINISHED)
     from ray.train import ControllerError, PreemptionError, WorkerGroupError
 
     text = str(exc).strip().splitlines()
     root = shorten(next((line for line in reversed(text) if line.strip()), type(exc).__name__), 400)
     if isinstance(exc, WorkerGroupError):
-        return FitOutcome(root, budget_exhausted=True, interrupted=interrupted)
+        return FitEnd(RunEnd.FAILURES_EXHAUSTED, root)
     if isinstance(exc, PreemptionError):
-        return FitOutcome(root, preemption_budget_exhausted=True, interrupted=interrupted)
+        return FitEnd(RunEnd.PREEMPTIONS_EXHAUSTED, root)
     if isinstance(exc, ControllerError):
-        return FitOutcome(f"Ray Train's controller failed: {root}", interrupted=interrupted)
-    return FitOutcome(f"{type(exc).__name__}: {root}", interrupted=interrupted)
+        return FitEnd(RunEnd.CONTROLLER_FAILED, f"Ray Train's controller failed: {root}")
+    return FitEnd(RunEnd.ERRORED, f"{type(exc).__name__}: {root}")
 
 
 def run(
@@ -283,12 +282,12 @@ def run(
     os.makedirs(run_dir, exist_ok=True)
     say = tee_console(run_dir, echo or (lambda line: print(f"[ftjob] {line}", flush=True)))
 
-    def echo(line: str) -> None:
+    def tell(line: str) -> None:  # every line the run says: its secrets redacted, teed
         say(redactor.text(line))
 
     stop = StopSignal(job.failure.preemption)
     prep: Prepared | None = None
-    trained = Trained(empty_snapshot(), FitOutcome(), summary=SummaryFile(run_dir))
+    trained = Trained(empty_snapshot(), FitEnd(), summary=SummaryFile(run_dir))
     try:
         try:
             prep = prepare(job, run_dir, redactor)
@@ -299,22 +298,21 @@ def run(
         if prep.finished is None:
             start = record_start(prep, started, overrides or [], redactor)
             ended = functools.partial(
-                _ray_died, job, run_dir, prep, trained, started, overrides or [], echo, redactor
+                _ray_died, job, run_dir, prep, trained, started, overrides or [], tell, redactor
             )
-            trained = _train(job, prep, run_dir, echo, stop, trained, start, ended)
+            trained = _train(job, prep, run_dir, tell, stop, trained, start, ended)
     except (KeyboardInterrupt, StoppedDuringStartUp, SystemExit) as exc:
         # SystemExit(SIGTERM): Ray's own handler, while ray.init starts the cluster.
         if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
             raise
         sigterm = not isinstance(exc, KeyboardInterrupt)
-        trained.fit = FitOutcome(
-            interrupted=not sigterm,
-            preempted=sigterm,
+        trained.fit = FitEnd(
+            RunEnd.PREEMPTED if sigterm else RunEnd.INTERRUPTED,
             stopped_at=f"during start-up ({stop.stage}), before the first step",
         )
     finally:
         stop.restore()
-    return _finish(job, run_dir, prep, trained, started, overrides or [], echo, redactor)
+    return _finish(job, run_dir, prep, trained, started, overrides or [], tell, redactor)
 
 
 class SummaryFile:
@@ -326,12 +324,12 @@ class SummaryFile:
         self.run_dir, self.ended = run_dir, False
         self._lock = threading.Lock()
 
-    def early(self, summary: dict[str, Any]) -> str | None:
+    def early(self, summary: RunSummary) -> str | None:
         """Writes ``summary`` unless the end's is written already (then None)."""
         with self._lock:
             return None if self.ended else write_summary(summary, self.run_dir)
 
-    def end(self, summary: dict[str, Any]) -> str:
+    def end(self, summary: RunSummary) -> str:
         with self._lock:
             self.ended = True
             return write_summary(summary, self.run_dir)
@@ -342,7 +340,7 @@ class Trained:
     """How the run went, as the driver saw it."""
 
     snapshot: RunSnapshot  # the run ledger's
-    fit: FitOutcome
+    fit: FitEnd  # how its training ended
     feed: LogFeed | None = None
     lease_lost: str | None = None  # another driver holds the run now: why this one stopped
     outputs: OutputsMirror | None = None  # the run dir's copy in the run's storage
@@ -465,9 +463,10 @@ def _finish(
     summary = ended.summary(snapshot, status, error, resumable=not trained.lease_lost)
     if prep is not None and prep.finished_step is not None:
         path = CheckpointStore(prep.fs, prep.run_path).path_for(prep.finished_step)
-        summary["checkpoints"]["latest"] = path
-        summary["already_finished"] = {"step": prep.finished_step, "checkpoint": path}
-    summary = redactor.strings(summary)  # workers' error texts, paths: every string scrubbed
+        checkpoints = dataclasses.replace(summary.checkpoints, latest=path)
+        done = AlreadyFinished(prep.finished_step, path)
+        summary = dataclasses.replace(summary, checkpoints=checkpoints, already_finished=done)
+    summary = scrubbed(summary, redactor)
     path = (trained.summary or SummaryFile(run_dir)).end(summary)
     if trained.held is not None:
         trained.held.end(status, time.time())
@@ -505,7 +504,7 @@ class _Ending:
         error: str | None,
         resumable: bool = True,
         settle: bool = True,
-    ) -> dict[str, Any]:
+    ) -> RunSummary:
         """summary.json's content; a run that did not succeed names the checkpoint it
         continues from (``settle``: the newest in storage) and the command."""
         prep, redactor = self.prep, self.redactor
@@ -519,17 +518,25 @@ class _Ending:
             driver_storage=prep.fs.snapshot_stats() if prep else None,
             run_started=self.started,
         )
-        if status != "succeeded" and prep is not None and resumable:
-            _how_to_resume(summary, snapshot, prep, self.overrides, self.echo, redactor, settle)
+        if status != RunStatus.succeeded and prep is not None and resumable:
+            summary = _how_to_resume(
+                summary, snapshot, prep, self.overrides, self.echo, redactor, settle
+            )
         return summary
 
-    def say(self, summary: dict[str, Any], path: str) -> None:
+    def say(self, summary: RunSummary, path: str) -> None:
         for line in format_summary(summary).splitlines():
             self.echo(line)
-        if "resume_command" in summary:  # before the slow parts: a stop's SIGKILL may come next
-            latest = summary["checkpoints"]["latest"]
-            self.echo(f"to continue from {latest}: {summary['resume_command']}")
+        if summary.resume_command:  # before the slow parts: a stop's SIGKILL may come next
+            latest = summary.checkpoints.latest
+            self.echo(f"to continue from {latest}: {summary.resume_command}")
         self.echo(f"summary: {path}")
+
+
+def scrubbed(summary: RunSummary, redactor: Redactor) -> RunSummary:
+    """``summary`` as summary.json will hold it: every string scrubbed of the run's secrets
+    (workers' error texts, paths), non-finite numbers null."""
+    return RunSummary.from_json(redactor.strings(summary.document()))
 
 
 def _ray_died(
@@ -553,14 +560,16 @@ def _ray_died(
     snapshot = trained.held.record(reason)
     ended = _Ending(job, prep, started, overrides, echo, redactor)
     for settle in (False, True):
-        summary = ended.summary(snapshot, RunStatus.failed, reason, settle=settle)
-        path = trained.summary.early(redactor.strings(summary))
+        summary = scrubbed(
+            ended.summary(snapshot, RunStatus.failed, reason, settle=settle), redactor
+        )
+        path = trained.summary.early(summary)
         if path is None:
             return  # the driver's end wrote it
         if not settle:  # the whole summary is printed at the driver's end, if it comes
             echo(f"summary (the driver's record as Ray died): {path}")
-    if "resume_command" in summary:
-        echo(f"to continue from {summary['checkpoints']['latest']}: {summary['resume_command']}")
+    if summary.resume_command:
+        echo(f"to continue from {summary.checkpoints.latest}: {summary.resume_command}")
     if trained.outputs is not None:
         trained.outputs.request()
 
@@ -578,32 +587,35 @@ def outputs_mirror(job: JobConfig, prep: Prepared, run_dir: str) -> OutputsMirro
 
 
 def _how_to_resume(
-    summary: dict[str, Any],
+    summary: RunSummary,
     snapshot: RunSnapshot,
     prep: Prepared,
     overrides: list[str],
     echo: Callable[[str], None],
     redactor: Redactor,
     settle: bool = True,
-) -> None:
+) -> RunSummary:
     """A run that did not succeed: the checkpoint it continues from (``settle``: the newest
     in storage, else the newest the record holds), and the command."""
     restored = [r.step for r in snapshot.restores()]
     if settle:
         store = CheckpointStore(prep.fs, prep.run_path)
-        settle_latest(summary, store, echo, max(restored, default=-1))
-    if summary["checkpoints"]["latest"]:
-        summary["resume_command"], notes = resume_command(overrides, prep, redactor)
+        latest = settle_latest(summary.checkpoints, store, echo, max(restored, default=-1))
+        summary = dataclasses.replace(summary, checkpoints=latest)
+    if summary.checkpoints.latest:
+        command, notes = resume_command(overrides, prep, redactor)
+        summary = dataclasses.replace(summary, resume_command=command)
         for note in notes:
             echo(f"resume: {note}")
+    return summary
 
 
 def settle_latest(
-    summary: dict[str, Any],
+    record: CheckpointsSection,
     store: CheckpointStore,
     echo: Callable[[str], None],
     restored_step: int = -1,
-) -> None:
+) -> CheckpointsSection:
     """The newest committed checkpoint in storage is what a resume restores, so a stopped
     run's summary names that one. Usually the ledger's latest; but workers outlive the
     driver's last look at the ledger by a moment (until Ray has shut them down), and an
@@ -613,16 +625,17 @@ def settle_latest(
         newest = next(iter(store.committed_steps()), -1)  # the run's order: what restores
     except StorageError as exc:
         echo(f"warning: could not list the checkpoints after the stop ({exc})")
-        return
-    record = summary["checkpoints"]
-    known = store.step_of(record["latest"]) if record["latest"] else None
+        return record
+    known = store.step_of(record.latest) if record.latest else None
     if newest < 0 or (known is not None and newest <= known):
-        return
-    record["latest"] = store.path_for(newest)
+        return record
+    record = dataclasses.replace(record, latest=store.path_for(newest))
     if newest > max(restored_step, -1 if known is None else known):
         echo(f"checkpoint step {newest} was committed while the run stopped")
-        record["committed"] += 1
-        record["committed_while_stopping"] = newest
+        record = dataclasses.replace(
+            record, committed=record.committed + 1, committed_while_stopping=newest
+        )
+    return record
 
 
 def resume_command(
@@ -655,13 +668,13 @@ def _train_on_cluster(
     held: HeldRecord | None = None,
     ray_died: Callable[[str], None] = lambda reason: None,
     started: float | None = None,
-) -> tuple[RunSnapshot, FitOutcome]:
+) -> tuple[RunSnapshot, FitEnd]:
     """Start the cluster, the ledger and the chaos killer; fit() on a thread while the main
     thread prints progress and services the simulated cluster; stop everything it started.
     Returns the ledger's final snapshot -- or the record the driver holds, where Ray died
     under the run (``ray_died(reason)`` is called at once, from the thread that saw it) --
     and how fit() ended."""
-    interrupted = preempted = False
+    stopped: FitEnd | None = None  # where the driver stopped the run's training, if it did
     stop.stage = "starting the cluster"
     with cluster(job) as local, contextlib.ExitStack() as run_actors:
         import ray
@@ -680,22 +693,19 @@ def _train_on_cluster(
         monitor = Monitor(
             ledger, echo, local, keeper, feed, prep.redactor.text, outputs, held, started
         )
-        outcome: dict[str, Any] = {}
-        fit_thread = threading.Thread(
-            target=_fit, args=(job, prep, ledger, outcome, holders), name="ftjob-fit", daemon=True
-        )
+        fitting = FitThread(functools.partial(_fit, job, prep, ledger, holders))
         stop.training = True  # from now on SIGTERM is a preemption notice
-        fit_thread.start()
+        fitting.start()
         try:
-            while fit_thread.is_alive() and watch.died is None:
-                fit_thread.join(timeout=1.0)
+            while fitting.is_alive() and watch.died is None:
+                fitting.join(timeout=1.0)
                 if watch.died is not None or not monitor.tick():
                     break  # Ray died; or another driver holds the run: stop writing to it now
                 if monitor.ask("preemption", lambda: stop.done(ledger, echo)):
-                    preempted = True
+                    stopped = FitEnd(RunEnd.PREEMPTED)
                     break
         except KeyboardInterrupt:
-            interrupted = True
+            stopped = FitEnd(RunEnd.INTERRUPTED)
             echo("interrupted: stopping the run")
         finally:
             if killer is not None and watch.died is None:
@@ -703,7 +713,25 @@ def _train_on_cluster(
             if watch.died is None:
                 monitor.tick()
             snapshot = monitor.final_snapshot(watch.died)
-    return snapshot, _fit_outcome(outcome.get("error"), interrupted, preempted)
+    if watch.died is not None and stopped is None:
+        stopped = FitEnd(RunEnd.RAY_DIED, watch.died)
+    return snapshot, fit_end(fitting.error, stopped)
+
+
+class FitThread(threading.Thread):
+    """``TorchTrainer.fit()`` on a thread of its own (the main thread services the cluster
+    and the monitor), and the error it raised, if any."""
+
+    def __init__(self, fit: Callable[[], object]) -> None:
+        super().__init__(name="ftjob-fit", daemon=True)
+        self.fit = fit
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.fit()
+        except BaseException as exc:  # the thread's boundary: fit_end reads it
+            self.error = exc
 
 
 def _check_chaos_targets(job: JobConfig, echo: Callable[[str], None]) -> None:
@@ -734,8 +762,9 @@ def ray_death_watch(
 
 
 def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:
-    """What the run ledger knows of the run's shape from the start."""
-    return RunPlan(
+    """What the run ledger knows of the run's shape from the start; with row-grouped data,
+    the order's shuffle windows (the audit replays the order)."""
+    plan = RunPlan(
         num_samples=prep.plan.num_samples,
         global_batch_size=prep.plan.global_batch_size,
         samples_per_epoch=prep.plan.samples_per_epoch,
@@ -743,19 +772,16 @@ def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:
         seed=prep.plan.seed,
         epochs=job.trainer.epochs,
         num_workers=job.trainer.num_workers,  # the most (elastic: min_workers the fewest)
-        **shuffle_record(prep.plan.windows),
     )
-
-
-def shuffle_record(windows: ShuffleWindows | None) -> dict[str, Any]:
-    """The order's shuffle windows as the run plan keeps them (the audit replays the order)."""
+    windows = prep.plan.windows
     if windows is None:
-        return {}
-    return {
-        "group_sizes": windows.sizes,
-        "group_counts": windows.counts,
-        "shuffle_window": windows.window,
-    }
+        return plan
+    return dataclasses.replace(
+        plan,
+        group_sizes=windows.sizes,
+        group_counts=windows.counts,
+        shuffle_window=windows.window,
+    )
 
 
 def worker_spec(
@@ -799,9 +825,12 @@ def _torch_trainer() -> Any:
     (``ftjob.data.streams``), and the integration is not idle when no dataset is given: it starts a
     DatasetManager actor -- a new process -- with every attempt, on the controller's node
     (measured: 1.5 CPU-seconds while the new workers start, on a 2-core machine)."""
-    from ray.train.torch import TorchTrainer
+    from ray.train import torch as train_torch
 
     from ftjob.ray_internals import DatasetsCallback
+
+    # Ray Train's v2 API is chosen at run time (RAY_TRAIN_V2_ENABLED): its type stubs are v1's.
+    TorchTrainer: Any = train_torch.TorchTrainer
 
     class FtjobTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list[Any]:
@@ -821,12 +850,12 @@ def ray_train_run(prep: Prepared) -> dict[str, str]:
     return {"name": prep.run.label, "storage_path": posixpath.join(prep.run_path, RAY_TRAIN_DIR)}
 
 
-def _fit(
-    job: JobConfig, prep: Prepared, ledger: Any, outcome: dict[str, Any], holders: Any = None
-) -> None:
+def _fit(job: JobConfig, prep: Prepared, ledger: Any, holders: Any = None) -> object:
     """Runs TorchTrainer.fit() (on a thread: the main thread services the local cluster)."""
     import ray
-    import ray.train
+
+    # Ray Train's v2 API is chosen at run time (RAY_TRAIN_V2_ENABLED): its type stubs are v1's.
+    train: Any = importlib.import_module("ray.train")
 
     from ftjob.driver.drains import drain_relay
     from ftjob.driver.ledger import failure_watch
@@ -856,17 +885,17 @@ def _fit(
     trainer = _torch_trainer()(
         functools.partial(train_loop, spec),
         train_loop_config=prep.public_config,  # what Ray's dashboard shows: secrets redacted
-        scaling_config=ray.train.ScalingConfig(
+        scaling_config=train.ScalingConfig(
             num_workers=(t.min_workers, t.num_workers) if t.elastic else t.num_workers,
             elastic_resize_monitor_interval_s=t.resize_interval,
             use_gpu=t.use_gpu,
             resources_per_worker=dict(t.resources_per_worker),
             placement_strategy=t.placement or ("SPREAD" if job.ray.local_nodes > 1 else "PACK"),
         ),
-        run_config=ray.train.RunConfig(
+        run_config=train.RunConfig(
             **ray_train_run(prep),
             storage_filesystem=to_pyarrow(prep.fs),
-            failure_config=ray.train.FailureConfig(
+            failure_config=train.FailureConfig(
                 max_failures=f.max_failures,
                 max_preemption_failures=f.max_preemptions,
                 preemption_grace_s=f.preemption_grace_s,
@@ -875,8 +904,5 @@ def _fit(
             callbacks=[failure_watch(ledger), drain_relay(ledger, f.preemption_poll_interval)],
         ),
     )
-    try:
-        with elastic_policy(ledger) if t.elastic else contextlib.nullcontext():
-            outcome["result"] = trainer.fit()
-    except BaseException as exc:
-        outcome["error"] = exc
+    with elastic_policy(ledger) if t.elastic else contextlib.nullcontext():
+        return trainer.fit()

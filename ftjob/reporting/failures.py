@@ -3,13 +3,21 @@ what each part of the recovery cost -- read from the run ledger's snapshot (pure
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import NamedTuple
 
 from ftjob import metrics as M
-from ftjob.record import Attempt, FirstStep, Notice, Restore, RunSnapshot, Tier
+from ftjob.record import Attempt, FirstStep, Holder, Notice, Restore, RunSnapshot, Tier
 from ftjob.reporting.resizes import ended_by_resize
+from ftjob.reporting.run_summary import (
+    PREEMPTION,
+    Detail,
+    FailureRecord,
+    InjectedDetail,
+    PreemptionPart,
+    Recovery,
+)
 
-PREEMPTION = "preemption"  # the kind of a failure record that a notice came before
 NOT_FAILURES = ("hang", "slow")  # chaos that causes no failure itself (a hang is found, then ended)
 
 
@@ -18,7 +26,7 @@ class RecoveryEvent(NamedTuple):
 
     time: float
     kind: str
-    detail: dict[str, object]
+    detail: Detail
 
 
 def _recovery_events(snap: RunSnapshot) -> list[RecoveryEvent]:
@@ -26,20 +34,18 @@ def _recovery_events(snap: RunSnapshot) -> list[RecoveryEvent]:
         RecoveryEvent(
             k.deadline if k.deadline is not None else k.time,  # a preempted node goes then
             PREEMPTION if k.kind == "preempt" else f"{k.kind}_kill",
-            k.target.to_json(),
+            k.target,
         )
         for k in snap.kills
         if k.kind not in NOT_FAILURES
     ]
     hangs = [  # a hang that ftjob ended (its worker killed) is the failure's origin
-        RecoveryEvent(h.stalled_since, "hang", h.to_json()) for h in snap.watch.hangs if h.killed
+        RecoveryEvent(h.stalled_since, "hang", h) for h in snap.watch.hangs if h.killed
     ]
     restarted = [
-        RecoveryEvent(s.time, "straggler", s.to_json())
-        for s in snap.watch.stragglers.flagged
-        if s.restarted
+        RecoveryEvent(s.time, "straggler", s) for s in snap.watch.stragglers.flagged if s.restarted
     ]
-    injected = [RecoveryEvent(e.time, "injected", {"step": e.step}) for e in snap.injected]
+    injected = [RecoveryEvent(e.time, "injected", InjectedDetail(e.step)) for e in snap.injected]
     return sorted(kills + injected + hangs + restarted, key=lambda e: e.time)
 
 
@@ -49,7 +55,7 @@ def _start_phases(snap: RunSnapshot, attempt: int, first: FirstStep | None) -> d
     return {**snap.watch.phases.get(str(attempt), {}), **(first.phases if first else {})}
 
 
-def failure_records(snap: RunSnapshot) -> list[dict[str, Any]]:
+def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
     """One record per failure: where it came from and how long each part of recovery took.
 
     Failure ``k`` ends the ``k``-th attempt not ended by a planned (elastic) resize; the next
@@ -76,60 +82,60 @@ def failure_records(snap: RunSnapshot) -> list[dict[str, Any]]:
         cause = [e for e in events if lo <= e.time <= hi]
         origin = cause[-1] if cause else None
         t0 = origin.time if origin else notice
-        record: dict[str, Any] = {
-            "attempt": i + 1,
-            "time": t0,
-            "kind": origin.kind if origin else "error",
-            "detail": origin.detail if origin else None,
-            "error": next(iter(errors[k].values()), None) if k < len(errors) else None,
-            "detection_s": (notice - t0) if notice is not None and t0 is not None else None,
-            "recovered": False,
-        }
+        record = FailureRecord(
+            attempt=i + 1,
+            time=t0,
+            kind=origin.kind if origin else "error",
+            detail=origin.detail if origin else None,
+            error=next(iter(errors[k].values()), None) if k < len(errors) else None,
+            detection_s=(notice - t0) if notice is not None and t0 is not None else None,
+        )
         if nxt is not None:
-            record.update(_recovery(snap, attempt, nxt, notice, t0))
+            recovery = _recovery(snap, attempt, nxt, notice, t0)
+            first = nxt.first_step is not None
+            record = dataclasses.replace(record, recovery=recovery, recovered=first)
         if attempt is not None and attempt.preemption is not None:
-            _as_preemption(record, attempt.preemption, nxt)
+            record = _as_preemption(record, attempt.preemption, nxt)
         records.append(record)
-    return records
+    return tuple(records)
 
 
 def _recovery(
     snap: RunSnapshot, attempt: Attempt | None, nxt: Attempt, notice: float | None, t0: float | None
-) -> dict[str, Any]:
+) -> Recovery:
     """What recovering took, in the next attempt (``nxt``): its restart, restore, first step."""
     restored, first = nxt.restored, nxt.first_step
     restored_step = restored.step if restored else 0
-    parts = {
-        "download_s": restored.download if restored else 0.0,
-        "load_s": restored.load if restored else 0.0,
-        "skip_s": restored.skip if restored else 0.0,
-    }
-    return {
-        "restart_s": nxt.started - notice if notice is not None else None,
-        "restored_step": restored_step,
-        "checkpoint": restored.path if restored else None,
-        "tier": restored.tier.value if restored else None,  # storage | memory
-        "holder": _holder(restored),  # local | peer | storage
-        "fallbacks": [fb.to_json() for fb in restored.skipped] if restored else [],
-        **parts,
-        "restoration_s": sum(parts.values()),
-        "lost_steps": max(0, (attempt.max_step if attempt else 0) - restored_step),
-        "recovered": first is not None,
-        "first_step_s": first.took if first else 0.0,
-        "time_to_recover_s": (first.time - t0) if first and t0 is not None else None,
-        "phases": _start_phases(snap, nxt.index, first),
-        "lost_window_s": _lost_window(snap, attempt, restored_step, t0),
-    }
+    download = restored.download if restored else 0.0
+    load = restored.load if restored else 0.0
+    skip = restored.skip if restored else 0.0
+    return Recovery(
+        restart_s=nxt.started - notice if notice is not None else None,
+        restored_step=restored_step,
+        checkpoint=restored.path if restored else None,
+        tier=restored.tier if restored else None,
+        holder=_holder(restored),
+        fallbacks=restored.skipped if restored else (),
+        download_s=download,
+        load_s=load,
+        skip_s=skip,
+        restoration_s=download + load + skip,
+        lost_steps=max(0, (attempt.max_step if attempt else 0) - restored_step),
+        first_step_s=first.took if first else 0.0,
+        time_to_recover_s=(first.time - t0) if first and t0 is not None else None,
+        phases=_start_phases(snap, nxt.index, first),
+        lost_window_s=_lost_window(snap, attempt, restored_step, t0),
+    )
 
 
-def _holder(restored: Restore | None) -> str | None:
+def _holder(restored: Restore | None) -> Holder | None:
     """Which copy the restore read: local | peer (a memory snapshot), storage; None for no
     restore, or a memory restore recorded without it."""
     if restored is None:
         return None
     if restored.holder is not None:
-        return restored.holder.value
-    return "storage" if restored.tier == Tier.storage else None
+        return restored.holder
+    return Holder.storage if restored.tier == Tier.storage else None
 
 
 def _lost_window(
@@ -148,28 +154,30 @@ def _lost_window(
     return max(0.0, t0 - since)
 
 
-def _as_preemption(record: dict[str, Any], preemption: Notice, nxt: Attempt | None) -> None:
+def _as_preemption(record: FailureRecord, preemption: Notice, nxt: Attempt | None) -> FailureRecord:
     """A notice came first: the attempt ended by preemption, whatever took it down. Its clock
     starts when the node went (the deadline; without one, when the notice came): detection is
     0 (the notice came in advance), restart runs from then to the new worker group."""
-    notice = preemption.to_json()
-    notice.pop("jit", None)
     t0 = preemption.deadline or preemption.received
-    jit = preemption.jit.to_json() if preemption.jit is not None else None
-    record.update(kind=PREEMPTION, time=t0, detection_s=0.0, jit=jit)
-    record["notice"] = notice
-    if nxt is not None:
-        record["restart_s"] = nxt.started - t0
-        if nxt.first_step is not None:
-            record["time_to_recover_s"] = nxt.first_step.time - t0
+    part = PreemptionPart(jit=preemption.jit, notice=dataclasses.replace(preemption, jit=None))
+    record = dataclasses.replace(record, kind=PREEMPTION, time=t0, detection_s=0.0, preemption=part)
+    if nxt is not None and record.recovery is not None:
+        first = nxt.first_step
+        recovery = dataclasses.replace(
+            record.recovery,
+            restart_s=nxt.started - t0,
+            time_to_recover_s=first.time - t0 if first is not None else None,
+        )
+        record = dataclasses.replace(record, recovery=recovery)
+    return record
 
 
-def preemption_metrics(snap: RunSnapshot, failures: list[dict[str, Any]]) -> dict[str, float]:
+def preemption_metrics(snap: RunSnapshot, failures: tuple[FailureRecord, ...]) -> dict[str, float]:
     noticed = [a.preemption for a in snap.attempts if a.preemption is not None]
-    preempted = [f for f in failures if f["kind"] == PREEMPTION]
+    preempted = [f for f in failures if f.kind == PREEMPTION]
     return {
         M.PREEMPTION_COUNT: len(noticed),
-        M.PREEMPTION_LOST_STEPS: sum(f.get("lost_steps", 0) for f in preempted),
+        M.PREEMPTION_LOST_STEPS: sum(f.lost_steps for f in preempted),
         M.PREEMPTION_JIT_CHECKPOINT_TIME: sum(
             (n.jit.seconds or 0.0) if n.jit is not None else 0.0 for n in noticed
         ),

@@ -10,29 +10,22 @@ steps, validation and checkpoints of lost work); the buckets sum to the wall clo
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Iterable, Mapping
 
 from ftjob import metrics as M
 from ftjob.metrics import finite
 from ftjob.policy.cadence import optimal_interval_s
-
-BUCKETS = (
-    "startup",  # launch -> first training step
-    "training",  # training steps that count
-    "data_wait",  # steps waiting for their batch
-    "validation",
-    "checkpoint",  # training waiting for checkpoint save, upload, report; memory snapshots
-    "detection",  # failure -> Ray Train noticed it
-    "restart",  # noticed -> new worker group in the train function
-    "restore",  # checkpoint download, load, data position
-    "setup",  # restored -> first step (model, process group, first batch)
-    "redone",  # steps trained again after a restore
-    "preemption",  # notice -> the node went (just-in-time checkpoint, then waiting)
-    "resize",  # a planned elastic resize: its checkpoint -> the resized group's first step
-    "shutdown",  # last step -> the run's end
-    "other",
+from ftjob.reporting.run_summary import (
+    Buckets,
+    FailureRecord,
+    Goodput,
+    Prediction,
+    Recovery,
+    ResizeRecord,
 )
 
+BUCKETS = tuple(f.name for f in dataclasses.fields(Buckets))  # in order; see Buckets
 
 # Training waiting for a checkpoint: save, upload, report; the memory tier's copies.
 CHECKPOINT_TIMERS = (
@@ -43,53 +36,60 @@ CHECKPOINT_TIMERS = (
 )
 
 
-def _sum(records: list[dict[str, Any]], key: str) -> float:
-    return sum(finite(r.get(key)) for r in records)
+def _recoveries(failures: Iterable[FailureRecord]) -> list[Recovery]:
+    """The recoveries of the failures a new attempt trained after."""
+    return [f.recovery for f in failures if f.recovered and f.recovery is not None]
 
 
-def _planned_resizes(resizes: list[dict[str, Any]]) -> float:
+def _planned_resizes(resizes: Iterable[ResizeRecord]) -> float:
     """Seconds of planned elastic resizes, their checkpoint to the resized group's first step
     (whose batch wait and step are in data_wait and training)."""
     return sum(
-        max(0.0, finite(r["time_to_recover_s"]) - r.get("first_step_s", 0.0))
+        max(0.0, finite(r.time_to_recover_s) - r.first_step_s)
         for r in resizes
-        if r["cause"] == "planned"
+        if r.cause == "planned"
     )
 
 
-def _notice_waits(failures: list[dict[str, Any]]) -> float:
+def _notice_waits(failures: Iterable[FailureRecord]) -> float:
     """Seconds from each preemption notice to its deadline, while the workers wait to be torn
     down; the just-in-time checkpoint in that window is in "checkpoint" already."""
-    return sum(
-        max(
-            0.0,
-            finite(f["notice"]["deadline"])
-            - f["notice"]["received"]
-            - finite((f.get("jit") or {}).get("seconds")),
-        )
-        for f in failures
-        if (f.get("notice") or {}).get("deadline")
-    )
+    total = 0.0
+    for f in failures:
+        notice = f.preemption.notice if f.preemption is not None else None
+        if notice is None or not notice.deadline:
+            continue
+        jit = f.preemption.jit if f.preemption is not None else None
+        seconds = finite(jit.seconds) if jit is not None else 0.0
+        total += max(0.0, finite(notice.deadline) - notice.received - seconds)
+    return total
 
 
-def _recovery(failures: list[dict[str, Any]]) -> float:
+def _restore(r: Recovery) -> float:
+    return finite(r.download_s) + finite(r.load_s) + finite(r.skip_s)
+
+
+def _recovery(failures: Iterable[FailureRecord]) -> float:
     """Seconds the recovery buckets (detection, restart, restore, setup) hold of these
     failures: origin to the next first step, less that step (in data_wait and training)."""
     total = 0.0
     for f in failures:
-        parts = finite(f.get("detection_s")) + finite(f.get("restart_s"))
-        parts += sum(finite(f.get(k)) for k in ("download_s", "load_s", "skip_s"))
-        ttr = f.get("time_to_recover_s") if f.get("recovered") else None
-        total += parts if ttr is None else max(parts, finite(ttr) - finite(f.get("first_step_s")))
+        r = f.recovery
+        parts = finite(f.detection_s)
+        parts += finite(r.restart_s) + _restore(r) if r is not None else 0.0
+        if r is None or not f.recovered or r.time_to_recover_s is None:
+            total += parts
+        else:
+            total += max(parts, finite(r.time_to_recover_s) - finite(r.first_step_s))
     return total
 
 
-def _redone(failure: dict[str, Any], per_step: float) -> float:
+def _redone(failure: FailureRecord, per_step: float) -> float:
     """The steps a failure lost, at the run's time per step -- at most the wall clock the
     failed attempt spent past the state it went back to (``lost_window_s``): steps trained
     after the failure's origin are in its detection time already."""
-    lost = failure.get("lost_steps", 0) * per_step
-    window = failure.get("lost_window_s")
+    lost = failure.lost_steps * per_step
+    window = failure.recovery.lost_window_s if failure.recovery is not None else None
     return lost if window is None else min(lost, finite(window))
 
 
@@ -100,11 +100,11 @@ def goodput(
     first_step: float | None,
     finished: float | None,
     first_step_took: float = 0.0,
-    metrics: dict[str, Any],
-    failures: list[dict[str, Any]],
-    resizes: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """``{"wall_s", "ettr", "buckets": {name: seconds}}``; the buckets sum to ``wall_s``."""
+    metrics: Mapping[str, float | None],
+    failures: tuple[FailureRecord, ...],
+    resizes: tuple[ResizeRecord, ...] = (),
+) -> Goodput:
+    """Where the wall clock went: its buckets sum to ``wall_s``."""
     steps = finite(metrics.get(M.TRAIN_STEPS_COMPLETED))
     busy = finite(metrics.get(M.TRAIN_STEP))
     waiting = finite(metrics.get(M.TRAIN_ITER_BATCH)) + finite(
@@ -112,43 +112,40 @@ def goodput(
     )
     per_step = (busy + waiting) / steps if steps else 0.0
     end = run_started + wall_s
-    recovered = [f for f in failures if f.get("recovered")]
-    restore = sum(finite(f.get(k)) for f in recovered for k in ("download_s", "load_s", "skip_s"))
+    recovered = _recoveries(failures)
+    restore = sum(_restore(r) for r in recovered)
+    detection = sum(finite(f.detection_s) for f in failures)
+    restart = sum(finite(r.restart_s) for r in recovered)
     # The first step after a restore is in time-to-recover, and also in data_wait and training.
-    known_recovery = (
-        _sum(failures, "detection_s")
-        + _sum(recovered, "restart_s")
-        + restore
-        + _sum(recovered, "first_step_s")
-    )
+    known_recovery = detection + restart + restore + sum(finite(r.first_step_s) for r in recovered)
     # The first step's own batch wait and step are in data_wait and training; a run that
     # never trained started up until it finished (then shut down) or ended.
     started_up = first_step - first_step_took if first_step else finished or end
     # Failures before the run's first step (an attempt that died starting) recover inside the
     # start-up window: their own buckets hold that time.
-    early = [f for f in failures if f.get("time") is not None and f["time"] < (first_step or end)]
+    early = [f for f in failures if f.time is not None and f.time < (first_step or end)]
     buckets = {
         "startup": max(0.0, started_up - run_started - _recovery(early)),
         "training": busy,
         "data_wait": waiting,
         "validation": finite(metrics.get(M.VALIDATION_STEP)),
         "checkpoint": sum(finite(metrics.get(k)) for k in CHECKPOINT_TIMERS),
-        "detection": _sum(failures, "detection_s"),
-        "restart": _sum(recovered, "restart_s"),
+        "detection": detection,
+        "restart": restart,
         "restore": restore,
-        "setup": max(0.0, _sum(recovered, "time_to_recover_s") - known_recovery),
+        "setup": max(0.0, sum(finite(r.time_to_recover_s) for r in recovered) - known_recovery),
         "redone": sum(_redone(f, per_step) for f in failures),
         "preemption": _notice_waits(failures),
-        "resize": _planned_resizes(resizes or []),
+        "resize": _planned_resizes(resizes),
         "shutdown": max(0.0, end - finished) if finished else 0.0,
     }
     buckets["other"] = wall_s - sum(buckets.values())
-    return {
-        "wall_s": wall_s,
-        "ettr": busy / wall_s if wall_s > 0 else 0.0,
-        "buckets": {name: buckets[name] for name in BUCKETS},
-        "memory_snapshot_s": finite(metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME)),
-    }
+    return Goodput(
+        wall_s=wall_s,
+        ettr=busy / wall_s if wall_s > 0 else 0.0,
+        buckets=Buckets(**buckets),
+        memory_snapshot_s=finite(metrics.get(M.CHECKPOINT_MEMORY_SNAPSHOT_TIME)),
+    )
 
 
 def write_goodput_plot(path: str, jobs: list[tuple[str, dict[str, float]]]) -> None:
@@ -198,13 +195,13 @@ MODELED = (
 
 
 def predict_ettr(
-    goodput: dict[str, Any],
+    goodput: Goodput,
     checkpoints: int,
     failures: int,
     mtbf_s: float | None,
     max_failures: int | None = None,
     snapshots: int = 0,
-) -> dict[str, Any] | None:
+) -> Prediction | None:
     """The first-order model's ETTR for a run, from the run's own measurements: checkpoint
     cost C (stall per checkpoint), the interval τ (training and batch wait per checkpoint),
     recovery R (detection + restart + restore + set-up per failure) and the declared mean time
@@ -214,16 +211,16 @@ def predict_ettr(
     work done again: τ/2, or with the memory tier (``snapshots`` taken) half the snapshot
     interval -- then the optimum is the snapshot cadence's, for the snapshot's cost. Start-up,
     validation and shutdown are taken as measured. None without a checkpoint."""
-    b, wall = goodput.get("buckets") or {}, goodput.get("wall_s") or 0.0
-    step_time = b.get("training", 0.0) + b.get("data_wait", 0.0)
+    b, wall = goodput.buckets, goodput.wall_s
+    step_time = b.training + b.data_wait
     if checkpoints <= 0 or wall <= 0 or step_time <= 0:
         return None
-    stall = finite(goodput.get("memory_snapshot_s"))  # the memory tier's, in "checkpoint"
-    cost = (b.get("checkpoint", 0.0) - stall) / checkpoints
+    stall = finite(goodput.memory_snapshot_s)  # the memory tier's, in "checkpoint"
+    cost = (b.checkpoint - stall) / checkpoints
     interval = step_time / checkpoints
-    recovery = sum(b.get(k, 0.0) for k in ("detection", "restart", "restore", "setup"))
+    recovery = b.detection + b.restart + b.restore + b.setup
     recovery = recovery / failures if failures else 0.0
-    modeled = sum(b.get(k, 0.0) for k in MODELED)
+    modeled = sum(b.seconds()[k] for k in MODELED)
     expected = modeled / mtbf_s if mtbf_s else float(max_failures or 0)
     if max_failures is not None:
         expected = min(expected, max_failures)
@@ -231,16 +228,14 @@ def predict_ettr(
     lost_every, lost_cost = interval, cost
     if snapshots > 0:  # both tiers' states are restorable
         lost_every, lost_cost = step_time / (snapshots + checkpoints), stall / snapshots
-    overhead = b.get("checkpoint", 0.0) / step_time  # every tier's stalls per second trained
+    overhead = b.checkpoint / step_time  # every tier's stalls per second trained
     useful = max(0.0, modeled - expected * (recovery + lost_every / 2)) / (1 + overhead)
-    return {
-        "ettr": useful * (b.get("training", 0.0) / step_time) / wall,
-        "checkpoint_cost_s": cost,
-        "interval_s": interval,
-        "restorable_every_s": lost_every,
-        "recovery_s": recovery,
-        "expected_failures": expected,
-        "optimal_interval_s": optimal_interval_s(lost_cost, modeled / expected)
-        if expected
-        else None,
-    }
+    return Prediction(
+        ettr=useful * (b.training / step_time) / wall,
+        checkpoint_cost_s=cost,
+        interval_s=interval,
+        restorable_every_s=lost_every,
+        recovery_s=recovery,
+        expected_failures=expected,
+        optimal_interval_s=optimal_interval_s(lost_cost, modeled / expected) if expected else None,
+    )

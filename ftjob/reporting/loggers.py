@@ -29,6 +29,8 @@ from typing import Any
 
 from ftjob import record
 from ftjob.config import LoggerConfig
+from ftjob.metrics import TRAIN_STEPS_COMPLETED
+from ftjob.reporting.run_summary import RunSummary
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.text import shorten
 
@@ -73,7 +75,7 @@ class CsvLogger:
         self.events.writerow([f"{when:.3f}", step, text])
         self._events.flush()
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: RunSummary) -> None:
         self._metrics.close()
         self._events.close()
 
@@ -105,12 +107,12 @@ class TensorBoardLogger:
         start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
         self.writer._get_file_writer().add_event(start)
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        step = int((summary.get("metrics") or {}).get("train/steps_completed") or 0)
-        for key, value in (summary.get("metrics") or {}).items():
+    def finish(self, summary: RunSummary) -> None:
+        step = int(summary.metric(TRAIN_STEPS_COMPLETED))
+        for key, value in summary.metrics.items():
             if isinstance(value, (int, float)) and key.startswith(("goodput/", "recovery/")):
                 self.writer.add_scalar(f"summary/{key}", value, step)
-        self.writer.add_text("summary", f"status: {summary.get('status')}", step)
+        self.writer.add_text("summary", f"status: {summary.status}", step)
         self.writer.close()
 
 
@@ -203,10 +205,10 @@ class MlflowLogger:
         self.events.append(f"{when:.3f}\tstep {step}\t{text}")
         self.client.set_tag(self.run_id, f"event.{len(self.events):04d}", text[:5000])
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: RunSummary) -> None:
         self.client.log_text(self.run_id, "\n".join(self.events) + "\n", "events.txt")
-        self.client.log_dict(self.run_id, summary, "summary.json")
-        status = "FINISHED" if summary.get("status") == "succeeded" else "FAILED"
+        self.client.log_dict(self.run_id, summary.document(), "summary.json")
+        status = "FINISHED" if summary.ok else "FAILED"
         self.client.set_terminated(self.run_id, status)
 
 
@@ -269,15 +271,15 @@ class WandbLogger:
     def event(self, when: float, step: int, text: str) -> None:
         self.events.append([when, step, text])
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        metrics = summary.get("metrics") or {}
+    def finish(self, summary: RunSummary) -> None:
+        metrics = summary.metrics
         self.run.summary.update(
             {f"summary/{k}": v for k, v in metrics.items() if isinstance(v, (int, float))}
         )
-        self.run.summary["status"] = summary.get("status")
+        self.run.summary["status"] = str(summary.status)
         table = self.wandb.Table(columns=["time", "step", "event"], data=self.events)
         self.run.log({"events": table})
-        self.run.finish(exit_code=0 if summary.get("status") == "succeeded" else 1)
+        self.run.finish(exit_code=0 if summary.ok else 1)
 
 
 def build_loggers(
@@ -423,14 +425,14 @@ class LogFeed:
             if not METRIC_LINE.match(line):
                 self._each("event", when, self.step, line)
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: RunSummary) -> None:
         """The run is over. A run that succeeded (or stopped without a checkpoint: nothing can
         continue it) logs every step still held, the surviving version. One that stopped
         logs those at or before its latest committed checkpoint: a resume trains the rest
         again, and logs them then, in the W&B and MLflow runs this one continues."""
         settled = math.inf
-        latest = (summary.get("checkpoints") or {}).get("latest")
-        if summary.get("status") != "succeeded" and isinstance(latest, str):
+        latest = summary.checkpoints.latest
+        if not summary.ok and latest is not None:
             step = CheckpointStore.step_of(latest)
             settled = math.inf if step is None else step
         self._flush(settled)

@@ -13,9 +13,9 @@ in ``ftjob.driver.scaling``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from ftjob.record import Attempt, RunSnapshot
+from ftjob.reporting.run_summary import FailureRecord, PlannedResize, ResizeRecord
 
 
 def describe_restart(before: int | None, world: int | None, most: int | None) -> str:
@@ -44,7 +44,9 @@ def ended_by_resize(snap: RunSnapshot) -> set[int]:
     return ended
 
 
-def resize_records(snap: RunSnapshot, failures: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def resize_records(
+    snap: RunSnapshot, failures: tuple[FailureRecord, ...]
+) -> tuple[ResizeRecord, ...]:
     """One record per change of world size between attempts: a shrink or grow after a
     failure (Ray Train restarted the group on what it could place), or a planned resize (the
     group was running when capacity changed; it committed a checkpoint of its step first,
@@ -52,35 +54,39 @@ def resize_records(snap: RunSnapshot, failures: list[dict[str, Any]]) -> list[di
     (their clock: the failure's origin)."""
     attempts, planned = snap.attempts, ended_by_resize(snap)
     done = snap.executed_resizes
-    by_attempt = {f["attempt"]: f for f in failures}
+    by_attempt = {f.attempt: f for f in failures}
     records = []
     for prev, nxt in zip(attempts, attempts[1:], strict=False):
         before, after = prev.world_size, nxt.world_size
         if before is None or after is None or before == after:
             continue
         restored = nxt.restored.step if nxt.restored else 0
-        record: dict[str, Any] = {
-            "attempt": nxt.index + 1,
-            "kind": "grow" if after > before else "shrink",
-            "from": before,
-            "to": after,
-            "cause": "planned" if prev.index in planned else "failure",
-            "lost_steps": max(0, prev.max_step - restored),
-        }
         t0: float | None
+        part = None
         if prev.index in planned:
             notice = prev.resize  # none: the workers did not agree in time
             executed = [t for t in done if prev.started <= t < nxt.started]
             t0 = notice.received if notice else (executed[0] if executed else None)
-            record["checkpoint"] = notice.jit.path if notice and notice.jit else None
+            part = PlannedResize(notice.jit.path if notice and notice.jit else None)
         else:
-            t0 = (by_attempt.get(prev.index + 1) or {}).get("time")
+            failure = by_attempt.get(prev.index + 1)
+            t0 = failure.time if failure is not None else None
         first = nxt.first_step
-        record["time"] = t0  # when it began: the notice to resize, or the failure
-        record["time_to_recover_s"] = first.time - t0 if first and t0 is not None else None
-        record["first_step_s"] = first.took if first else 0.0
-        records.append(record)
-    return records
+        records.append(
+            ResizeRecord(
+                attempt=nxt.index + 1,
+                kind="grow" if after > before else "shrink",
+                from_=before,
+                to=after,
+                cause="planned" if prev.index in planned else "failure",
+                lost_steps=max(0, prev.max_step - restored),
+                planned=part,
+                time=t0,  # when it began: the notice to resize, or the failure
+                time_to_recover_s=first.time - t0 if first and t0 is not None else None,
+                first_step_s=first.took if first else 0.0,
+            )
+        )
+    return tuple(records)
 
 
 def time_below_full(attempts: Sequence[Attempt], most: int | None, ended: float) -> float:

@@ -22,9 +22,9 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ftjob.record import AuditStep, Record, RunSnapshot, RunStatus, merged_audit
+from ftjob.reporting.run_summary import RunSummary
 from ftjob.reporting.summary import build_summary
 
 RECORD_FILE = "run_record.jsonl"
@@ -155,7 +155,7 @@ def not_ended_error(kept: KeptRecord) -> str:
     )
 
 
-def rebuilt_summary(kept: KeptRecord) -> dict[str, Any]:
+def rebuilt_summary(kept: KeptRecord) -> RunSummary:
     """The summary of a run whose driver did not end, from the record it kept: failed, its
     figures as of the record's last write, the newest checkpoint the record saw committed,
     and the command that continues the run."""
@@ -169,6 +169,6 @@ def rebuilt_summary(kept: KeptRecord) -> dict[str, Any]:
         config=dict(start.config),
         run_started=start.started,
     )
-    if summary["checkpoints"]["latest"] and start.resume_command:
-        summary["resume_command"] = start.resume_command
+    if summary.checkpoints.latest and start.resume_command:
+        summary = replace(summary, resume_command=start.resume_command)
     return summary

@@ -10,9 +10,12 @@ accuracy. The title carries the status and ETTR, the legend the goodput buckets'
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeVar
 
 from ftjob.metrics import finite
+from ftjob.record import HistoryPoint, ValidationResult
+from ftjob.reporting.run_summary import Buckets, FailureRecord, RunSummary
 
 TIMELINE_FILE = "timeline.png"
 
@@ -37,15 +40,16 @@ IN_TRAINING = {
 }
 
 
-def training_label(buckets: dict[str, Any]) -> str:
+def training_label(buckets: Buckets) -> str:
     """The training band's legend entry: its training seconds, and the other buckets it spans
     (waiting for data, validating, checkpointing, steps trained again): most of the band's
     other seconds."""
-    label = f"training ({finite(buckets.get('training')):.1f} s)"
+    seconds = buckets.seconds()
+    label = f"training ({finite(buckets.training):.1f} s)"
     within = [
-        f"{name} {finite(buckets.get(key)):.1f}"
+        f"{name} {finite(seconds[key]):.1f}"
         for key, name in IN_TRAINING.items()
-        if finite(buckets.get(key)) >= 0.05
+        if finite(seconds[key]) >= 0.05
     ]
     return label + (f"\nwith {', '.join(within)} s" if within else "")
 
@@ -53,90 +57,95 @@ def training_label(buckets: dict[str, Any]) -> str:
 MARKS = {"kill": "#b71c1c", "hang": "#4a148c", "notice": "#0d47a1", "failure": "#e65100"}
 
 
-def origin(summary: dict[str, Any]) -> float:
+def origin(summary: RunSummary) -> float:
     """Second 0 of the picture: when the driver started, as goodput counts (its legend's
     seconds); the run ledger's start for a summary older than ``timing.run_started``."""
-    timing = summary["timing"]
-    started = timing.get("run_started")
-    return timing["started"] if started is None else started
+    timing = summary.timing
+    started = timing.run_started if timing.run_started is not None else timing.started
+    return finite(started)
 
 
-def phase_spans(summary: dict[str, Any]) -> list[tuple[str, float, float]]:
-    """(phase, start, end) in seconds since the run started, for every phase the summary
-    measured; a failure's are its detection, restart, restore and set-up, in that order.
-    Start-up ends where the first step began (that step is training), as goodput counts it."""
-    t0, timing = origin(summary), summary["timing"]
+def _failure_spans(f: FailureRecord, t0: float) -> list[tuple[str, float, float]]:
+    """A failure's detection, restart, restore and set-up, in that order (after its notice's
+    window, when a notice came first)."""
     spans: list[tuple[str, float, float]] = []
-    first, finished = timing.get("first_step"), timing.get("finished")
-    if first:
-        spans.append(("startup", 0.0, first - finite(timing.get("first_step_took")) - t0))
-    for f in summary.get("failures", []):
-        if f.get("time") is None:
-            continue
-        at = f["time"] - t0
-        parts = [
-            ("detection", finite(f.get("detection_s"))),
-            ("restart", finite(f.get("restart_s"))),
-            ("restore", finite(f.get("restoration_s"))),
-        ]
-        ttr = f.get("time_to_recover_s")
-        if ttr is not None:  # its first step is training, as goodput counts it
-            rest = finite(ttr) - finite(f.get("first_step_s")) - sum(s for _, s in parts)
+    if f.time is None:
+        return spans
+    notice = f.preemption.notice if f.preemption is not None else None
+    if notice is not None and notice.received and notice.deadline:  # the notice came first
+        spans.append(("preemption", notice.received - t0, notice.deadline - t0))
+    at, r = f.time - t0, f.recovery
+    parts = [("detection", finite(f.detection_s))]
+    if r is not None:
+        parts += [("restart", finite(r.restart_s)), ("restore", finite(r.restoration_s))]
+        if r.time_to_recover_s is not None:  # its first step is training, as goodput counts it
+            rest = finite(r.time_to_recover_s) - finite(r.first_step_s) - sum(s for _, s in parts)
             parts.append(("setup", max(0.0, rest)))
-        notice = f.get("notice") or {}
-        if notice.get("received") and notice.get("deadline"):  # the notice's window came first
-            spans.append(("preemption", notice["received"] - t0, notice["deadline"] - t0))
-        for name, seconds in parts:
-            if seconds > 0:
-                spans.append((name, at, at + seconds))
-                at += seconds
-    for r in summary.get("resizes", []):  # a planned one; its first step is training's
-        if r.get("cause") == "planned" and r.get("time") and r.get("time_to_recover_s"):
-            took = max(0.0, r["time_to_recover_s"] - finite(r.get("first_step_s")))
-            spans.append(("resize", r["time"] - t0, r["time"] - t0 + took))
-    if finished:
-        spans.append(("shutdown", finished - t0, finite(summary.get("wall_time_s"))))
+    for name, seconds in parts:
+        if seconds > 0:
+            spans.append((name, at, at + seconds))
+            at += seconds
     return spans
 
 
-def marks(summary: dict[str, Any]) -> list[tuple[str, float, str]]:
+def phase_spans(summary: RunSummary) -> list[tuple[str, float, float]]:
+    """(phase, start, end) in seconds since the run started, for every phase the summary
+    measured; a failure's are its detection, restart, restore and set-up, in that order.
+    Start-up ends where the first step began (that step is training), as goodput counts it."""
+    t0, timing = origin(summary), summary.timing
+    spans: list[tuple[str, float, float]] = []
+    first, finished = timing.first_step, timing.finished
+    if first:
+        spans.append(("startup", 0.0, first - finite(timing.first_step_took) - t0))
+    for f in summary.failures:
+        spans += _failure_spans(f, t0)
+    for r in summary.resizes:  # a planned one; its first step is training's
+        if r.cause == "planned" and r.time and r.time_to_recover_s:
+            took = max(0.0, r.time_to_recover_s - finite(r.first_step_s))
+            spans.append(("resize", r.time - t0, r.time - t0 + took))
+    if finished:
+        spans.append(("shutdown", finished - t0, finite(summary.wall_time_s)))
+    return spans
+
+
+def marks(summary: RunSummary) -> list[tuple[str, float, str]]:
     """(kind, seconds since the start, label): kills, hangs, preemption notices."""
     t0, out = origin(summary), []
-    for i, k in enumerate(summary.get("chaos", {}).get("kills", []), start=1):
-        out.append(("kill", k["time"] - t0, f"kill {i} ({k.get('kind')})"))
-    for h in summary.get("hangs", []):
-        out.append(("hang", h["time"] - t0, f"hang rank {h.get('rank')}"))
-    for f in summary.get("failures", []):
-        notice = f.get("notice") or {}
-        if notice.get("received"):
-            out.append(("notice", notice["received"] - t0, f"notice ({notice.get('source')})"))
-        elif f.get("kind") in ("injected", "error") and f.get("time"):
-            out.append(("failure", f["time"] - t0, f"failure ({f['kind']})"))
+    for i, k in enumerate(summary.chaos.kills, start=1):
+        out.append(("kill", k.time - t0, f"kill {i} ({k.kind})"))
+    for h in summary.hangs:
+        out.append(("hang", h.time - t0, f"hang rank {h.rank}"))
+    for f in summary.failures:
+        notice = f.preemption.notice if f.preemption is not None else None
+        if notice is not None and notice.received:
+            out.append(("notice", notice.received - t0, f"notice ({notice.source})"))
+        elif f.kind in ("injected", "error") and f.time:
+            out.append(("failure", f.time - t0, f"failure ({f.kind})"))
     return out
 
 
-def write_timeline(path: str, summary: dict[str, Any]) -> None:
+def write_timeline(path: str, summary: RunSummary) -> None:
     """Draw ``summary`` (summary.json) to ``path`` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    if not (summary.get("timing") or {}).get("started"):
+    if not summary.timing.started:
         raise ValueError("summary.json has no timing (written by an older ftjob?)")
-    t0, wall = origin(summary), finite(summary.get("wall_time_s"))
+    t0, wall = origin(summary), finite(summary.wall_time_s)
     fig = Figure(figsize=(13, 8), layout="constrained")
     FigureCanvasAgg(fig)
     phases_ax, rate_ax, loss_ax = fig.subplots(3, 1, sharex=True, height_ratios=[1.1, 1, 1])
     fig.suptitle(
-        f"{summary.get('name')}: {summary.get('status')}, wall {wall:.0f} s, "
-        f"ETTR {finite((summary.get('goodput') or {}).get('ettr')):.2f}",
+        f"{summary.name}: {summary.status}, wall {wall:.0f} s, "
+        f"ETTR {finite(summary.goodput.ettr):.2f}",
         fontsize=12,
     )
     found = marks(summary)
     _phases(phases_ax, summary, found)
-    history = [h for h in summary.get("history", []) if h.get("time")]
-    times = [h["time"] - t0 for h in history]
+    history = [h for h in summary.history if h.time]
+    times = [finite(h.time) - t0 for h in history]
     _throughput(rate_ax, times, history)
-    _quality(loss_ax, times, history, summary.get("validation", []), t0)
+    _quality(loss_ax, times, history, summary.validation, t0)
     for ax in (rate_ax, loss_ax):
         for kind, at, _ in found:
             ax.axvline(at, color=MARKS[kind], lw=1, ls="--", alpha=0.6)
@@ -145,7 +154,7 @@ def write_timeline(path: str, summary: dict[str, Any]) -> None:
     fig.savefig(path, dpi=100)
 
 
-def draw_timeline(summary: dict[str, Any], run_dir: str) -> str:
+def draw_timeline(summary: RunSummary, run_dir: str) -> str:
     """timeline.png in ``run_dir``; the line that says where, or why it was not drawn (a
     picture is never worth failing a run or a report over)."""
     path = os.path.join(run_dir, TIMELINE_FILE)
@@ -158,7 +167,7 @@ def draw_timeline(summary: dict[str, Any], run_dir: str) -> str:
     return f"timeline: {path}"
 
 
-def _phases(ax: Any, summary: dict[str, Any], found: list[tuple[str, float, str]]) -> None:
+def _phases(ax: Any, summary: RunSummary, found: list[tuple[str, float, str]]) -> None:
     """What the run was doing: training, unless a phase says other; marks where things
     happened, labelled (staggered, so marks close in time do not overlap)."""
     from matplotlib.patches import Patch
@@ -181,37 +190,43 @@ def _phases(ax: Any, summary: dict[str, Any], found: list[tuple[str, float, str]
         )
     ax.set_ylim(0, 1)
     ax.set_yticks([])
-    buckets = (summary.get("goodput") or {}).get("buckets") or {}
+    buckets = summary.goodput.buckets
     handles = [Patch(color="#c8e6c9", label=training_label(buckets))]
     drawn = {name for name, _, _ in spans}
+    seconds = buckets.seconds()
     for name, colour in PHASES.items():
-        seconds = finite(buckets.get(name))
-        if seconds > 0 or name in drawn:
-            handles.append(Patch(color=colour, label=f"{name} ({seconds:.1f} s)"))
+        if finite(seconds[name]) > 0 or name in drawn:
+            handles.append(Patch(color=colour, label=f"{name} ({finite(seconds[name]):.1f} s)"))
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title("phases (goodput buckets, seconds in the legend)", fontsize=9, loc="left")
 
 
-def _by_attempt(times: list[float], values: list[Any], history: list[dict[str, Any]]) -> Any:
+T = TypeVar("T")
+
+
+def _by_attempt(
+    times: Sequence[float], values: Sequence[T], attempts: Sequence[int | None]
+) -> Iterable[tuple[list[float], list[T]]]:
     """(times, values) per attempt: a line is never drawn across a recovery."""
-    segments: dict[Any, tuple[list[float], list[Any]]] = {}
-    for t, v, h in zip(times, values, history, strict=True):
-        ts, vs = segments.setdefault(h.get("attempt"), ([], []))
+    segments: dict[int | None, tuple[list[float], list[T]]] = {}
+    for t, v, a in zip(times, values, attempts, strict=True):
+        ts, vs = segments.setdefault(a, ([], []))
         ts.append(t)
         vs.append(v)
     return segments.values()
 
 
-def _throughput(ax: Any, times: list[float], history: list[dict[str, Any]]) -> None:
+def _throughput(ax: Any, times: list[float], history: list[HistoryPoint]) -> None:
     """Images/s, and the world size on the right axis."""
-    rates = [finite(h.get("throughput")) for h in history]
-    for ts, vs in _by_attempt(times, rates, history):
+    rates = [finite(h.throughput) for h in history]
+    attempts = [h.attempt for h in history]
+    for ts, vs in _by_attempt(times, rates, attempts):
         ax.plot(ts, vs, "o-", ms=3, color="#3949ab")
     ax.set_ylabel("images/s", color="#3949ab")
     world_ax = ax.twinx()
-    sizes = [h.get("world_size") or 0 for h in history]
-    for ts, vs in _by_attempt(times, sizes, history):
-        world_ax.step(ts, vs, where="post", color="#00897b", lw=2)
+    sizes = [h.world_size or 0 for h in history]
+    for ts, ws in _by_attempt(times, sizes, attempts):
+        world_ax.step(ts, ws, where="post", color="#00897b", lw=2)
     world_ax.set_ylabel("workers", color="#00897b")
     most = max(sizes, default=1)
     world_ax.set_ylim(0, most + 1)
@@ -221,18 +236,19 @@ def _throughput(ax: Any, times: list[float], history: list[dict[str, Any]]) -> N
 def _quality(
     ax: Any,
     times: list[float],
-    history: list[dict[str, Any]],
-    validations: list[dict[str, Any]],
+    history: list[HistoryPoint],
+    validations: Sequence[ValidationResult],
     t0: float,
 ) -> None:
     """Train loss, and validation accuracy on the right axis."""
-    for ts, vs in _by_attempt(times, [h.get("loss") for h in history], history):
-        ax.plot(ts, vs, "o-", ms=3, color="#d81b60")
+    losses = [h.loss for h in history]
+    for ts, ls in _by_attempt(times, losses, [h.attempt for h in history]):
+        ax.plot(ts, ls, "o-", ms=3, color="#d81b60")
     ax.set_ylabel("train loss", color="#d81b60")
     acc_ax = ax.twinx()
-    val = [v for v in validations if v.get("time")]
-    when, accuracy = [v["time"] - t0 for v in val], [v["accuracy"] for v in val]
-    for ts, vs in _by_attempt(when, accuracy, val):
+    val = [v for v in validations if v.time]
+    when, accuracy = [v.time - t0 for v in val], [v.accuracy for v in val]
+    for ts, vs in _by_attempt(when, accuracy, [v.attempt for v in val]):
         acc_ax.plot(ts, vs, "s-", ms=4, color="#43a047")
     acc_ax.set_ylabel("validation accuracy", color="#43a047")
     acc_ax.set_ylim(0, 1)

@@ -21,6 +21,7 @@ import pytest
 from ftjob.driver.held_record import PULL_EVERY_S
 from ftjob.reporting.run_record import read_record
 from tests.support.processes import read_until, start_ftjob
+from tests.support.summaries import checked
 
 pytestmark = pytest.mark.ray
 
@@ -84,7 +85,7 @@ def test_a_run_whose_embedded_ray_dies_writes_its_summary_from_the_drivers_recor
     console = "".join(lines) + rest
     summary_path = run_dir / "summary.json"
     assert summary_path.exists(), console[-4000:]
-    s = json.loads(summary_path.read_text())
+    s = checked(json.loads(summary_path.read_text()))
     assert proc.returncode == 1, console[-3000:]
     assert s["status"] == "failed"
     assert "Ray died" in s["error"] and "raylet" in s["error"], s["error"]
@@ -137,7 +138,7 @@ def test_a_killed_drivers_record_in_its_run_dir_rebuilds_its_summary(tmp_path: P
     assert "rebuilt from" in out and "the driver did not end" in out, out
     assert "run killed: failed" in out and "audit epoch 0: unique" in out, out
     assert "name=killed resume=true" in out, out
-    steps = int(re.findall(r"steps (\d+),", out)[0])
+    steps = int(re.findall(r"steps (\d+) \(", out)[0])
     assert steps >= printed, out
 
 

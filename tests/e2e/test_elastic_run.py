@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from ftjob import metrics as M
-from ftjob.reporting.summary import exactly_once
 from tests.support.exact import differing, final_weights, unkilled_reference
+from tests.support.summaries import exactly_once
 
 pytestmark = pytest.mark.ray
 

@@ -13,7 +13,6 @@ import pytest
 
 from ftjob import metrics as M
 from ftjob.data.to_parquet import convert
-from ftjob.reporting.summary import exactly_once
 from tests.support.fault_proxy import FaultProxy
 from tests.support.images import digits_tree
 from tests.support.loggers import check_loggers
@@ -23,6 +22,7 @@ from tests.support.s3 import (
     s3_keys,
     s3_store,
 )
+from tests.support.summaries import exactly_once
 
 pytestmark = pytest.mark.s3
 

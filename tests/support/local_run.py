@@ -10,6 +10,7 @@ end-to-end tests; what the workers decide is tested here, in seconds.
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import pickle
 import queue
@@ -30,17 +31,20 @@ from ftjob.memory import SnapshotHolder
 from ftjob.memory.cluster import LocalHolders
 from ftjob.policy.hang import WatchConfig
 from ftjob.record import Hang, RunSnapshot, Straggler
-from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
+from ftjob.reporting.summary import build_summary
+from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
 from ftjob.worker.context import DirectHandle, TornDown, local_context
 from ftjob.worker.loop import Worker, WorkerSpec
+from tests.support.summaries import checked
 
 PREEMPTED = "PreemptionError"
 
 
 @dataclass
 class LocalRun:
-    """What :func:`run_locally` leaves: the summary as summary.json holds it, the ledger's
-    record, the prepared run (storage, names), and each failed attempt's error."""
+    """What :func:`run_locally` leaves: the summary as summary.json holds it (checked against
+    its types' schema), the ledger's record, the prepared run (storage, names), and each
+    failed attempt's error."""
 
     summary: dict[str, Any]
     snapshot: RunSnapshot
@@ -238,7 +242,7 @@ def run_locally(
 
     threading.Thread(target=watch, daemon=True).start()
     failures = preemptions = 0
-    fit, errors = FitOutcome(), []
+    fit, errors = FitEnd(), []
     try:
         while (error := _attempt(spec, world, node_per_rank=node_per_rank)) is not None:
             errors.append(error)
@@ -246,14 +250,14 @@ def run_locally(
             handle.failure_noticed.remote(time.time(), {0: first})
             preempted = first.startswith(PREEMPTED)
             if preempted and handle.stop_requested.remote():  # the driver was told to stop
-                fit = FitOutcome(preempted=True)
+                fit = FitEnd(RunEnd.PREEMPTED)
                 break
             preemptions, failures = preemptions + preempted, failures + (not preempted)
             if 0 <= job.failure.max_failures < failures:
-                fit = FitOutcome(first, budget_exhausted=True)
+                fit = FitEnd(RunEnd.FAILURES_EXHAUSTED, first)
                 break
             if preempted and 0 <= job.failure.max_preemptions < preemptions:
-                fit = FitOutcome(first, preemption_budget_exhausted=True)
+                fit = FitEnd(RunEnd.PREEMPTIONS_EXHAUSTED, first)
                 break
         watching.set()
         snapshot, lines = handle.snapshot.remote(), handle.poll.remote(0)[0]
@@ -276,7 +280,8 @@ def run_locally(
         driver_storage=prep.fs.snapshot_stats(),
         run_started=started,
     )
-    return LocalRun(summary, snapshot, prep, errors, actions, lines)
+    document = checked(json.loads(json.dumps(summary.document())))  # as summary.json holds it
+    return LocalRun(document, snapshot, prep, errors, actions, lines)
 
 
 def stop_when(condition: Any, reason: str = "SIGTERM") -> Any:

@@ -12,12 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.summaries import checked
+
 
 def run_ftjob(
     args: list[str], tmp_path: Path, timeout: float = 600, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
     """Run ``python -m ftjob`` in a subprocess with its run dir under tmp_path; returns the
-    process and the parsed summary.json (None if it was not written)."""
+    process and the parsed summary.json, checked against its types' schema (None if it was
+    not written)."""
     run_dir = tmp_path / "run"
     tmp_path.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "ftjob", *args, f"hydra.run.dir={run_dir}"]
@@ -30,7 +33,7 @@ def run_ftjob(
         env={**os.environ, **(env or {})},
     )
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    summary = checked(json.loads(summary_path.read_text())) if summary_path.exists() else None
     return proc, summary
 
 

@@ -14,10 +14,12 @@ import pytest
 
 from ftjob.data.datasets import GONE_REASON, TRAIN
 from ftjob.data.order import epoch_order
-from ftjob.reporting.summary import exactly_once, format_summary
+from ftjob.reporting.run_summary import RunSummary
+from ftjob.reporting.summary import format_summary
 from tests.support.images import bad_tree, write_images
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
+from tests.support.summaries import exactly_once
 
 BAD_IDS = {23, 47}
 
@@ -73,7 +75,7 @@ def test_skipped_files_keep_exact_once_across_a_restart_and_a_resume_after_their
     assert {f["id"] for f in listed.values()} == BAD_IDS
     said = [line for line in first.lines if line.startswith("data: skipped train file")]
     assert len(said) == 2  # once each for the run, not once per epoch or attempt
-    printed = format_summary(s)
+    printed = format_summary(RunSummary.from_json(s))
     assert "  data: 2 bad file(s) skipped (dataset.bad_files=skip" in printed
     assert f"    {bad['truncated']} (OSError: image file is truncated)" in printed
 

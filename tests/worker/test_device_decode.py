@@ -15,10 +15,10 @@ import pytest
 from ftjob import metrics as M
 from ftjob.data.datasets import TRAIN, VAL
 from ftjob.data.to_parquet import convert
-from ftjob.reporting.summary import exactly_once
 from tests.support.images import awkward_files, jpeg, photo_like
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
+from tests.support.summaries import exactly_once
 
 # 40x32 JPEGs cropped to 24 px (validation: 28 then 24): PIL's draft mode, which decodes a large
 # JPEG at a reduced scale, never applies, so the two paths' pixels are the same.

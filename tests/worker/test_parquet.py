@@ -15,10 +15,10 @@ import pytest
 from ftjob.data.datasets import TRAIN
 from ftjob.data.to_parquet import convert
 from ftjob.driver.resume import ResumeError
-from ftjob.reporting.summary import exactly_once
 from tests.support.images import bad_tree, make_image_tree
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
+from tests.support.summaries import exactly_once
 
 BAD_IDS = {23, 47}  # bad_tree's zero-byte JPEG and truncated PNG, unshuffled
 

@@ -12,9 +12,9 @@ from ftjob.driver.resume import (
     ResumeError,
 )
 from ftjob.record import RunSnapshot
-from ftjob.reporting.summary import exactly_once
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally, stop_when
+from tests.support.summaries import exactly_once
 
 
 @pytest.mark.worker

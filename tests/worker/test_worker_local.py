@@ -20,10 +20,10 @@ import torch
 
 from ftjob import metrics as M
 from ftjob.record import Hang, Kill, KillTarget, RunSnapshot
-from ftjob.reporting.summary import exactly_once
 from ftjob.storage.checkpoint import checkpoint_file
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally, stop_when
+from tests.support.summaries import exactly_once
 
 pytestmark = pytest.mark.worker
 

@@ -304,7 +304,8 @@ def test_summary_json_and_the_loggers_final_record_have_no_secret(prepared: Any)
     """A worker's exception text (a URL with its password, a header) becomes
     ``failures[].error`` in summary.json; the loggers' last record (MLflow uploads it as
     summary.json) is the run's result summary, checked here too."""
-    from ftjob.driver.runner import FitOutcome, Trained, _finish
+    from ftjob.driver.runner import Trained, _finish
+    from ftjob.reporting.verdict import FitEnd
 
     job, prep, run_dir = prepared
     empty = empty_snapshot()
@@ -315,11 +316,11 @@ def test_summary_json_and_the_loggers_final_record_have_no_secret(prepared: Any)
     failure = Failure(noticed=empty.started + 1, errors={0: error})
     snapshot = dataclasses.replace(empty, failures=(failure,))
     lines: list[str] = []
-    trained = Trained(snapshot, FitOutcome())
+    trained = Trained(snapshot, FitEnd())
     result = _finish(job, str(run_dir), prep, trained, time.time(), [], lines.append, prep.redactor)
     written = (run_dir / "summary.json").read_text()
-    assert result.summary["failures"][0]["error"].startswith("ClientResponseError: 403")
-    for text in (written, json.dumps(result.summary), "\n".join(lines)):
+    assert (result.summary.failures[0].error or "").startswith("ClientResponseError: 403")
+    for text in (written, json.dumps(result.summary.document()), "\n".join(lines)):
         assert _leaks(text) == [] and "Sup3rS3cretPw" not in text
 
 

@@ -83,11 +83,11 @@ def test_the_run_dirs_record_reads_back_as_held_a_torn_last_line_left_out(tmp_pa
     assert kept is not None and kept.end is None and kept.written == 5.0
     assert kept.snapshot == held.record() == ledger.snapshot()
     summary = rebuilt_summary(kept)
-    assert summary["status"] == "failed" and "the driver did not end" in summary["error"]
-    assert summary["checkpoints"]["latest"] == "/ck/step_4"
-    assert summary["resume_command"] == "python -m ftjob name=r resume=true"
-    assert summary["metrics"]["train/steps_completed"] == 4
-    assert [a["epoch"] for a in summary["audit"]] == [0]
+    assert summary.status == "failed" and "the driver did not end" in (summary.error or "")
+    assert summary.checkpoints.latest == "/ck/step_4"
+    assert summary.resume_command == "python -m ftjob name=r resume=true"
+    assert summary.metrics["train/steps_completed"] == 4
+    assert [a.epoch for a in summary.audit or ()] == [0]
 
 
 def test_snapshots_a_newer_one_replaced_are_dropped_and_every_audit_slice_kept(
@@ -119,7 +119,7 @@ def test_the_report_rebuilds_a_killed_drivers_summary_from_its_record(tmp_path, 
     assert report([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"rebuilt from {tmp_path / RECORD_FILE}: the driver did not end" in out
-    assert "run r: failed" in out and "steps 3," in out and "audit epoch 0: unique 24" in out
+    assert "run r: failed" in out and "steps 3 (" in out and "audit epoch 0: unique 24" in out
     assert "to continue from /ck/step_2: python -m ftjob name=r resume=true" in out
     assert not (tmp_path / "summary.json").exists()  # the report writes no summary
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from ftjob import metrics as M
-from ftjob.record import FirstStep, JitCheckpoint, Kill, KillTarget, Notice
-from ftjob.reporting.summary import FitOutcome, build_summary, decide_status, format_summary
+from ftjob.record import FirstStep, JitCheckpoint, Kill, KillTarget, Notice, RunStatus
+from ftjob.reporting.run_summary import PlannedResize
+from ftjob.reporting.summary import build_summary, format_summary
+from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
 from ftjob.worker.preemption import DRIVER, RESIZE
 from tests.support.ledgers import make_ledger, restored, train
 
@@ -57,29 +59,31 @@ def shrunk_and_grown():
 def test_a_shrink_after_a_node_loss_and_a_planned_grow_are_recorded_as_such():
     ledger = shrunk_and_grown()
     summary = build_summary(
-        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=50, config={}
+        ledger.snapshot(),
+        name="r",
+        status=RunStatus.succeeded,
+        error=None,
+        wall_time_s=50,
+        config={},
     )
-    assert summary["world_sizes"] == [2, 1, 2]
-    shrink, grow = summary["resizes"]
-    assert (shrink["kind"], shrink["from"], shrink["to"], shrink["cause"]) == (
-        "shrink",
-        2,
-        1,
-        "failure",
-    )
-    assert shrink["lost_steps"] == 2 and shrink["time_to_recover_s"] == pytest.approx(6.0)
-    assert (grow["kind"], grow["from"], grow["to"], grow["cause"]) == ("grow", 1, 2, "planned")
-    assert grow["lost_steps"] == 0 and grow["checkpoint"] == "/ck/step_12"
-    assert grow["time_to_recover_s"] == pytest.approx(9.5)  # agreed at 30.5 -> first step at 40
+    assert summary.world_sizes == (2, 1, 2)
+    shrink, grow = summary.resizes
+    assert (shrink.kind, shrink.from_, shrink.to, shrink.cause) == ("shrink", 2, 1, "failure")
+    assert shrink.lost_steps == 2 and shrink.time_to_recover_s == pytest.approx(6.0)
+    assert shrink.planned is None and "checkpoint" not in shrink.to_json()
+    assert (grow.kind, grow.from_, grow.to, grow.cause) == ("grow", 1, 2, "planned")
+    assert grow.lost_steps == 0 and grow.planned is not None
+    assert grow.planned.checkpoint == "/ck/step_12" and grow.to_json()["from"] == 1
+    assert grow.time_to_recover_s == pytest.approx(9.5)  # agreed at 30.5 -> first step at 40
     # The node kill is the one failure; the grow is not one (and is no preemption either).
-    [failure] = summary["failures"]
-    assert failure["kind"] == "node_kill" and failure["lost_steps"] == 2
-    m = summary["metrics"]
+    [failure] = summary.failures
+    assert failure.kind == "node_kill" and failure.lost_steps == 2
+    m = summary.metrics
     assert m[M.FAILURES_COUNT] == 1 and m[M.PREEMPTION_COUNT] == 0
     assert m[M.ELASTIC_RESIZES] == 2
     assert m[M.ELASTIC_TIME_BELOW_FULL] == pytest.approx(22.0)  # attempt 1: 14 -> 36
-    assert summary["goodput"]["buckets"]["resize"] == pytest.approx(9.0)
-    assert sum(summary["goodput"]["buckets"].values()) == pytest.approx(50.0)
+    assert summary.goodput.buckets.resize == pytest.approx(9.0)
+    assert sum(summary.goodput.buckets.seconds().values()) == pytest.approx(50.0)
     lines = "\n".join(ledger.lines)
     assert "attempt 2: worker group shrunk from 2 to 1; continuing on 1 of 2 workers" in lines
     assert "attempt 3: worker group grown from 1 to 2" in lines
@@ -105,14 +109,15 @@ def test_a_resize_the_workers_did_not_agree_on_in_time_is_still_planned_not_a_fa
     ledger.restored(a2, restored(5))
     ledger.first_step(a2, FirstStep(6, 160.0))
     summary = build_summary(
-        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=170, config={}
+        ledger.snapshot(), name="r", status=RunStatus.failed, error="x", wall_time_s=170, config={}
     )
-    [grow] = summary["resizes"]
-    assert (grow["cause"], grow["lost_steps"], grow["checkpoint"]) == ("planned", 3, None)
-    assert grow["time_to_recover_s"] == pytest.approx(10.0)  # from the executed resize
-    [failure] = summary["failures"]  # the failure belongs to the attempt it happened in
-    assert failure["attempt"] == 2 and failure["error"] == "ActorDiedError"
-    assert failure["lost_steps"] == 4
+    [grow] = summary.resizes
+    assert (grow.cause, grow.lost_steps, grow.planned) == ("planned", 3, PlannedResize(None))
+    assert grow.to_json()["checkpoint"] is None  # said: the workers did not agree in time
+    assert grow.time_to_recover_s == pytest.approx(10.0)  # from the executed resize
+    [failure] = summary.failures  # the failure belongs to the attempt it happened in
+    assert failure.attempt == 2 and failure.error == "ActorDiedError"
+    assert failure.lost_steps == 4
 
 
 def test_a_failure_during_a_planned_resize_is_a_failure():
@@ -125,10 +130,10 @@ def test_a_failure_during_a_planned_resize_is_a_failure():
     ledger.begin_attempt(20.0, world=2)
     snap = ledger.snapshot()
     assert [
-        f["error"]
+        f.error
         for f in build_summary(
-            snap, name="r", status="failed", error="x", wall_time_s=30, config={}
-        )["failures"]
+            snap, name="r", status=RunStatus.failed, error="x", wall_time_s=30, config={}
+        ).failures
     ] == ["ActorDiedError: node died"]
 
 
@@ -142,7 +147,7 @@ def test_sigterm_while_workers_checkpoint_for_a_resize_makes_that_checkpoint_the
     notice = ledger.latest_preemption()
     assert notice is not None and notice.jit is not None and notice.jit.step == 3
     assert not ledger.resize_checkpointed()  # the policy does not resize a stopping run
-    status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
+    status, error = decide_status(ledger.snapshot(), FitEnd(RunEnd.PREEMPTED), 3)
     assert status == "preempted" and "just-in-time checkpoint of step 3" in error
 
     late = make_ledger()  # the stop came before the workers agreed on the resize

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import importlib
 import inspect
 import json
+import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -133,3 +137,92 @@ def test_a_just_in_time_checkpoint_without_a_notice_is_kept_not_lost():
     ledger.jit_checkpoint(0, JitCheckpoint(7, path="s/step_7", seconds=0.5, time=3.0))
     notice = ledger.latest_preemption()
     assert notice is not None and notice.jit is not None and notice.jit.path == "s/step_7"
+
+
+# The record past the ledger -- the driver's copy, summary.json and every record it is made
+# of, the verdict -- and the modules that build, write and read it.
+RECORD_MODULES = (
+    "ftjob.record",
+    "ftjob.reporting.run_summary",
+    "ftjob.reporting.summary",
+    "ftjob.reporting.failures",
+    "ftjob.reporting.resizes",
+    "ftjob.reporting.goodput",
+    "ftjob.reporting.audit",
+    "ftjob.reporting.verdict",
+    "ftjob.reporting.timeline",
+    "ftjob.reporting.run_record",
+    "ftjob.reporting.schema",
+    "ftjob.reporting.loggers",
+    "ftjob.driver.held_record",
+    "ftjob.driver.monitor",
+    "ftjob.driver.runner",
+    "ftjob.cli.app",
+    "ftjob.cli.launcher",
+    "ftjob.cli.report",
+)
+# What these modules take or give untyped that is no record of the run: the resolved config
+# and the train catalog's fingerprint (free-form: the user's), the catalogs (Arrow tables),
+# the experiment loggers (each backend's own object), a record class's field types.
+NOT_RECORDS = {
+    "ftjob.record.field_types:return",
+    "ftjob.reporting.loggers.runs_of:loggers",
+    "ftjob.reporting.loggers.build_loggers:return",
+    "ftjob.reporting.loggers.continued_loggers:storage",
+    "ftjob.reporting.loggers.continued_loggers:return",
+    "ftjob.reporting.loggers.LogFeed.params:config",
+    "ftjob.driver.runner.Prepared.catalogs",
+    "ftjob.driver.runner.Prepared.data",
+    "ftjob.driver.runner.Prepared.public_config",
+    "ftjob.driver.runner.worker_spec:catalogs",
+}
+
+
+def _untyped_container(hint: Any) -> bool:
+    """``dict[str, Any]``, ``list[Any]`` and the like, anywhere in ``hint``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    containers = (dict, list, tuple, collections.abc.Mapping, collections.abc.Sequence)
+    if origin in containers and args and Any in args:
+        return True
+    return any(_untyped_container(a) for a in args)
+
+
+def _signatures(module: types.ModuleType) -> Iterator[tuple[str, Any]]:
+    """``(where, hint)`` of every public function's and method's parameters and return, and
+    of every public dataclass's fields, defined in ``module``."""
+    namespace = {**vars(module), **vars(importlib.import_module("ftjob.driver.runner"))}
+    for name, obj in vars(module).items():
+        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+            continue
+        where = f"{module.__name__}.{name}"
+        functions = [(where, obj)] if inspect.isfunction(obj) else []
+        if inspect.isclass(obj):
+            functions = [
+                (f"{where}.{n}", f)
+                for n, f in vars(obj).items()
+                if inspect.isfunction(f) and not n.startswith("_")
+            ]
+            if dataclasses.is_dataclass(obj):
+                hints = typing.get_type_hints(obj)
+                yield from ((f"{where}.{f.name}", hints[f.name]) for f in dataclasses.fields(obj))
+        for at, function in functions:
+            for param, hint in typing.get_type_hints(function, namespace).items():
+                yield f"{at}:{param}", hint
+
+
+def test_no_record_crosses_a_package_boundary_as_an_untyped_dict():
+    """summary.json, the records it is made of, the verdict and the driver's record are
+    types end to end: no public signature of the modules that make and read them takes or
+    gives them as ``dict[str, Any]`` (or a list of Any)."""
+    untyped = [
+        f"{where}: {hint}"
+        for name in RECORD_MODULES
+        for where, hint in _signatures(importlib.import_module(name))
+        if _untyped_container(hint) and where not in NOT_RECORDS
+    ]
+    assert not untyped, untyped
+    assert {w.rsplit(":", 1)[0] for w in NOT_RECORDS} <= {
+        w.rsplit(":", 1)[0]
+        for name in RECORD_MODULES
+        for w, _ in _signatures(importlib.import_module(name))
+    }  # each exception still exists

@@ -10,8 +10,26 @@ import pytest
 from ftjob import metrics as M
 from ftjob.config import ConfigError, FailureConfig, JobConfig, TrainerConfig
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.record import CheckpointRecord, FirstStep, Kill, KillTarget, Progress
+from ftjob.record import (
+    CheckpointRecord,
+    FirstStep,
+    JitCheckpoint,
+    Kill,
+    KillTarget,
+    Notice,
+    NoticeSource,
+    Progress,
+    RunStatus,
+)
 from ftjob.reporting.goodput import BUCKETS, goodput, predict_ettr
+from ftjob.reporting.run_summary import (
+    Buckets,
+    FailureRecord,
+    Goodput,
+    PreemptionPart,
+    Recovery,
+    RunSummary,
+)
 from ftjob.reporting.summary import build_summary, declared_failures
 from tests.support.ledgers import make_ledger, restored, train
 
@@ -45,36 +63,49 @@ def test_buckets_sum_to_the_wall_clock_and_name_each_cause():
     summary = build_summary(
         ledger.snapshot(),
         name="r",
-        status="succeeded",
+        status=RunStatus.succeeded,
         error=None,
         wall_time_s=40.0,
         config={},
         run_started=0.0,
     )
-    g = summary["goodput"]
-    b = g["buckets"]
-    assert list(b) == list(BUCKETS)
-    assert sum(b.values()) == pytest.approx(40.0)
-    assert b["startup"] == 12.0 and b["shutdown"] == 2.0  # launch->first step, end->exit
-    assert (b["training"], b["data_wait"], b["validation"], b["checkpoint"]) == (5.0, 1.0, 2.0, 1.0)
-    assert (b["detection"], b["restart"]) == (1.0, 4.0)  # kill->noticed, noticed->restart
-    assert b["restore"] == pytest.approx(0.76)
-    assert b["setup"] == pytest.approx(8.0 - 1.0 - 4.0 - 0.76 - 0.5)  # time-to-recover: 8 s
-    assert b["redone"] == pytest.approx(2 * 6.0 / 5)  # 2 lost steps at 1.2 s each
-    assert g["ettr"] == pytest.approx(5.0 / 40.0) == summary["metrics"][M.GOODPUT_ETTR]
+    g = summary.goodput
+    b = g.buckets
+    assert list(b.seconds()) == list(BUCKETS)
+    assert list(summary.document()["goodput"]["buckets"]) == list(BUCKETS)
+    assert sum(b.seconds().values()) == pytest.approx(40.0)
+    assert b.startup == 12.0 and b.shutdown == 2.0  # launch->first step, end->exit
+    assert (b.training, b.data_wait, b.validation, b.checkpoint) == (5.0, 1.0, 2.0, 1.0)
+    assert (b.detection, b.restart) == (1.0, 4.0)  # kill->noticed, noticed->restart
+    assert b.restore == pytest.approx(0.76)
+    assert b.setup == pytest.approx(8.0 - 1.0 - 4.0 - 0.76 - 0.5)  # time-to-recover: 8 s
+    assert b.redone == pytest.approx(2 * 6.0 / 5)  # 2 lost steps at 1.2 s each
+    assert g.ettr == pytest.approx(5.0 / 40.0) == summary.metrics[M.GOODPUT_ETTR]
 
 
 def test_a_just_in_time_checkpoint_inside_a_notice_window_is_counted_once():
     # Notice at 20 s, deadline at 30 s; the checkpoint of the step (4 s, in the checkpoint
     # timers) runs inside that window: the preemption bucket holds the other 6 s.
-    failure = {
-        "notice": {"received": 20.0, "deadline": 30.0},
-        "jit": {"step": 12, "seconds": 4.0},
-        "recovered": True,
-        "time_to_recover_s": 8.0,
-        "restart_s": 3.0,
-        "first_step_s": 1.0,
-    }
+    failure = FailureRecord(
+        attempt=1,
+        time=30.0,
+        kind="preemption",
+        detection_s=0.0,
+        recovered=True,
+        recovery=Recovery(
+            restart_s=3.0,
+            restored_step=12,
+            checkpoint="/ck/step_12",
+            tier=None,
+            holder=None,
+            first_step_s=1.0,
+            time_to_recover_s=8.0,
+        ),
+        preemption=PreemptionPart(
+            jit=JitCheckpoint(12, seconds=4.0),
+            notice=Notice(NoticeSource.drain, 20.0, 12, deadline=30.0),
+        ),
+    )
     timers = {M.TRAIN_STEP: 20.0, M.TRAIN_STEPS_COMPLETED: 20, M.CHECKPOINT_UPLOAD: 4.0}
     g = goodput(
         wall_s=60.0,
@@ -82,31 +113,35 @@ def test_a_just_in_time_checkpoint_inside_a_notice_window_is_counted_once():
         first_step=5.0,
         finished=58.0,
         metrics=timers,
-        failures=[failure],
+        failures=(failure,),
     )
-    b = g["buckets"]
-    assert b["preemption"] == 6.0 and b["checkpoint"] == 4.0
-    assert b["other"] >= 0 and sum(b.values()) == pytest.approx(60.0)
+    b = g.buckets
+    assert b.preemption == 6.0 and b.checkpoint == 4.0
+    assert b.other >= 0 and sum(b.seconds().values()) == pytest.approx(60.0)
 
 
 def test_a_run_that_never_trained_is_all_startup():
     g = goodput(
-        wall_s=9.0, run_started=0.0, first_step=None, finished=None, metrics={}, failures=[]
+        wall_s=9.0, run_started=0.0, first_step=None, finished=None, metrics={}, failures=()
     )
-    assert g["ettr"] == 0.0 and g["buckets"]["startup"] == 9.0 and g["buckets"]["other"] == 0.0
+    assert g.ettr == 0.0 and g.buckets.startup == 9.0 and g.buckets.other == 0.0
 
 
-def buckets(**seconds: float) -> dict:
-    return {"wall_s": sum(seconds.values()), "buckets": seconds}
+def buckets(memory_snapshot_s: float = 0.0, **seconds: float) -> Goodput:
+    return Goodput(
+        wall_s=sum(seconds.values()),
+        buckets=Buckets(**seconds),
+        memory_snapshot_s=memory_snapshot_s,
+    )
 
 
 def test_the_model_predicts_the_measured_ettr_of_a_run_without_failures():
     run = buckets(startup=20.0, training=60.0, data_wait=10.0, checkpoint=7.0, validation=3.0)
     predicted = predict_ettr(run, checkpoints=7, failures=0, mtbf_s=None)
-    assert predicted["ettr"] == pytest.approx(60.0 / 100.0)
-    assert predicted["checkpoint_cost_s"] == pytest.approx(1.0)
-    assert predicted["interval_s"] == pytest.approx(10.0)
-    assert predicted["optimal_interval_s"] is None  # no failure rate: no optimum
+    assert predicted is not None and predicted.ettr == pytest.approx(60.0 / 100.0)
+    assert predicted.checkpoint_cost_s == pytest.approx(1.0)
+    assert predicted.interval_s == pytest.approx(10.0)
+    assert predicted.optimal_interval_s is None  # no failure rate: no optimum
     assert predict_ettr(run, checkpoints=0, failures=0, mtbf_s=None) is None
 
 
@@ -122,19 +157,21 @@ def test_the_model_charges_each_expected_failure_its_recovery_and_half_an_interv
     )  # modeled: 100 s; 8 checkpoints of 1 s every 10 s; one failure costing 8 s
     predicted = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0)
     useful = (100.0 - 2 * (8.0 + 10.0 / 2)) / (1 + 1.0 / 10.0)  # two failures expected
-    assert predicted["expected_failures"] == pytest.approx(2.0)
-    assert predicted["ettr"] == pytest.approx(useful / 110.0)
-    assert predicted["optimal_interval_s"] == pytest.approx(math.sqrt(2 * 1.0 * 50.0))
+    assert predicted is not None and predicted.expected_failures == pytest.approx(2.0)
+    assert predicted.ettr == pytest.approx(useful / 110.0)
+    assert predicted.optimal_interval_s == pytest.approx(math.sqrt(2 * 1.0 * 50.0))
     capped = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0, max_failures=1)
-    assert capped["expected_failures"] == 1.0 and capped["ettr"] > predicted["ettr"]
+    assert capped is not None
+    assert capped.expected_failures == 1.0 and capped.ettr > predicted.ettr
     exact = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=None, max_failures=3)
-    assert exact["expected_failures"] == 3.0
+    assert exact is not None and exact.expected_failures == 3.0
 
 
 def test_with_the_memory_tier_a_failure_loses_half_a_snapshot_interval_not_a_checkpoints():
     # As above, and 80 snapshots (one a second of training) that stalled training 0.8 s in
     # all: the checkpoint bucket holds both tiers' stalls; a failure loses ~0.5 s, not 5 s.
     run = buckets(
+        memory_snapshot_s=0.8,
         startup=10.0,
         training=80.0,
         checkpoint=8.8,
@@ -143,21 +180,19 @@ def test_with_the_memory_tier_a_failure_loses_half_a_snapshot_interval_not_a_che
         setup=2.0,
         redone=0.4,
     )
-    run["memory_snapshot_s"] = 0.8
     predicted = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0, snapshots=80)
     modeled = 80.0 + 8.8 + 2.0 + 4.0 + 2.0 + 0.4
     expected = modeled / 50.0
     restorable = 80.0 / (80 + 8)  # a snapshot or a checkpoint: either tier restores
     useful = (modeled - expected * (8.0 + restorable / 2)) / (1 + 8.8 / 80.0)
-    assert predicted["checkpoint_cost_s"] == pytest.approx(1.0)  # the durable ones alone
-    assert predicted["restorable_every_s"] == pytest.approx(restorable)
-    assert predicted["ettr"] == pytest.approx(useful / (modeled + 10.0))
+    assert predicted is not None
+    assert predicted.checkpoint_cost_s == pytest.approx(1.0)  # the durable ones alone
+    assert predicted.restorable_every_s == pytest.approx(restorable)
+    assert predicted.ettr == pytest.approx(useful / (modeled + 10.0))
     # The cadence that loses least is the snapshots': for their cost, 0.01 s each.
-    assert predicted["optimal_interval_s"] == pytest.approx(
-        math.sqrt(2 * 0.01 * modeled / expected)
-    )
+    assert predicted.optimal_interval_s == pytest.approx(math.sqrt(2 * 0.01 * modeled / expected))
     without = predict_ettr(run, checkpoints=8, failures=1, mtbf_s=50.0)
-    assert without["ettr"] < predicted["ettr"]
+    assert without is not None and without.ettr < predicted.ettr
 
 
 def test_memory_snapshots_stall_training_in_the_checkpoint_bucket():
@@ -172,10 +207,10 @@ def test_memory_snapshots_stall_training_in_the_checkpoint_bucket():
             M.CHECKPOINT_UPLOAD: 5.0,
             M.CHECKPOINT_MEMORY_SNAPSHOT_TIME: 2.0,
         },
-        failures=[],
+        failures=(),
     )
-    assert run["buckets"]["checkpoint"] == pytest.approx(7.0)
-    assert run["memory_snapshot_s"] == pytest.approx(2.0)
+    assert run.buckets.checkpoint == pytest.approx(7.0)
+    assert run.memory_snapshot_s == pytest.approx(2.0)
 
 
 def test_declared_failures_come_from_the_kill_schedule_or_the_expected_mtbf():
@@ -224,12 +259,12 @@ def test_auto_needs_a_declared_failure_rate_and_nothing_else_is_a_word():
             TrainerConfig(checkpoint_every_n_steps=bad)
 
 
-def accounted(ledger, wall_s: float, run_started: float = 0.0) -> dict:
+def accounted(ledger, wall_s: float, run_started: float = 0.0) -> RunSummary:
     """summary.json's goodput for the ledger's records, as the driver builds it."""
     summary = build_summary(
         ledger.snapshot(),
         name="r",
-        status="succeeded",
+        status=RunStatus.succeeded,
         error=None,
         wall_time_s=wall_s,
         config={},
@@ -238,8 +273,8 @@ def accounted(ledger, wall_s: float, run_started: float = 0.0) -> dict:
     return summary
 
 
-def assert_every_second_once(g: dict, wall_s: float) -> None:
-    b = g["buckets"]
+def assert_every_second_once(g: Goodput, wall_s: float) -> None:
+    b = g.buckets.seconds()
     assert min(b.values()) >= 0, b
     assert sum(b.values()) == pytest.approx(wall_s)
 
@@ -251,10 +286,10 @@ def test_a_run_that_finished_without_a_step_is_not_counted_twice():
     a0 = ledger.begin_attempt(110.0)
     ledger.restored(a0, restored(5))
     ledger.finish(112.0)
-    g = accounted(ledger, wall_s=27.0, run_started=95.0)["goodput"]
+    g = accounted(ledger, wall_s=27.0, run_started=95.0).goodput
     assert_every_second_once(g, 27.0)
-    assert g["buckets"]["startup"] == pytest.approx(17.0)
-    assert g["buckets"]["shutdown"] == pytest.approx(10.0)
+    assert g.buckets.startup == pytest.approx(17.0)
+    assert g.buckets.shutdown == pytest.approx(10.0)
 
 
 def test_steps_a_killed_node_still_trained_are_in_detection_not_also_redone():
@@ -287,13 +322,16 @@ def test_steps_a_killed_node_still_trained_are_in_detection_not_also_redone():
     ledger.checkpoint(a1, CheckpointRecord(10, "/ck/step_10", None, 1.0, 36.0))
     ledger.finish(36.0)
     summary = accounted(ledger, wall_s=40.0)
-    g, (failure,) = summary["goodput"], summary["failures"]
-    assert (failure["kind"], failure["lost_steps"], failure["detection_s"]) == ("node_kill", 7, 2.5)
-    assert failure["lost_window_s"] == pytest.approx(6.0)  # the checkpoint's upload to the kill
+    g, (failure,) = summary.goodput, summary.failures
+    assert (failure.kind, failure.lost_steps, failure.detection_s) == ("node_kill", 7, 2.5)
+    assert failure.recovery is not None
+    assert failure.recovery.lost_window_s == pytest.approx(
+        6.0
+    )  # the checkpoint's upload to the kill
     assert_every_second_once(g, 40.0)
-    b = g["buckets"]
-    assert b["redone"] == pytest.approx(6.0) and b["detection"] == pytest.approx(2.5)
-    assert b["other"] == pytest.approx(0.0, abs=1e-9)
+    b = g.buckets
+    assert b.redone == pytest.approx(6.0) and b.detection == pytest.approx(2.5)
+    assert b.other == pytest.approx(0.0, abs=1e-9)
 
 
 def test_an_attempt_that_died_starting_up_leaves_start_up_before_its_failure():
@@ -311,9 +349,9 @@ def test_an_attempt_that_died_starting_up_leaves_start_up_before_its_failure():
     ledger.progress_update(a1, progress, timers)
     ledger.finish(30.0)
     summary = accounted(ledger, wall_s=32.0)
-    g = summary["goodput"]
+    g = summary.goodput
     assert_every_second_once(g, 32.0)
-    b = g["buckets"]
-    assert b["startup"] == pytest.approx(15.0)  # to the kill; then its recovery's buckets
-    assert (b["detection"], b["restart"], b["setup"]) == pytest.approx((1.0, 3.0, 4.0))
-    assert summary["timing"]["first_step"] == 24.0
+    b = g.buckets
+    assert b.startup == pytest.approx(15.0)  # to the kill; then its recovery's buckets
+    assert (b.detection, b.restart, b.setup) == pytest.approx((1.0, 3.0, 4.0))
+    assert summary.timing.first_step == 24.0

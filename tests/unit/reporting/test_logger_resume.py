@@ -12,8 +12,9 @@ import pytest
 
 from ftjob.config import LoggerConfig
 from ftjob.driver.ledger import RunLedger
-from ftjob.record import CheckpointRecord, Progress, RunPlan
+from ftjob.record import CheckpointRecord, Progress, RunPlan, RunStatus
 from ftjob.reporting.loggers import LOGGER_RUNS_FILE, LogFeed, continued_loggers
+from ftjob.reporting.run_summary import CheckpointsSection, RunSummary
 from tests.support.loggers import wandb_records
 
 PLAN = RunPlan(steps_per_epoch=40, epochs=1)
@@ -45,7 +46,11 @@ def two_drivers(config: LoggerConfig, tmp_path: Path) -> tuple[Path, Path]:
         if step == 20:
             ledger.checkpoint(attempt, CheckpointRecord(20, CHECKPOINT_20, None, 0.1))
     feed.records(ledger.log_feed(feed.cursor))
-    feed.finish({"status": "interrupted", "checkpoints": {"latest": CHECKPOINT_20}})
+    feed.finish(
+        RunSummary(
+            status=RunStatus.interrupted, checkpoints=CheckpointsSection(latest=CHECKPOINT_20)
+        )
+    )
     assert (storage / LOGGER_RUNS_FILE).is_file()
 
     feed = driver(config, second, storage, continues=True)
@@ -55,7 +60,7 @@ def two_drivers(config: LoggerConfig, tmp_path: Path) -> tuple[Path, Path]:
     train(ledger, attempt, 40, loss=0.02)
     ledger.finish(1.0)
     feed.records(ledger.log_feed(feed.cursor))
-    feed.finish({"status": "succeeded", "checkpoints": {"latest": None}, "metrics": {}})
+    feed.finish(RunSummary(status=RunStatus.succeeded))
     return first, second
 
 

@@ -13,8 +13,16 @@ import pytest
 
 from ftjob.config import ConfigError, LoggerConfig
 from ftjob.driver.ledger import RunLedger
-from ftjob.record import CheckpointRecord, Progress, RunPlan, StepRecord, ValidationResult
+from ftjob.record import (
+    CheckpointRecord,
+    Progress,
+    RunPlan,
+    RunStatus,
+    StepRecord,
+    ValidationResult,
+)
 from ftjob.reporting.loggers import LogFeed, build_loggers, flatten
+from ftjob.reporting.run_summary import RunSummary
 from tests.support.loggers import wandb_config, wandb_records
 
 
@@ -47,7 +55,7 @@ def test_a_step_trained_again_after_a_restore_is_logged_once_in_its_surviving_ve
     feed = LogFeed(build_loggers(LoggerConfig(backends=["csv"]), str(tmp_path), "run"))
     feed.params({"trainer": {"lr": 0.01, "epochs": 1}})
     run_with_a_restore(feed)
-    feed.finish({"status": "succeeded", "metrics": {}})
+    feed.finish(RunSummary(status=RunStatus.succeeded))
     with open(tmp_path / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r["name"] == "train/loss"]
     assert [(int(r["step"]), float(r["value"])) for r in rows] == [
@@ -68,7 +76,7 @@ def test_wandb_offline_run_holds_one_point_per_step_the_config_events_and_the_ou
     feed = LogFeed(build_loggers(config, str(tmp_path), "run"))
     feed.params({"trainer": {"lr": 0.01, "epochs": 1}})
     run_with_a_restore(feed)
-    feed.finish({"status": "succeeded", "metrics": {"goodput/ettr": 0.5}})
+    feed.finish(RunSummary(status=RunStatus.succeeded, metrics={"goodput/ettr": 0.5}))
     records = wandb_records(tmp_path)  # wandb's own reader of its run log
     history = [r["history"]["item"] for r in records if r.get("type") == "history"]
     losses = [(h["trainer/step"], h["train/loss"]) for h in history if "train/loss" in h]
@@ -98,7 +106,7 @@ def test_tensorboard_event_files_hold_one_point_per_step(tmp_path):
     feed = LogFeed(build_loggers(LoggerConfig(backends=["tensorboard"]), str(tmp_path), "run"))
     feed.params({"trainer": {"lr": 0.01}})
     run_with_a_restore(feed)
-    feed.finish({"status": "succeeded", "metrics": {"goodput/ettr": 0.5}})
+    feed.finish(RunSummary(status=RunStatus.succeeded, metrics={"goodput/ettr": 0.5}))
     [events] = glob.glob(str(tmp_path / "logs" / "tensorboard" / "run" / "events.*"))
     acc = EventAccumulator(events, size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
@@ -116,7 +124,7 @@ def test_mlflow_file_store_holds_params_metrics_once_and_events(tmp_path):
     feed = LogFeed(build_loggers(config, str(tmp_path), "run"))
     feed.params({"trainer": {"lr": 0.01}, "chaos": {"fail_at_steps": [30]}})
     run_with_a_restore(feed)
-    feed.finish({"status": "succeeded", "metrics": {}})
+    feed.finish(RunSummary(status=RunStatus.succeeded))
     client = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}")
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert run.data.params["trainer.lr"] == "0.01"
@@ -183,7 +191,7 @@ def test_live_points_are_logged_at_once_and_tensorboard_rewinds_what_a_restore_m
     train(ledger, a1, 20, loss=0.02)
     train(ledger, a1, 30, loss=0.03)
     feed.records(ledger.log_feed(feed.cursor))
-    feed.finish({"status": "succeeded", "metrics": {}})
+    feed.finish(RunSummary(status=RunStatus.succeeded))
     # CSV keeps what was logged: step 20 twice; the stale step 30 never reached a logger.
     assert csv_losses() == [(10, 0.1), (20, 9.0), (20, 0.02), (30, 0.03)]
     [events] = glob.glob(str(tmp_path / "logs" / "tensorboard" / "run" / "events.*"))

@@ -17,9 +17,10 @@ from ftjob.cli.report import main as report
 from ftjob.config import LoggerConfig, RetryConfig
 from ftjob.config.secrets import Redactor
 from ftjob.driver.ledger import RunLedger
-from ftjob.record import CheckpointRecord, Progress, RunPlan
+from ftjob.record import CheckpointRecord, Progress, RunPlan, RunStatus
 from ftjob.reporting.loggers import LogFeed, build_loggers
 from ftjob.reporting.outputs import OUTPUTS_DIR, OutputsMirror, fetch_outputs, tee_console
+from ftjob.reporting.run_summary import RunSummary
 from ftjob.reporting.summary import build_summary, write_summary
 from ftjob.reporting.sweep import mirror_sweep_report
 from ftjob.storage.fs import build_filesystem
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.s3
 SECRET = "hunter2-very-secret"
 
 
-def a_run_dir(run_dir: Path, draw: bool = True) -> dict:
+def a_run_dir(run_dir: Path, draw: bool = True) -> RunSummary:
     """A run dir as the driver leaves it: .hydra/, summary.json, timeline.png, console.log."""
     ledger = RunLedger(RunPlan(steps_per_epoch=20, epochs=1))
     attempt = ledger.begin_attempt(0.0)
@@ -42,7 +43,7 @@ def a_run_dir(run_dir: Path, draw: bool = True) -> dict:
     summary = build_summary(
         ledger.snapshot(),
         name="run",
-        status="succeeded",
+        status=RunStatus.succeeded,
         error=None,
         wall_time_s=6.0,
         config={"trainer": {"epochs": 1}},
@@ -81,7 +82,7 @@ def test_outputs_are_mirrored_to_s3_only_what_changed_and_read_back_by_report(
     mirrored = {k: fs.cat_file(f"{s3_bucket}/{k}") for k in keys}
     assert SECRET not in mirrored["runs/run/outputs/.hydra/overrides.yaml"].decode()
     assert b"summary: done" in fs.cat_file(f"{target}/console.log")
-    assert json.loads(mirrored["runs/run/outputs/summary.json"]) == summary
+    assert json.loads(mirrored["runs/run/outputs/summary.json"]) == summary.document()
 
     # The driver's machine is gone: the report reads the run from its storage.
     capsys.readouterr()
@@ -171,7 +172,7 @@ def test_the_loggers_files_are_mirrored_and_read_back_by_their_own_readers(
         ledger.progress_update(attempt, Progress(step, 0, 1, 20, 1.0 / step, 9.0, 0.01), {})
     ledger.finish(3.0)
     feed.records(ledger.log_feed(feed.cursor))
-    feed.finish({"status": "succeeded", "metrics": {}})
+    feed.finish(RunSummary(status=RunStatus.succeeded))
     (run_dir / "mlruns" / ".trash").mkdir(exist_ok=True)
     (run_dir / "mlruns" / ".trash" / "gone").write_text("deleted runs stay")
     (run_dir / "logs" / "blob").write_bytes(b"\xff\xfe" + SECRET.encode() + b"\x00")

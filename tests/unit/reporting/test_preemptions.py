@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from ftjob import metrics as M
-from ftjob.record import FirstStep, JitCheckpoint, Kill, KillTarget, Notice, Restore
-from ftjob.reporting.summary import FitOutcome, build_summary, decide_status
+from ftjob.record import FirstStep, JitCheckpoint, Kill, KillTarget, Notice, Restore, RunStatus
+from ftjob.reporting.summary import build_summary
+from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
 from ftjob.worker.preemption import DRAIN, DRIVER
 from tests.support.ledgers import make_ledger, train
 
@@ -38,14 +39,21 @@ def preempted_run() -> Any:
 def test_a_preempted_attempt_is_a_preemption_record_not_a_failure():
     ledger = preempted_run()
     summary = build_summary(
-        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=50, config={}
+        ledger.snapshot(),
+        name="r",
+        status=RunStatus.succeeded,
+        error=None,
+        wall_time_s=50,
+        config={},
     )
-    [record] = summary["failures"]
-    assert record["kind"] == "preemption" and record["lost_steps"] == 0
-    assert record["jit"]["step"] == 12 and record["notice"]["deadline"] == 30.0
-    assert record["time"] == 30.0  # the node went at its deadline
-    assert record["time_to_recover_s"] == pytest.approx(15.0)
-    m = summary["metrics"]
+    [record] = summary.failures
+    assert record.kind == "preemption" and record.lost_steps == 0
+    part = record.preemption
+    assert part is not None and part.jit is not None and part.jit.step == 12
+    assert part.notice.deadline == 30.0 and part.notice.jit is None  # the record has it
+    assert record.time == 30.0  # the node went at its deadline
+    assert record.time_to_recover_s == pytest.approx(15.0)
+    m = summary.metrics
     assert m[M.FAILURES_COUNT] == 0  # not charged to the failure budget
     assert (m[M.PREEMPTION_COUNT], m[M.PREEMPTION_LOST_STEPS]) == (1, 0)
     assert m[M.PREEMPTION_JIT_CHECKPOINT_TIME] == pytest.approx(0.4)
@@ -54,7 +62,7 @@ def test_a_preempted_attempt_is_a_preemption_record_not_a_failure():
 
 def test_more_preemptions_than_the_budget_fail_naming_it():
     snap = preempted_run().snapshot()
-    fit = FitOutcome("PreemptionError: node n2 preempted", preemption_budget_exhausted=True)
+    fit = FitEnd(RunEnd.PREEMPTIONS_EXHAUSTED, "PreemptionError: node n2 preempted")
     status, error = decide_status(snap, fit, max_failures=3, max_preemptions=0)
     assert status == "failed"
     assert error.startswith("training stopped after 1 preemption(s), over the budget")
@@ -69,7 +77,7 @@ def test_a_driver_stopped_by_sigterm_is_preempted_and_names_its_checkpoint():
     assert ledger.stop_requested()
     ledger.preemption_notice(a0, Notice(DRIVER, 5.2, 3))
     ledger.jit_checkpoint(a0, JitCheckpoint(3, "/ck/step_3", seconds=0.2, time=5.5))
-    status, error = decide_status(ledger.snapshot(), FitOutcome(preempted=True), 3)
+    status, error = decide_status(ledger.snapshot(), FitEnd(RunEnd.PREEMPTED), 3)
     assert status == "preempted"
     assert (
         error

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from ftjob.driver import runner
+from ftjob.reporting.run_summary import RunSummary
 from ftjob.reporting.summary import format_summary
 from tests.support.jobs import compose_job
 from tests.support.local_run import run_locally
@@ -30,6 +31,6 @@ def test_a_finished_run_rerun_prints_that_it_was_finished_and_no_figures(tmp_pat
 def test_train_step_is_printed_as_the_seconds_it_is(tmp_path: Path) -> None:
     job = compose_job("+experiment=digits_ft", "trainer.num_workers=1", "trainer.epochs=1")
     run = run_locally(job, tmp_path)
-    printed = format_summary(run.summary)
+    printed = format_summary(RunSummary.from_json(run.summary))
     shown = re.search(r"  steps 44 \((\d+\.\d) s in them: train/step\), \d+ img/s", printed)
     assert shown and float(shown.group(1)) > 0, printed

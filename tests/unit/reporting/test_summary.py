@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
 
 import pytest
 
@@ -30,6 +30,7 @@ from ftjob.record import (
     Restore,
     RunPlan,
     RunSnapshot,
+    RunStatus,
     SectionTimeout,
     SkippedFile,
     StackCapture,
@@ -41,16 +42,12 @@ from ftjob.record import (
     WatchRecord,
     WorkerPlace,
 )
+from ftjob.reporting.audit import audit_batches, audit_report
 from ftjob.reporting.failures import failure_records
-from ftjob.reporting.summary import (
-    FitOutcome,
-    audit_batches,
-    audit_report,
-    build_summary,
-    decide_status,
-    format_summary,
-    write_summary,
-)
+from ftjob.reporting.run_summary import AlreadyFinished, EpochAudit, RunSummary
+from ftjob.reporting.schema import check_summary, summary_schema
+from ftjob.reporting.summary import build_summary, format_summary, read_summary, write_summary
+from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
 from tests.support.ledgers import PLAN, make_ledger, restored, train
 
 
@@ -69,13 +66,14 @@ def test_failure_records_measure_each_part_of_recovery():
     train(ledger, a1, range(3, 6))
     ledger.finish(140.0)
     [f] = failure_records(ledger.snapshot())
-    assert f["phases"] == parts and f["first_step_s"] == 0.4
-    assert f["kind"] == "node_kill" and f["recovered"]
-    assert f["detection_s"] == pytest.approx(5.0)
-    assert f["restart_s"] == pytest.approx(5.0)
-    assert f["time_to_recover_s"] == pytest.approx(14.0)
-    assert f["restoration_s"] == pytest.approx(0.76)
-    assert f["lost_steps"] == 2  # trained to step 4, restored step 2
+    r = f.recovery
+    assert r is not None and r.phases == parts and r.first_step_s == 0.4
+    assert f.kind == "node_kill" and f.recovered
+    assert f.detection_s == pytest.approx(5.0)
+    assert r.restart_s == pytest.approx(5.0)
+    assert f.time_to_recover_s == pytest.approx(14.0)
+    assert r.restoration_s == pytest.approx(0.76)
+    assert f.lost_steps == 2  # trained to step 4, restored step 2
 
 
 def test_budget_exhausted_failure_is_not_recovered():
@@ -84,7 +82,8 @@ def test_budget_exhausted_failure_is_not_recovered():
     ledger.claim_injected_failure(3, 5.0)
     ledger.failure_noticed(6.0, {0: "InjectedFailure: step 3"})
     [f] = failure_records(ledger.snapshot())
-    assert f["kind"] == "injected" and not f["recovered"] and f["detection_s"] == pytest.approx(1.0)
+    assert f.kind == "injected" and not f.recovered and f.detection_s == pytest.approx(1.0)
+    assert f.recovery is None and "restart_s" not in f.to_json()  # no attempt came after it
     assert not ledger.claim_injected_failure(3, 7.0)  # each injected failure fires once
 
 
@@ -110,14 +109,23 @@ def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp
     ledger.checkpoint(a1, CheckpointRecord(5, "/ck/step_5", None, 0.1))
     ledger.finish(9.0)
     summary = build_summary(
-        ledger.snapshot(), name="r", status="succeeded", error=None, wall_time_s=9.0, config={}
+        ledger.snapshot(),
+        name="r",
+        status=RunStatus.succeeded,
+        error=None,
+        wall_time_s=9.0,
+        config={},
     )
-    assert set(M.METRIC_KEYS) <= set(summary["metrics"])
-    assert summary["metrics"][M.VALIDATION_ACCURACY] == 0.75 and summary["validation_replaced"] == 1
-    assert [v["step"] for v in summary["validation"]] == [4]
-    assert summary["metrics"][M.CHECKPOINT_RESTORATION_TIME] == pytest.approx(0.76)
-    assert summary["checkpoints"]["committed"] == 1
-    assert summary["audit"] == [
+    assert set(M.METRIC_KEYS) <= set(summary.metrics)
+    assert summary.metrics[M.VALIDATION_ACCURACY] == 0.75 and summary.validation_replaced == 1
+    assert [v.step for v in summary.validation] == [4]
+    assert summary.metrics[M.CHECKPOINT_RESTORATION_TIME] == pytest.approx(0.76)
+    assert summary.checkpoints.committed == 1
+    assert summary.audit == (EpochAudit(epoch=0, trained=40, unique=40),)
+    text = open(write_summary(summary, str(tmp_path))).read()
+    assert "Infinity" not in text and "NaN" not in text
+    assert json.loads(text)["status"] == "succeeded"
+    assert json.loads(text)["audit"] == [
         {
             "epoch": 0,
             "resumed_at": 0,
@@ -130,9 +138,6 @@ def test_summary_has_every_metric_key_json_safe_and_audit_excludes_lost_work(tmp
             "misplaced": 0,
         }
     ]
-    text = open(write_summary(summary, str(tmp_path))).read()
-    assert "Infinity" not in text and "NaN" not in text
-    assert json.loads(text)["status"] == "succeeded"
 
 
 def test_audit_catches_a_replayed_batch():
@@ -140,10 +145,18 @@ def test_audit_catches_a_replayed_batch():
     a0 = ledger.begin_attempt(0.0)
     train(ledger, a0, range(1, 6))
     ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist(), [])  # batch 0 again
-    [a] = build_summary(
-        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
-    )["audit"]
-    assert a["duplicates"] == 8 and a["missing"] == 0
+    [a] = (
+        build_summary(
+            ledger.snapshot(),
+            name="r",
+            status=RunStatus.failed,
+            error="x",
+            wall_time_s=1,
+            config={},
+        ).audit
+        or ()
+    )
+    assert a.duplicates == 8 and a.missing == 0 and not a.exactly_once
 
 
 # -- the verdict: a pure function of the ledger snapshot and how fit() ended ----------------
@@ -162,19 +175,19 @@ def finished_snapshot(fatal: str | None = None, finished: bool = True) -> RunSna
 
 
 def test_a_run_that_trained_to_the_end_succeeded():
-    assert decide_status(finished_snapshot(), FitOutcome(), max_failures=3) == ("succeeded", None)
+    assert decide_status(finished_snapshot(), FitEnd(), max_failures=3) == ("succeeded", None)
 
 
 def test_a_fatal_upload_failure_fails_the_run_with_its_reason():
     fatal = "2 checkpoint upload(s) in a row failed (checkpoint.max_consecutive_upload_failures=1)"
     status, error = decide_status(
-        finished_snapshot(fatal=fatal, finished=False), FitOutcome(), max_failures=3
+        finished_snapshot(fatal=fatal, finished=False), FitEnd(), max_failures=3
     )
     assert (status, error) == ("failed", fatal)
 
 
 def test_an_exhausted_failure_budget_names_count_and_budget():
-    fit = FitOutcome("ActorDiedError: worker killed", budget_exhausted=True)
+    fit = FitEnd(RunEnd.FAILURES_EXHAUSTED, "ActorDiedError: worker killed")
     status, error = decide_status(finished_snapshot(finished=False), fit, max_failures=0)
     assert status == "failed"
     assert error == (
@@ -184,7 +197,7 @@ def test_an_exhausted_failure_budget_names_count_and_budget():
 
 
 def test_fit_raising_for_another_reason_fails_with_that_error():
-    fit = FitOutcome("ControllerError: storage marker missing")
+    fit = FitEnd(RunEnd.ERRORED, "ControllerError: storage marker missing")
     assert decide_status(finished_snapshot(), fit, 3) == (
         "failed",
         "ControllerError: storage marker missing",
@@ -192,15 +205,25 @@ def test_fit_raising_for_another_reason_fails_with_that_error():
 
 
 def test_a_run_that_ended_before_its_last_step_is_not_a_success():
-    assert decide_status(finished_snapshot(finished=False), FitOutcome(), 3) == (
+    assert decide_status(finished_snapshot(finished=False), FitEnd(), 3) == (
         "failed",
         "training ended before the last epoch",
     )
 
 
 def test_an_interrupted_run_says_so_whatever_else_happened():
-    status, error = decide_status(finished_snapshot(), FitOutcome(interrupted=True), 3)
+    status, error = decide_status(finished_snapshot(), FitEnd(RunEnd.INTERRUPTED), 3)
     assert status == "interrupted" and "Ctrl-C" in error
+
+
+def test_ray_dying_under_a_run_fails_it_with_why_unless_the_record_failed_it_first():
+    died = FitEnd(RunEnd.RAY_DIED, "Ray died under the run: the embedded Ray's raylet ended")
+    assert decide_status(finished_snapshot(finished=False), died, 3) == (
+        RunStatus.failed,
+        died.error,
+    )
+    earlier = decide_status(finished_snapshot(fatal="a data error", finished=False), died, 3)
+    assert earlier == (RunStatus.failed, "a data error")
 
 
 def test_a_finished_run_whose_audit_shows_a_replayed_batch_failed():
@@ -209,7 +232,7 @@ def test_a_finished_run_whose_audit_shows_a_replayed_batch_failed():
     train(ledger, a0, range(1, 6))
     ledger.audit_step(a0, 5, 0, PLAN.shard(0, 0, 0, 1)[:8].tolist(), [])  # batch 0 again
     ledger.finish(9.0)
-    status, error = decide_status(ledger.snapshot(), FitOutcome(), 3)
+    status, error = decide_status(ledger.snapshot(), FitEnd(), 3)
     assert status == "failed"
     assert error.startswith("exact-once broken: epoch 0 trained 8 duplicate, 0 missing")
 
@@ -226,8 +249,8 @@ def test_steps_that_trained_each_other_s_batch_fail_the_run_though_every_sample_
     ledger.finish(9.0)
     snap = ledger.snapshot()
     [epoch] = audit_report(snap)
-    assert (epoch["duplicates"], epoch["missing"], epoch["misplaced"]) == (0, 0, 2)
-    status, error = decide_status(snap, FitOutcome(), 3)
+    assert (epoch.duplicates, epoch.missing, epoch.misplaced) == (0, 0, 2)
+    status, error = decide_status(snap, FitEnd(), 3)
     assert status == "failed" and "2 step(s) not on their global batch" in error
     steps = [step for step, _ in audit_batches(snap)]
     assert steps == [1, 2, 3, 4, 5]
@@ -241,9 +264,12 @@ def test_a_resumed_run_expects_only_the_samples_after_its_resume_position():
     train(ledger, a0, range(3, 6))
     ledger.finish(9.0)
     snap = ledger.snapshot()
-    [a] = build_summary(snap, name="r", status="x", error=None, wall_time_s=1, config={})["audit"]
-    assert (a["resumed_at"], a["unique"], a["missing"], a["duplicates"]) == (16, 24, 0, 0)
-    assert decide_status(snap, FitOutcome(), 3) == ("succeeded", None)
+    summary = build_summary(
+        snap, name="r", status=RunStatus.failed, error=None, wall_time_s=1, config={}
+    )
+    [a] = summary.audit or ()
+    assert (a.resumed_at, a.unique, a.missing, a.duplicates) == (16, 24, 0, 0)
+    assert decide_status(snap, FitEnd(), 3) == ("succeeded", None)
 
 
 def test_non_finite_values_are_null_in_the_summary_and_its_printout(tmp_path):
@@ -254,15 +280,16 @@ def test_non_finite_values_are_null_in_the_summary_and_its_printout(tmp_path):
     ledger.progress_update(a0, progress, {M.TRAIN_LOSS: float("nan")})
     ledger.validation(a0, 5, ValidationResult(0, float("inf"), accuracy=0.1, samples=8, time=1.0))
     summary = build_summary(
-        ledger.snapshot(), name="r", status="failed", error="x", wall_time_s=1, config={}
+        ledger.snapshot(), name="r", status=RunStatus.failed, error="x", wall_time_s=1, config={}
     )
-    assert summary["metrics"][M.TRAIN_LOSS] is None
-    assert summary["metrics"][M.VALIDATION_LOSS] is None
-    assert (
-        json.loads(open(write_summary(summary, str(tmp_path))).read())["metrics"][M.TRAIN_LOSS]
-        is None
-    )
+    document = summary.document()
+    assert document["metrics"][M.TRAIN_LOSS] is None
+    assert document["metrics"][M.VALIDATION_LOSS] is None
+    assert document["progress"]["loss"] is None and document["validation"][0]["loss"] is None
+    written = read_summary(write_summary(summary, str(tmp_path)))
+    assert written.metrics[M.TRAIN_LOSS] is None and written.progress.loss is None
     assert "loss null" in "\n".join(ledger.lines) and "train loss null" in format_summary(summary)
+    assert "train loss null" in format_summary(written)
 
 
 def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
@@ -273,10 +300,10 @@ def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
     ledger.confirm_kill(5.0, False)
     ledger.chaos_skipped(ChaosSkip(7.0, "node", "no eligible target", 0, window=2))
     summary = build_summary(
-        ledger.snapshot(), name="r", status="x", error=None, wall_time_s=1, config={}
+        ledger.snapshot(), name="r", status=RunStatus.failed, error=None, wall_time_s=1, config={}
     )
-    assert summary["chaos"]["kills"] == [] and summary["metrics"][M.CHAOS_KILLS] == 0
-    reasons = [s["reason"] for s in summary["chaos"]["skipped"]]
+    assert summary.chaos.kills == () and summary.metrics[M.CHAOS_KILLS] == 0
+    reasons = [s.reason for s in summary.chaos.skipped]
     assert reasons == [
         "the node was not confirmed dead",
         "no eligible target",
@@ -288,7 +315,6 @@ def test_chaos_that_did_not_happen_is_in_the_summary_with_its_reason():
 
 # -- summary.json's shape: every key it has always had, no more ------------------------------
 
-SUMMARY_KEYS = Path(__file__).with_name("summary_keys.txt")
 CHAOS_CONFIG = {"chaos": {"kind": "worker", "interval": 10.0, "max_kills": 3, "at_steps": []}}
 
 
@@ -313,7 +339,7 @@ def rich_attempts() -> tuple[Attempt, ...]:
         Fallback(4, "/ck/step_4", "checksum mismatch", True, quarantined_to="/ck/.bad/step_4"),
         Fallback(3, "/ck/step_3", "no manifest", False, left="an upload may still write it"),
     )
-    jit = JitCheckpoint(8, path="/ck/step_8", seconds=0.4, time=55.5)
+    jit = JitCheckpoint(8, path="/ck/step_8", reused=False, seconds=0.4, time=55.5)
     preemption = Notice(NoticeSource.drain, 55.0, 8, deadline=65.0, ranks=(0,), jit=jit)
     reused = JitCheckpoint(10, path="/ck/step_10", reused=True, time=75.2)
     resize = Notice(NoticeSource.resize, 75.0, 10, from_=1, to=2, requested=74.5, jit=reused)
@@ -391,9 +417,12 @@ def rich_chaos() -> tuple[tuple[Kill, ...], tuple[ChaosSkip, ...]]:
         Kill(85.0, "slow", worker, 5, slowdown=0.5, killed_pid=-1, confirmed=True),
     )
     unconfirmed = Kill(86.0, "node", KillTarget("n1", ranks=(1,)), 5, killed_pid=2, confirmed=False)
+    preempt = Kill(87.0, "preempt", KillTarget("n1", ranks=(1,)), 5, notice=87.0, deadline=97.0)
     skipped = (
         ChaosSkip(29.0, "worker", "no eligible target", 1, window=2),
         ChaosSkip.of_kill(unconfirmed, "the node was not confirmed dead"),
+        ChaosSkip.of_kill(preempt, "the node was not confirmed dead"),
+        ChaosSkip(88.0, "slow", "the attempt ended first", 5, target=worker, slowdown=0.5),
     )
     return kills, skipped
 
@@ -403,9 +432,11 @@ def rich_watch() -> WatchRecord:
     timeouts, an attempt's start-up phases."""
     hang = Hang(
         44.0, 2, 0, "head", 100, "step", 7, 39.0, 5.0, 4.0, 1.0, True, True, {1: "data"}
-    ).handled(StackCapture(100, "Thread 100 (idle)", "py-spy", killed=True))
+    ).handled(
+        StackCapture(100, "Thread 100 (idle)", "py-spy", killed=True, error="thread 2: unreadable")
+    )
     scores = {"0": StragglerScore(1.0, 1.0), "1": StragglerScore(2.1, 2.0)}
-    straggler = Straggler(90.0, 5, 1, "n1", 2.1, 2.0, restarted=True)
+    straggler = Straggler(90.0, 5, 1, "n1", 2.1, 2.0, restarted=True, pid=101)
     return WatchRecord(
         hangs=(hang,),
         stragglers=StragglerReport((straggler,), scores, max_slowdown=2.1, threshold=1.5),
@@ -475,29 +506,34 @@ def rich_snapshot() -> RunSnapshot:
     )
 
 
-def key_paths(value: object, path: str = "") -> set[str]:
-    """Every key of a JSON document as a path (``.failures[].notice.deadline``)."""
-    if isinstance(value, dict):
-        return {p for k, v in value.items() for p in {f"{path}.{k}"} | key_paths(v, f"{path}.{k}")}
-    if isinstance(value, list):
-        return {p for v in value for p in key_paths(v, f"{path}[]")}
-    return set()
-
-
-def test_summary_json_keeps_its_keys(tmp_path):
-    """summary.json of a run that met everything it records has exactly the keys it has
-    always had (tests/unit/reporting/summary_keys.txt): a renamed, dropped or added key -- in a record the
-    summary embeds, too -- fails here, not in a reader of summary.json."""
+def rich_summary() -> RunSummary:
+    """The summary of :func:`rich_snapshot`, with what the driver adds to a run that did not
+    succeed (the checkpoint committed as it stopped, the command that continues it) and to a
+    rerun that found its run finished."""
     summary = build_summary(
         rich_snapshot(),
         name="rich",
-        status="succeeded",
+        status=RunStatus.succeeded,
         error=None,
         wall_time_s=110.0,
         config=CHAOS_CONFIG,
         run_started=5.0,
     )
-    kinds = [(f["kind"], f["recovered"]) for f in summary["failures"]]
+    return dataclasses.replace(
+        summary,
+        checkpoints=dataclasses.replace(summary.checkpoints, committed_while_stopping=16),
+        resume_command="python -m ftjob name=rich resume=true",
+        already_finished=AlreadyFinished(15, "/ck/step_15"),
+    )
+
+
+def test_summary_json_holds_what_its_types_say_and_reads_back_unchanged(tmp_path):
+    """summary.json of a run that met everything it records holds every key its schema --
+    generated from RunSummary's types -- has, and nothing else: a renamed, dropped or added
+    key, in a record the summary embeds too, fails here, not in a reader of summary.json. The
+    file reads back as the same summary."""
+    summary = rich_summary()
+    kinds = [(f.kind, f.recovered) for f in summary.failures]
     assert kinds == [
         ("injected", True),
         ("worker_kill", True),
@@ -505,11 +541,59 @@ def test_summary_json_keeps_its_keys(tmp_path):
         ("preemption", True),
         ("straggler", True),
     ]
-    assert [(r["kind"], r["cause"]) for r in summary["resizes"]] == [
+    assert [(r.kind, r.cause) for r in summary.resizes] == [
         ("shrink", "failure"),
         ("grow", "planned"),
     ]
     written = json.loads(open(write_summary(summary, str(tmp_path))).read())
-    found, expected = key_paths(written), set(SUMMARY_KEYS.read_text().split())
-    assert not expected - found, f"keys gone from summary.json: {sorted(expected - found)}"
-    assert not found - expected, f"keys new in summary.json: {sorted(found - expected)}"
+    found, problems = check_summary(written)
+    assert not problems, problems
+    schema = summary_schema()
+    assert not set(schema) - found - UNMADE, sorted(set(schema) - found - UNMADE)
+    assert UNMADE <= set(schema)
+    assert read_summary(str(tmp_path / "summary.json")) == RunSummary.from_json(written)
+    assert RunSummary.from_json(written).document() == written
+
+
+# What the types allow and no run makes: a failure's notice is written without its
+# just-in-time checkpoint (the failure has it), and a preemption's notice has no resize.
+UNMADE = {
+    ".failures[].notice.jit",
+    *(
+        f".failures[].notice.jit.{k}"
+        for k in ("step", "path", "reason", "reused", "seconds", "time")
+    ),
+    *(f".failures[].notice.{k}" for k in ("from", "to", "requested")),
+}
+
+
+def test_every_key_a_summary_has_always_is_in_one_of_a_job_that_never_started(tmp_path):
+    """A job that never reached the cluster writes the keys its schema says are always there
+    (metrics, all of them, included), and readers get every figure as 0."""
+    summary = build_summary(
+        RunSnapshot(), name="", status=RunStatus.failed, error="x", wall_time_s=0.0, config={}
+    )
+    written = json.loads(open(write_summary(summary, str(tmp_path))).read())
+    found, problems = check_summary(written)
+    assert not problems, problems
+    always = {path for path, there in summary_schema().items() if there}
+    assert always <= found, sorted(always - found)
+    assert set(written["metrics"]) == set(M.METRIC_KEYS)
+    assert "steps 0 (0.0 s in them: train/step), 0 img/s" in format_summary(
+        RunSummary.from_json(written)
+    )
+
+
+def test_a_document_the_types_refuse_is_named_key_by_key():
+    document = rich_summary().document()
+    document["failures"][0]["restart_seconds"] = 1.0  # renamed
+    del document["checkpoints"]["latest"]  # dropped
+    document["metrics"]["train/new_metric"] = 0.0  # a metric key not in metrics.py
+    document["status"] = "fine"
+    _, problems = check_summary(document)
+    assert sorted(problems) == [
+        ".checkpoints.latest: missing",
+        ".failures[].restart_seconds: no such key in FailureRecord",
+        ".metrics.train/new_metric: no such key",
+        ".status: 'fine' is no RunStatus",
+    ]

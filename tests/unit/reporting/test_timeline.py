@@ -3,15 +3,37 @@ every kill, hang and notice marked -- at the end of a run and by ``python -m ftj
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ftjob import metrics as M
 from ftjob.cli.report import main as report
-from ftjob.record import FirstStep, Kill, KillTarget
+from ftjob.record import (
+    FirstStep,
+    Hang,
+    HistoryPoint,
+    Kill,
+    KillTarget,
+    Notice,
+    NoticeSource,
+    RunStatus,
+    ValidationResult,
+)
+from ftjob.reporting.run_summary import (
+    Buckets,
+    ChaosSection,
+    FailureRecord,
+    Goodput,
+    PlannedResize,
+    PreemptionPart,
+    Recovery,
+    ResizeRecord,
+    RunSummary,
+    Timing,
+)
 from ftjob.reporting.summary import build_summary
 from ftjob.reporting.timeline import marks, phase_spans, training_label, write_timeline
 from tests.support.ledgers import make_ledger, restored, train
@@ -20,69 +42,60 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_000_000.0
 
 
-def story() -> dict[str, Any]:
+def story() -> RunSummary:
     """A run of 100 s: start-up 20 s, a worker kill at 40 s recovered in 12 s, a planned grow
     at 60 s, a drain notice at 70 s with a 10 s window, then a hang found at 85 s."""
     parts = {"download_s": 0.2, "load_s": 0.2, "skip_s": 0.1, "restoration_s": 0.5}
-    failure = {
-        **parts,
-        "attempt": 1,
-        "kind": "worker_kill",
-        "time": T0 + 40.0,
-        "detection_s": 1.0,
-        "restart_s": 5.0,
-        "time_to_recover_s": 12.0,
-        "lost_steps": 3,
-    }
-    preemption = {
-        **parts,
-        "attempt": 2,
-        "lost_steps": 0,
-        "kind": "preemption",
-        "time": T0 + 80.0,
-        "notice": {"source": "drain", "received": T0 + 70.0, "deadline": T0 + 80.0},
-        "detection_s": 0.5,
-        "restart_s": 4.0,
-        "time_to_recover_s": 9.0,
-    }
-    history = [
-        {"step": s, "time": T0 + 20.0 + s, "loss": 2.0 / s, "throughput": 500.0, "world_size": 2}
+    failure = FailureRecord(
+        attempt=1,
+        kind="worker_kill",
+        time=T0 + 40.0,
+        detection_s=1.0,
+        recovered=True,
+        recovery=Recovery(**parts, restart_s=5.0, time_to_recover_s=12.0, lost_steps=3),
+    )
+    notice = Notice(NoticeSource.drain, T0 + 70.0, 60, deadline=T0 + 80.0)
+    preemption = FailureRecord(
+        attempt=2,
+        kind="preemption",
+        time=T0 + 80.0,
+        detection_s=0.5,
+        recovered=True,
+        recovery=Recovery(**parts, restart_s=4.0, time_to_recover_s=9.0),
+        preemption=PreemptionPart(notice=notice),
+    )
+    history = tuple(
+        HistoryPoint(s, T0 + 20.0 + s, 1, loss=2.0 / s, throughput=500.0, world_size=2)
         for s in range(10, 80, 10)
-    ]
-    return {
-        "name": "story",
-        "status": "succeeded",
-        "wall_time_s": 100.0,
-        "timing": {"started": T0, "first_step": T0 + 20.0, "finished": T0 + 97.0},
-        "failures": [failure, preemption],
-        "chaos": {"kills": [{"time": T0 + 40.0, "kind": "worker"}]},
-        "hangs": [
-            {
-                "time": T0 + 85.0,
-                "rank": 1,
-                "section": "step",
-                "step": 75,
-                "stalled_for_s": 21.0,
-                "timeout_s": 20.0,
-            }
-        ],
-        "resizes": [
-            {
-                "attempt": 2,
-                "kind": "grow",
-                "from": 1,
-                "to": 2,
-                "cause": "planned",
-                "lost_steps": 0,
-                "time": T0 + 60.0,
-                "time_to_recover_s": 8.0,
-                "first_step_s": 1.0,
-            }
-        ],
-        "history": history,
-        "validation": [{"time": T0 + 45.0, "accuracy": 0.8}, {"time": T0 + 95.0, "accuracy": 0.9}],
-        "goodput": {"ettr": 0.5, "buckets": {"training": 50.0, "startup": 20.0, "restart": 9.0}},
-    }
+    )
+    hang = Hang(T0 + 85.0, 3, 1, "n1", 7, "step", 75, T0 + 64.0, 21.0, 20.0, 1.0, True, False, {})
+    grow = ResizeRecord(
+        attempt=2,
+        kind="grow",
+        from_=1,
+        to=2,
+        cause="planned",
+        planned=PlannedResize("/ck/step_50"),
+        time=T0 + 60.0,
+        time_to_recover_s=8.0,
+        first_step_s=1.0,
+    )
+    return RunSummary(
+        name="story",
+        status=RunStatus.succeeded,
+        wall_time_s=100.0,
+        timing=Timing(started=T0, first_step=T0 + 20.0, finished=T0 + 97.0),
+        failures=(failure, preemption),
+        chaos=ChaosSection(kills=(Kill(T0 + 40.0, "worker", KillTarget("n1", pid=7), 1),)),
+        hangs=(hang,),
+        resizes=(grow,),
+        history=history,
+        validation=(
+            ValidationResult(0, 0.5, 0.8, 10, T0 + 45.0, step=30, attempt=1),
+            ValidationResult(1, 0.3, 0.9, 10, T0 + 95.0, step=80, attempt=3),
+        ),
+        goodput=Goodput(ettr=0.5, buckets=Buckets(training=50.0, startup=20.0, restart=9.0)),
+    )
 
 
 def test_every_phase_is_drawn_at_its_real_length_after_its_cause() -> None:
@@ -108,9 +121,9 @@ def test_every_phase_is_drawn_at_its_real_length_after_its_cause() -> None:
 
 def test_the_training_band_names_the_waits_it_spans() -> None:
     # The band is everything no phase covers: its legend says what besides training it holds.
-    buckets = {"training": 2.8, "data_wait": 5.2, "validation": 0.24, "checkpoint": 0.01}
+    buckets = Buckets(training=2.8, data_wait=5.2, validation=0.24, checkpoint=0.01)
     assert training_label(buckets) == "training (2.8 s)\nwith data wait 5.2, validation 0.2 s"
-    assert training_label({"training": 3.0}) == "training (3.0 s)"
+    assert training_label(Buckets(training=3.0)) == "training (3.0 s)"
 
 
 def test_the_picture_is_written_and_the_report_command_draws_it_again(
@@ -120,8 +133,8 @@ def test_the_picture_is_written_and_the_report_command_draws_it_again(
     assert (tmp_path / "direct.png").read_bytes()[:8] == PNG_MAGIC
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    summary = story() | {"metrics": dict.fromkeys(M.METRIC_KEYS, 0.0), "checkpoints": {}}
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    summary = dataclasses.replace(story(), metrics=dict.fromkeys(M.METRIC_KEYS, 0.0))
+    (run_dir / "summary.json").write_text(json.dumps(summary.document()))
     assert report([str(run_dir)]) == 0
     assert (run_dir / "timeline.png").read_bytes()[:8] == PNG_MAGIC
     assert f"timeline: {run_dir / 'timeline.png'}" in capsys.readouterr().out
@@ -144,13 +157,13 @@ def test_the_start_up_band_and_its_legend_count_from_the_same_origin() -> None:
     summary = build_summary(
         ledger.snapshot(),
         name="r",
-        status="succeeded",
+        status=RunStatus.succeeded,
         error=None,
         wall_time_s=50.0,
         config={},
         run_started=0.0,
     )
-    buckets, spans = summary["goodput"]["buckets"], phase_spans(summary)
+    buckets, spans = summary.goodput.buckets.seconds(), phase_spans(summary)
     drawn: dict[str, float] = {}
     for name, start, end in spans:
         drawn[name] = drawn.get(name, 0.0) + end - start
