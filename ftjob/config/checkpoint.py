@@ -133,10 +133,14 @@ class MemoryConfig:
         )
 
 
-# ``async`` is a Python keyword, so this Choice is built by call rather than by class body.
-UploadMode = Choice("UploadMode", [("sync", "sync"), ("async", "async")], module=__name__)
-"""``checkpoint.upload_mode``: ``sync`` (the step waits for the upload) or ``async`` (a
-background thread uploads while training goes on)."""
+class UploadMode(Choice):
+    """``checkpoint.upload_mode``: ``sync`` (the step waits for the upload) or ``async`` (a
+    background thread uploads while training goes on)."""
+
+    sync = "sync"
+    # A member is named as its word, and ``async`` is a keyword: set in the class's namespace
+    # (an enum's body is that namespace) rather than spelled as a name.
+    locals()["async"] = "async"
 
 
 @dataclass

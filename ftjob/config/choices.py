@@ -42,7 +42,8 @@ def coerce_choices(config: Any) -> None:
     """The choice keys of a group's dataclass as members: a config built in Python (not
     composed by Hydra, which has converted them already) may hold plain strings; a word the key
     does not take is refused, naming the key, the value and the words."""
-    for name, (choice, nullable) in _choice_keys(type(config)).items():
+    schema: type = type(config)  # mypy takes type[Any] for unhashable, a class for hashable
+    for name, (choice, nullable) in _choice_keys(schema).items():
         value = getattr(config, name)
         if isinstance(value, choice) or (value is None and nullable):
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,7 +140,7 @@ def _packaged_default_groups(config_name: str) -> frozenset[str]:
     return _default_groups(config_name, ())
 
 
-def spell_groups(overrides: Sequence[str], defaults: set[str]) -> list[str]:
+def spell_groups(overrides: Sequence[str], defaults: Set[str]) -> list[str]:
     """``+group=option`` as ``group=option`` for a group already in the defaults list:
     ``+experiment=NAME`` (how an experiment was added before ``experiment`` had a null default)
     and ``experiment=NAME`` then both choose it, where Hydra refuses the first ("Multiple
@@ -189,7 +189,8 @@ def sweep_values(params: Mapping[str, Any] | None, overrides: Sequence[str] = ()
     overrides, whose value for a key replaces the preset's (as Hydra's BasicSweeper does)."""
     requested = [f"{key}={value}" for key, value in (params or {}).items()] + list(overrides)
     result = SweepValues()
-    for o in OverridesParser.create().parse_overrides(requested):
+    parsed = OverridesParser.create().parse_overrides(requested)
+    for line, o in zip(requested, parsed, strict=True):  # an override's own line, as typed
         element = o.get_key_element()
         key = override_key(element)
         if o.is_discrete_sweep():
@@ -197,8 +198,8 @@ def sweep_values(params: Mapping[str, Any] | None, overrides: Sequence[str] = ()
             result.values[key] = [f"{element}={v}" for v in o.sweep_string_iterator()]
         elif o.is_sweep_override():
             result.values.pop(key, None)
-            result.unlisted[key] = o.input_line
+            result.unlisted[key] = line
         else:
             result.unlisted.pop(key, None)
-            result.values[key] = [o.input_line]
+            result.values[key] = [line]
     return result

@@ -84,7 +84,7 @@ def _check_known_keys(node: Any, schema: type, prefix: str = "") -> None:
             )
         child = node[key] if not OmegaConf.is_missing(node, key) else None
         sub = _field_types(schema)[str(key)]
-        if isinstance(child, DictConfig) and is_dataclass(sub):
+        if isinstance(child, DictConfig) and isinstance(sub, type) and is_dataclass(sub):
             _check_known_keys(child, sub, f"{full}.")
 
 

@@ -212,9 +212,9 @@ class Redactor:
             try:
                 parsed = parser.parse_override(override)
             except HydraException:  # not an override Hydra reads: its text only
-                key, _, value = override.partition("=")
+                key, _, text = override.partition("=")
                 if is_secret_path(key):
-                    redactor.add(value.strip("'\""))
+                    redactor.add(text.strip("'\""))
                 continue
             value = parsed.value()
             values = getattr(value, "list", None) if parsed.is_sweep_override() else [value]
