@@ -116,9 +116,11 @@ def drain_node_for_preemption(node_id: str, message: str, deadline_ms: int) -> t
     """Ask the GCS to drain ``node_id`` by ``deadline_ms`` with reason preemption (what ``ray
     drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` sends): (accepted, why not)."""
     import ray
-    from ray.core.generated import autoscaler_pb2
 
-    client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    # A compiled module and a generated protobuf: no types to check them against.
+    raylet: Any = importlib.import_module("ray._raylet")
+    autoscaler_pb2: Any = importlib.import_module("ray.core.generated.autoscaler_pb2")
+    client = raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
     return client.drain_node(
         node_id,
         autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
