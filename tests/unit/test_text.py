@@ -4,7 +4,7 @@ the middle of a word -- wherever a run prints or records an error it had to shor
 from __future__ import annotations
 
 from ftjob.driver.ledger import one_line
-from ftjob.driver.runner import _fit_outcome
+from ftjob.driver.runner import fit_end
 from ftjob.text import ELLIPSIS, shorten
 
 # What Ray says of a worker whose process died (the last line of a WorkerGroupError).
@@ -35,7 +35,7 @@ def test_a_line_is_cut_at_a_sentence_or_a_word_with_an_ellipsis() -> None:
 
 def test_a_failed_runs_error_and_its_failure_record_end_on_a_word() -> None:
     error = RuntimeError(f"worker group failed:\n{RAY_SAYS}")
-    said = _fit_outcome(error, interrupted=False).error
+    said = fit_end(error).error
     assert said is not None and said.startswith("RuntimeError: The actor died unexpectedly")
     assert said.endswith(". ...") and len(said) <= len("RuntimeError: ") + 400
     recorded = one_line(RuntimeError(RAY_SAYS))
