@@ -930,28 +930,25 @@ def test_a_stopped_runs_summary_names_the_checkpoint_committed_while_it_stopped(
     """Workers outlive the driver's last look at the ledger: the summary (and the resume
     command printed from it) must name what a resume will restore."""
     from ftjob.driver.runner import settle_latest
+    from ftjob.reporting.run_summary import CheckpointsSection
 
     store = committed_store(storage, tmp_path, [10, 20, 30, 40])
     _drop_manifest(store, 40)  # cut off by the shutdown: never restored, never named
     lines: list[str] = []
-    summary = {"checkpoints": {"latest": store.path_for(20), "committed": 2}}
-    settle_latest(summary, store, lines.append)
-    assert summary["checkpoints"] == {
-        "latest": store.path_for(30),
-        "committed": 3,
-        "committed_while_stopping": 30,
-    }
+    record = CheckpointsSection(latest=store.path_for(20), committed=2)
+    settled = settle_latest(record, store, lines.append)
+    assert settled == CheckpointsSection(
+        latest=store.path_for(30), committed=3, committed_while_stopping=30
+    )
     assert lines == ["checkpoint step 30 was committed while the run stopped"]
 
-    settle_latest(summary, store, lines.append)  # the newest is named already: nothing to say
-    assert len(lines) == 1 and summary["checkpoints"]["latest"] == store.path_for(30)
+    again = settle_latest(settled, store, lines.append)  # named already: nothing to say
+    assert len(lines) == 1 and again == settled
 
-    nothing = {"checkpoints": {"latest": None, "committed": 0}}
-    settle_latest(nothing, store, lines.append)
-    assert nothing["checkpoints"]["latest"] == store.path_for(30)
+    nothing = settle_latest(CheckpointsSection(), store, lines.append)
+    assert nothing.latest == store.path_for(30)
 
     # A resumed run stopped before committing anything new continues from what it restored.
-    resumed = {"checkpoints": {"latest": None, "committed": 0}}
-    settle_latest(resumed, store, lines.append, restored_step=30)
-    assert resumed["checkpoints"] == {"latest": store.path_for(30), "committed": 0}
+    resumed = settle_latest(CheckpointsSection(), store, lines.append, restored_step=30)
+    assert resumed == CheckpointsSection(latest=store.path_for(30), committed=0)
     assert len(lines) == 2
