@@ -38,10 +38,16 @@ class _RayNoiseFilter:
         r"^\s+(\[state-dump\]|\[\d{4}-\d\d-\d\d [^]]*\] \(raylet\)|\(\d\) )|^\s*$"
     )
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, embedded: bool = False) -> None:
         self.stream = stream
         self.buffer = ""
         self.in_dump = False
+        # On an embedded Ray the one raylet is all of Ray: its death is Ray's, said as such.
+        self.death = (
+            "ray: the embedded Ray's raylet died (Ray itself is gone with it)"
+            if embedded
+            else "ray: a raylet died (its node is gone)"
+        )
 
     def write(self, text: str) -> int:
         self.buffer += text
@@ -57,9 +63,7 @@ class _RayNoiseFilter:
             return  # a decode task on a killed node, which Ray runs again elsewhere
         if "Raylet is terminated" in line or "marked dead because the detector" in line:
             self.in_dump = True
-            self.stream.write(
-                "[ftjob] ray: a raylet died (its node is gone); details in Ray's session logs\n"
-            )
+            self.stream.write(f"[ftjob] {self.death}; details in Ray's session logs\n")
             return
         if self.in_dump and self._DUMP_LINE.match(line):
             return
@@ -74,12 +78,12 @@ class _RayNoiseFilter:
 
 
 @contextmanager
-def _quiet_ray_console(enabled: bool) -> Iterator[None]:
+def _quiet_ray_console(enabled: bool, embedded: bool = False) -> Iterator[None]:
     if not enabled:
         yield
         return
     original = sys.stdout
-    sys.stdout = _RayNoiseFilter(original)
+    sys.stdout = _RayNoiseFilter(original, embedded)
     try:
         yield
     finally:
@@ -182,7 +186,8 @@ def cluster(job: JobConfig) -> Iterator[Any]:
         "runtime_env": dict(r.runtime_env) or None,
     }
     local: LocalCluster | None = None
-    with _quiet_ray_console(not r.log_to_driver):
+    embedded = r.address is None and r.local_nodes <= 1
+    with _quiet_ray_console(not r.log_to_driver, embedded):
         try:
             if r.address is not None:
                 ray.init(address=r.address, **common)

@@ -62,6 +62,16 @@ def test_raylet_death_reports_fold_into_one_line_and_retried_tasks_into_none():
     ]
 
 
+def test_on_an_embedded_ray_a_raylet_death_is_said_to_be_rays_own():
+    out = io.StringIO()
+    noise = _RayNoiseFilter(out, embedded=True)
+    noise.write("(raylet) Raylet is terminated. Termination is unexpected.\n")
+    assert out.getvalue().splitlines() == [
+        "[ftjob] ray: the embedded Ray's raylet died (Ray itself is gone with it); details in "
+        "Ray's session logs"
+    ]
+
+
 @pytest.mark.ray
 def test_a_simulated_cluster_gets_the_configured_pull_timeout_and_node_health_checks():
     # A restarted worker would otherwise wait Ray's 10 s on a copy held by a just-killed node,
