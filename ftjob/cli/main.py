@@ -67,6 +67,10 @@ _VALUE_FLAGS = {
 }
 
 
+# What --info answers (Hydra's choices; none: all).
+_INFO = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+
 def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Hydra flags (with values) and overrides."""
     flags: dict[str, Any] = {}
@@ -77,6 +81,8 @@ def split_args(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         if arg.startswith("-") and "=" in arg and arg.split("=", 1)[0] in _VALUE_FLAGS:
             key, value = arg.split("=", 1)
             flags[key] = value
+        elif arg in ("--info", "-i") and (i + 1 == len(argv) or argv[i + 1] not in _INFO):
+            flags[arg] = True  # its value is optional: what follows is an override
         elif arg in _VALUE_FLAGS and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
             flags[arg] = argv[i + 1]
             i += 1
@@ -321,6 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     if "--version" in flags:  # Hydra's own flag prints Hydra's version
         print(version_line())
         return 0
+    info = flags.get("--info", flags.get("-i"))
+    if info in (True, "all", "config"):  # Hydra would print the composed config in the clear
+        print(
+            f"ftjob: --info {'all' if info is True else info} prints the composed config with "
+            "its secrets in the clear: see it checked and redacted with --cfg job (--cfg all "
+            "for Hydra's part too); --info searchpath, defaults, defaults-tree and plugins "
+            "answer as Hydra does",
+            file=sys.stderr,
+        )
+        return 2
     register_schema()
     expose_hydra_plugins()  # before Hydra's plugin scan: hydra/launcher=ftjob
     # The command line's secrets, before any config is composed: out of the config-error line

@@ -69,6 +69,20 @@ def test_cfg_job_prints_the_config_without_secrets_or_the_old_spellings(tmp_path
     )
 
 
+@pytest.mark.parametrize("info", [["--info"], ["--info", "config"], ["-i", "all"]])
+def test_info_that_would_print_the_config_in_the_clear_points_to_cfg_job(info, capsys) -> None:
+    secret = "++checkpoint.storage_options={secret:" + SECRETS[0] + "}"
+    assert main([*info, secret]) == 2
+    out, err = capsys.readouterr()
+    assert SECRETS[0] not in out + err and "--cfg job" in err and out == ""
+
+
+def test_info_of_the_search_path_answers_as_hydras(tmp_path: Path) -> None:
+    proc = ftjob_command(tmp_path, "--info", "searchpath")
+    assert proc.returncode == 0, proc.stderr
+    assert "pkg://ftjob.conf" in proc.stdout, proc.stdout
+
+
 def test_cfg_hydra_and_a_package_are_printed_as_hydra_prints_them(capsys) -> None:
     secret = "++checkpoint.storage_options={secret:" + SECRETS[0] + "}"
     assert main(["--cfg", "hydra", secret]) == 0
