@@ -431,7 +431,10 @@ def logger_feed(
     """The experiment loggers; a run that continues carries on its W&B and MLflow runs."""
     storage = (prep.fs, prep.run_path)
     try:
-        loggers = continued_loggers(job.logger, run_dir, prep.name, storage, prep.continues, echo)
+        label = prep.identity.label if prep.identity is not None else None
+        loggers = continued_loggers(
+            job.logger, run_dir, prep.name, storage, prep.continues, echo, label
+        )
     except LoggerError as exc:
         raise JobError(prep.redactor.text(str(exc))) from None
     return LogFeed(loggers, live=job.logger.live)

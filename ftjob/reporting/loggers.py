@@ -283,15 +283,23 @@ class WandbLogger:
 
 
 def build_loggers(
-    config: LoggerConfig, run_dir: str, name: str, runs: LoggerRuns | None = None
+    config: LoggerConfig,
+    run_dir: str,
+    name: str,
+    runs: LoggerRuns | None = None,
+    label: str | None = None,
 ) -> list[Any]:
     """The loggers of ``config.backends``; ``runs``: the W&B and MLflow runs a resumed run
-    continues."""
+    continues. In a ``logger.dir`` that runs share, each run's CSV and TensorBoard files lie
+    in a folder named by ``label``, its identity (``<name>@<key>``: a name alone may be
+    another run's, with other storage); under the run dir, by ``name``."""
+    shared = config.dir is not None
     root = config.dir or os.path.join(run_dir, "logs")
+    folder = (label or name) if shared else name
     runs = runs or LoggerRuns()
     made: dict[str, Any] = {
-        "csv": lambda: CsvLogger(root, name),
-        "tensorboard": lambda: TensorBoardLogger(root, name),
+        "csv": lambda: CsvLogger(os.path.join(root, folder) if shared else root, name),
+        "tensorboard": lambda: TensorBoardLogger(root, folder),
         "mlflow": lambda: MlflowLogger(config, run_dir, name, runs.mlflow_run_id),
         "wandb": lambda: WandbLogger(config, run_dir, name, runs.wandb_id),
     }
@@ -318,6 +326,7 @@ def continued_loggers(
     storage: tuple[Any, str],
     continues: bool,
     warn: Any = log.warning,
+    label: str | None = None,
 ) -> list[Any]:
     """:func:`build_loggers` for the run at ``storage`` (filesystem, the run's path): one that
     ``continues`` carries on the W&B and MLflow runs whose ids it kept there; the ids of the
@@ -330,7 +339,7 @@ def continued_loggers(
             runs = read_logger_runs(fs, run_path)
         except (OSError, RuntimeError, ValueError) as exc:  # StorageError: retries spent
             warn(f"warning: the loggers' run ids could not be read ({exc}): new runs are made")
-    loggers = build_loggers(config, run_dir, name, runs)
+    loggers = build_loggers(config, run_dir, name, runs, label)
     kept = runs_of(loggers, runs)
     if kept != runs:
         try:

@@ -201,3 +201,21 @@ def test_live_points_are_logged_at_once_and_tensorboard_rewinds_what_a_restore_m
     assert [s.step for s in loss] == [10, 20, 30]  # rewound at step 20: each step once
     assert [round(s.value, 3) for s in loss] == [0.1, 0.02, 0.03]
     assert [e.step for e in acc.Tensors("events/text_summary")] == [20]  # the failure stays
+
+
+def test_two_runs_of_one_name_in_a_shared_logger_dir_keep_their_own_files(tmp_path):
+    """Runs share a logger.dir (a sweep's, a team's): each run's CSV and TensorBoard files lie
+    in a folder of its identity, so a second run called `exp` (other storage) neither
+    overwrites the first one's CSV nor mixes into -- or rewinds -- its TensorBoard run."""
+    shared = tmp_path / "shared-logs"
+    config = LoggerConfig(backends=["csv", "tensorboard"], dir=str(shared))
+    for label, loss in (("exp@" + "a" * 16, 0.5), ("exp@" + "b" * 16, 0.25)):
+        for logger in build_loggers(config, str(tmp_path / label), "exp", label=label):
+            logger.scalars(10, {"train/loss": loss})
+            logger.finish(RunSummary(status=RunStatus.succeeded))
+    for label, loss in (("exp@" + "a" * 16, 0.5), ("exp@" + "b" * 16, 0.25)):
+        with open(shared / label / "metrics.csv") as f:
+            rows = [r for r in csv.DictReader(f) if r["name"] == "train/loss"]
+        assert [float(r["value"]) for r in rows] == [loss]
+        assert any((shared / "tensorboard" / label).iterdir())
+    assert not (shared / "metrics.csv").exists() and not (shared / "tensorboard" / "exp").exists()
