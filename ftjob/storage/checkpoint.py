@@ -134,7 +134,8 @@ def _listing(fs: AbstractFileSystem, root: str) -> tuple[list[str], list[str]]:
         found = fs.find(root, withdirs=True, detail=True)
     except FileNotFoundError:
         return [], []
-    files, dirs = [], []
+    files: list[str] = []
+    dirs: list[str] = []
     for name, info in found.items():
         if not str(name).startswith(root + "/"):
             continue

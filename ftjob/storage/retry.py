@@ -80,7 +80,10 @@ class OpStats:
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> OpStats:
-        return cls(**{f.name: type(f.default)(data.get(f.name, f.default)) for f in fields(cls)})
+        zero = cls()  # each count's type, from its default
+        return cls(
+            **{f.name: type(getattr(zero, f.name))(data.get(f.name, 0)) for f in fields(cls)}
+        )
 
     def as_dict(self) -> dict[str, float]:
         ok = self.calls - self.failures
@@ -238,7 +241,8 @@ def _with_context(
     verdict = GAVE_UP.format(attempts=attempts) if transient else NOT_RETRIED
     errno_ = exc.errno if isinstance(exc, OSError) else None
     # OSError(errno, text) prints "[Errno N] text": keep the text, the errno is passed on.
-    text = _one_line(exc.strerror if errno_ is not None and exc.strerror else exc)  # type: ignore[union-attr]
+    told = exc.strerror if isinstance(exc, OSError) and errno_ is not None else None
+    text = _one_line(told or exc)
     message = f"{text or type(exc).__name__} [storage {where}: {verdict}]"
     try:
         return type(exc)(errno_, message) if errno_ is not None else type(exc)(message)

@@ -162,10 +162,10 @@ class DelegatingFileSystem(AbstractFileSystem):
     def unstrip_protocol(self, name: str) -> str:
         return self.fs.unstrip_protocol(name)
 
-    def _strip_protocol(self, path: Any) -> Any:  # type: ignore[override]
+    def _strip_protocol(self, path: Any) -> Any:
         return self.fs._strip_protocol(path)
 
-    def _parent(self, path: str) -> str:  # type: ignore[override]
+    def _parent(self, path: str) -> str:
         # fsspec's is a classmethod over the class's _strip_protocol; ours is the instance's.
         return self.fs._parent(path)
 
@@ -386,7 +386,11 @@ class _ReadHandle(io.BytesIO):
 
     def __init__(self, data: bytes, path: str, mode: str) -> None:
         super().__init__(data)
-        self.size, self.path, self.mode = len(data), path, mode
+        self.size, self.path, self._mode = len(data), path, mode
+
+    @property
+    def mode(self) -> str:  # a BytesIO has none; typing's IO declares it read-only
+        return self._mode
 
 
 class _UploadOnClose(io.BytesIO):
