@@ -349,8 +349,8 @@ class DigitsDataset(ImageDataset):
         import torch
         import torch.nn.functional as F
 
-        small = np.stack([np.frombuffer(p, dtype=np.uint8).reshape(8, 8) for p in rows["pixels"]])
-        small = small.astype(np.float32) / 16.0
+        stacked = np.stack([np.frombuffer(p, dtype=np.uint8).reshape(8, 8) for p in rows["pixels"]])
+        small = stacked.astype(np.float32) / 16.0
         if self.augment and split == TRAIN:
             for i, sample_id in enumerate(rows["id"]):
                 dy, dx = sample_rng(seed, epoch, int(sample_id)).integers(-1, 2, size=2)
@@ -659,16 +659,17 @@ class ImageFolderDataset(ImageDataset):
                 box = tuple(
                     min(v * factor, edge) for v, edge in zip(box, (w, h, w, h), strict=True)
                 )
-                out = _rgb(img).resize((size, size), Image.BILINEAR, box=box)
+                out = _rgb(img).resize((size, size), Image.Resampling.BILINEAR, box=box)
                 if rng.random() < 0.5:
-                    out = out.transpose(Image.FLIP_LEFT_RIGHT)
+                    out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             else:
                 img, _ = _draft(img, min(width, height) / self.resize_size)
                 img = _rgb(_upright(img, orientation))
                 w, h = img.size
                 scale = self.resize_size / min(w, h)
                 img = img.resize(
-                    (max(size, round(w * scale)), max(size, round(h * scale))), Image.BILINEAR
+                    (max(size, round(w * scale)), max(size, round(h * scale))),
+                    Image.Resampling.BILINEAR,
                 )
                 w, h = img.size
                 left, top = (w - size) // 2, (h - size) // 2

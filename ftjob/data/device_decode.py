@@ -37,6 +37,8 @@ from ftjob.data.datasets import TRAIN, DataError, Encoded, sample_rng
 from ftjob.data.headers import ImageHeader, read_header
 from ftjob.data.resample import Geometry, resample, train_geometry, val_geometry
 
+Blob = bytes | bytearray | memoryview  # an encoded file as its read gave it
+
 # torchvision 0.29 deprecates its image decoders for TorchCodec's (benchmarks/gpu_decoders.py
 # measures both); the batched decode_jpeg is still the one in the stack: said once, in the docs.
 warnings.filterwarnings(
@@ -55,7 +57,7 @@ class Prepared:
     ids: np.ndarray
     labels: np.ndarray
     skipped: np.ndarray
-    data: list[bytes | None]
+    data: list[Blob | None]
     geoms: list[Geometry | None]
     names: list[str]
     encoded: list[Any]  # as read, for a file the device refuses (decoded again by PIL)
@@ -117,8 +119,9 @@ class DeviceDecoder:
                 self._on_cpu(p, k)  # the PIL path names it (a bad file, or raised again)
                 continue
             header = self._header(bytes(data))
-            if header is None or header.fallback is not None:
-                fallbacks[header.fallback if header is not None else "format"] += 1
+            reason = "format" if header is None else header.fallback  # why the CPU decodes it
+            if header is None or reason is not None:
+                fallbacks[reason or "format"] += 1
                 self._on_cpu(p, k)
                 continue
             p.data[k] = data
@@ -223,7 +226,8 @@ class DeviceDecoder:
         if not rows:
             return {}
         with self._timed(M.DATA_COPY):
-            blobs = self._pinned([p.data[k] for k in rows])  # type: ignore[misc]
+            # a row with a geometry holds its bytes (set together in prepare): none is dropped
+            blobs = self._pinned([blob for k in rows if (blob := p.data[k]) is not None])
         with self._timed(M.DATA_DECODE):
             images = self._decode_all(blobs)
         out = dict(zip(rows, images, strict=True))
@@ -234,7 +238,7 @@ class DeviceDecoder:
                 self._on_cpu(p, k)
         return out
 
-    def _pinned(self, blobs: list[bytes]) -> list[Any]:
+    def _pinned(self, blobs: list[Blob]) -> list[Any]:
         """The encoded files as 1-D uint8 CPU tensors, in one page-locked buffer on a CUDA
         device (the decoder's copies to the device then run at the bus's speed, async)."""
         import torch

@@ -157,6 +157,8 @@ def read_footer(f: Any, size: int) -> pq.FileMetaData:
 def hf_names(meta: pq.FileMetaData, label_column: str) -> list[str] | None:
     """The class names a Hugging Face dataset keeps in its schema (a ClassLabel), or None."""
     raw = (meta.metadata or {}).get(b"huggingface")
+    if raw is None:
+        return None
     try:
         label = json.loads(raw)["info"]["features"][label_column]
         return [str(n) for n in label["names"]]
@@ -390,7 +392,7 @@ def image_field(meta: pq.FileMetaData, image_column: str) -> str:
 
 def read_group_images(
     fs: Any, path: str, size: int, meta: pq.FileMetaData, group: int, field: str
-) -> list:
+) -> list[bytes | None]:
     """The encoded images of one row group: its image column chunk, nothing else."""
     with fs.open(path, "rb", **no_readahead(fs, size)) as f:
         column = (

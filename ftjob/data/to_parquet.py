@@ -104,7 +104,7 @@ def convert(
             raise FileNotFoundError(f"{src}: no images under {split}/<class>/")
     classes = sorted(listings[splits[0]])
     schema = _schema(layout, classes)
-    out = []
+    out: list[Written] = []
     for split in splits:
         index = {name: i for i, name in enumerate(classes)}
         unknown = sorted(set(listings[split]) - set(index))
