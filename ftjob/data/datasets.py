@@ -12,10 +12,12 @@ Your own dataset: subclass :class:`ImageDataset` and point ``dataset._target_`` 
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import posixpath
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -501,7 +503,7 @@ class ImageFolderDataset(ImageDataset):
         max_bad_fraction: float = MAX_BAD_FRACTION,
     ) -> None:
         self.follow_links = bool(follow_links)
-        self.check_args(
+        ImageFolderDataset.check_args(  # the image keys' rules; a subclass checks its own keys
             image_size=image_size,
             resize_size=resize_size,
             num_classes=num_classes,
@@ -689,15 +691,21 @@ class ImageFolderDataset(ImageDataset):
                     "new run"
                 ) from data
             raise OSError(f"dataset file {self._url(path)}: {_reason(data)}") from data
+        fix = "remove or fix it (then resume=true), or set dataset.bad_files=skip"
+        return self._decoded(data, train, rng, f"dataset file {self._url(path)}", fix)
+
+    def _decoded(
+        self, data: bytes, train: bool, rng: np.random.Generator, where: str, fix: str
+    ) -> np.ndarray:
+        """``data`` decoded and transformed. It is bytes in memory, so a failure is the same on
+        every attempt: a :class:`DataError` naming ``where`` the bytes came from and the fix."""
         try:
             return self._transform(data, train, rng)
         except MemoryError:
             raise
-        except Exception as exc:  # decoding bytes in memory: the same every time
+        except Exception as exc:
             raise DataError(
-                f"dataset file {self._url(path)} cannot be decoded as an image "
-                f"({_reason(exc)}): remove or fix it (then resume=true), or set "
-                "dataset.bad_files=skip"
+                f"{where} cannot be decoded as an image ({_reason(exc)}): {fix}"
             ) from exc
 
     def decode(self, rows: dict[str, np.ndarray], split: str, epoch: int, seed: int) -> np.ndarray:
@@ -753,6 +761,22 @@ class ImageFolderDataset(ImageDataset):
 
     def describe(self) -> str:
         return f"ImageFolderDataset({self.path})"
+
+
+def with_keys_of(
+    init: Callable[..., None], base: Callable[..., None], drop: tuple[str, ...] = ()
+) -> inspect.Signature:
+    """The keys of a constructor that passes ``**kwargs`` on to ``base`` (its base class's
+    constructor): its own, then each of the base's it does not name, keyword-only -- all but
+    ``drop``. What the class's ``__signature__`` says it takes, one list of the shared keys."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    named = {p.name for p in own} | set(drop)
+    passed = [
+        p.replace(kind=p.KEYWORD_ONLY)
+        for p in inspect.signature(base).parameters.values()
+        if p.name not in named and p.kind is not p.VAR_KEYWORD
+    ]
+    return inspect.Signature([p for p in own if p.name != "self"] + passed)
 
 
 def decode_rows(

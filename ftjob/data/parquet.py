@@ -25,9 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ftjob.config import ConfigError
-from ftjob.data.bad_files import MAX_BAD_FRACTION, over_budget
+from ftjob.data.bad_files import over_budget
 from ftjob.data.datasets import (
-    MAX_IMAGE_PIXELS,
     SOURCES,
     TRAIN,
     VAL,
@@ -36,6 +35,7 @@ from ftjob.data.datasets import (
     Encoded,
     ImageFolderDataset,
     _reason,
+    with_keys_of,
 )
 from ftjob.data.folders import names
 from ftjob.data.order import ShuffleWindows
@@ -70,59 +70,33 @@ class ParquetDataset(ImageFolderDataset):
     mapped through ``classes`` (the list's order is the class id); ``sorted`` -- strings mapped
     through the sorted set of the training split's values (ImageNet's wnids sort to its class
     ids); ``auto`` -- ``int`` for an integer column, else ``classes`` when given, else
-    ``sorted``."""
+    ``sorted``.
+
+    ``image``: the image keys of :class:`ImageFolderDataset` (``train_dir``, ``image_size``,
+    ``bad_files``...), checked and kept by its constructor; all but ``follow_links`` (shards
+    are files, not a tree of links)."""
 
     def __init__(
         self,
         path: str,
-        train_dir: str = TRAIN,
-        val_dir: str = VAL,
-        image_size: int = 224,
-        resize_size: int = 256,
-        augment: bool = True,
-        num_classes: int | None = None,
-        mean: tuple[float, ...] = (0.5, 0.5, 0.5),
-        std: tuple[float, ...] = (0.5, 0.5, 0.5),
-        storage_options: dict[str, Any] | None = None,
-        bad_files: str = "fail",
-        max_image_pixels: int | None = MAX_IMAGE_PIXELS,
+        *,
         image_column: str = "image",
         label_column: str = "label",
         label_kind: str = "auto",
         classes: list[str] | None = None,
         shuffle_window: int = SHUFFLE_WINDOW,
-        max_bad_fraction: float = MAX_BAD_FRACTION,
+        **image: Any,
     ) -> None:
-        self.check_args(
-            image_size=image_size,
-            resize_size=resize_size,
-            num_classes=num_classes,
-            mean=mean,
-            std=std,
-            bad_files=bad_files,
-            max_image_pixels=max_image_pixels,
-            image_column=image_column,
-            label_column=label_column,
-            label_kind=label_kind,
-            classes=classes,
-            shuffle_window=shuffle_window,
-            max_bad_fraction=max_bad_fraction,
-        )
-        super().__init__(
-            path,
-            train_dir,
-            val_dir,
-            image_size,
-            resize_size,
-            augment,
-            num_classes,
-            mean,
-            std,
-            storage_options,
-            bad_files,
-            max_image_pixels,
-            max_bad_fraction=max_bad_fraction,
-        )
+        own = {
+            "image_column": image_column,
+            "label_column": label_column,
+            "label_kind": label_kind,
+            "classes": classes,
+            "shuffle_window": shuffle_window,
+        }
+        self.__signature__.bind(path, **own, **image)  # a key it does not take: TypeError
+        check_parquet_args(own)
+        super().__init__(path, **image)
         self.image_column, self.label_column = image_column, label_column
         self.label_kind = label_kind
         self.class_list = list(classes) if classes is not None else None
@@ -132,9 +106,12 @@ class ParquetDataset(ImageFolderDataset):
         self._sizes: dict[str, int] = {}  # shard path -> size, as listed: kept when pickled
         self._image_field: str | None = None  # "image" or "image.bytes" (a struct)
 
+    # Its keys as the config's checks (ftjob.config.targets) and help() read them: its own,
+    # then the image keys.
+    __signature__ = with_keys_of(__init__, ImageFolderDataset.__init__, drop=("follow_links",))
+
     @classmethod
     def check_args(cls, **kwargs: Any) -> None:
-        kwargs.setdefault("follow_links", False)
         super().check_args(**kwargs)
         check_parquet_args(kwargs)
 
@@ -286,15 +263,9 @@ class ParquetDataset(ImageFolderDataset):
                 f"{where} has no image bytes (the image column is null): fix the shard, or "
                 "set dataset.bad_files=skip"
             )
-        try:
-            return self._transform(data, train, rng)
-        except MemoryError:
-            raise
-        except Exception as exc:  # decoding bytes in memory: the same every time
-            raise DataError(
-                f"{where} cannot be decoded as an image ({_reason(exc)}): fix the shard, or "
-                "set dataset.bad_files=skip"
-            ) from exc
+        return self._decoded(
+            data, train, rng, where, "fix the shard, or set dataset.bad_files=skip"
+        )
 
     def encoded(self, rows: dict[str, np.ndarray], split: str, epoch: int) -> Encoded:
         paths, groups, shard_rows = rows[SHARD], rows[GROUP], rows[ROW]

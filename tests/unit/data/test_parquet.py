@@ -263,3 +263,28 @@ def test_the_writer_command_says_what_it_wrote_and_refuses_a_tree_without_images
     assert sorted(rows.column("label").to_pylist()) == sorted(f"class_{i % 3}" for i in range(72))
     assert main([str(tmp_path / "none"), str(out), "--rows-per-shard", "5"]) == 1
     assert "no images under train/" in capsys.readouterr().err
+
+
+def test_parquet_takes_the_image_keys_of_an_image_folder_and_its_own(tmp_path: Path):
+    """ParquetDataset passes the image keys on to ImageFolderDataset's constructor, which keeps
+    and checks them; its signature lists both, as config checks read it -- all but
+    follow_links (shards are files, not a tree of links)."""
+    import inspect
+
+    from ftjob.data.datasets import ImageFolderDataset
+
+    image = set(inspect.signature(ImageFolderDataset).parameters) - {"follow_links"}
+    own = {"image_column", "label_column", "label_kind", "classes", "shuffle_window"}
+    assert set(inspect.signature(ParquetDataset).parameters) == image | own
+    ds = ParquetDataset(
+        str(tmp_path), image_size=8, resize_size=12, bad_files="skip", label_kind="int"
+    )
+    assert (ds.image_size, ds.resize_size, ds.bad_files, ds.label_kind) == (8, 12, "skip", "int")
+    with pytest.raises(TypeError, match="follow_links"):
+        ParquetDataset(str(tmp_path), follow_links=True)
+    with pytest.raises(ConfigError) as err:  # an image key's rule, before anything is listed
+        compose_job("dataset=parquet", f"dataset.path={tmp_path}", "dataset.image_size=0")
+    assert err.value.key == "dataset.image_size"
+    with pytest.raises(ConfigError) as err:
+        compose_job("dataset=parquet", f"dataset.path={tmp_path}", "+dataset.follow_links=true")
+    assert err.value.key == "dataset.follow_links"
