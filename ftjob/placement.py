@@ -14,7 +14,12 @@ namespace may do -- map each other's memory, know each other's pids -- is asked 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ftjob.actors import Actor
+
+T = TypeVar("T")
 
 
 def pinned_to(node_id: str) -> Any:
@@ -24,18 +29,23 @@ def pinned_to(node_id: str) -> Any:
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
-def start_pinned_actor(cls: type, *args: Any, node_id: str | None = None, **options: Any) -> Any:
+def start_pinned_actor(
+    cls: type[T], *args: Any, node_id: str | None = None, **options: Any
+) -> Actor[T]:
     """``cls(*args)`` as a zero-CPU Ray actor pinned to ``node_id`` (default: this process's
     node), never restarted; ``options``: more of Ray's actor options (``max_concurrency``...).
-    Its handle."""
+    Its handle, whose calls :mod:`ftjob.actors` checks against ``cls``."""
     import ray
 
     node = node_id or ray.get_runtime_context().get_node_id()
-    actor = ray.remote(num_cpus=0, max_restarts=0, **options)(cls)
+    # Ray's types give the handle as a union with the class itself (for its own decorators)
+    actor: Any = ray.remote(num_cpus=0, max_restarts=0, **options)(cls)
     return actor.options(scheduling_strategy=pinned_to(node)).remote(*args)
 
 
-def run_on_node(node_id: str, fn: Any, *args: Any, timeout: float | None = 60.0) -> Any:
+def run_on_node(
+    node_id: str, fn: Callable[..., Any], *args: Any, timeout: float | None = 60.0
+) -> Any:
     """``fn(*args)`` as a zero-CPU task pinned to ``node_id``, never retried: its answer, or
     (``timeout=None``) the ObjectRef without waiting -- for a task that takes its own node
     down."""

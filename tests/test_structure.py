@@ -48,7 +48,8 @@ LAYERS = {
     "metrics": 0,
     "record": 0.5,  # the run record: typed with config's choices, under everything that records
     "ray_internals": 0,
-    "placement": 0,
+    "placement": 0.25,  # starts ftjob's actors, typed as ftjob.actors types them
+    "actors": 0,  # calls to ftjob's Ray actors, checked against the actor's class
     "text": 0,  # a line of text cut to fit, for every layer that prints one
 }
 # Top-level modules: entry points (the command line's layer) and the public names of the

@@ -5,20 +5,20 @@ context, the device, ``ray.train.report`` (a barrier), the process group Ray Tra
 run ledger as a Ray actor. In tests a worker runs in this very process against the same code
 (:func:`local_context`): world 1, or world 2 as two local processes with a gloo process group;
 the ledger is a real :class:`~ftjob.driver.ledger.RunLedger` called directly
-(:class:`DirectHandle`), data is decoded in the process instead of by Ray Data tasks, and the
+(:class:`~ftjob.actors.DirectHandle`), data is decoded in the process instead of by Ray Data tasks, and the
 teardown after a just-in-time checkpoint ends the attempt instead of waiting to be killed.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.record import WorkerPlace
+from ftjob.actors import Actor, Fetch, answered
+from ftjob.record import WorkerLedger, WorkerPlace
 from ftjob.worker.collective import all_gather, broadcast
 from ftjob.worker.recorder import RunRecorder
 
@@ -42,7 +42,7 @@ class WorkerContext:
     recorder: RunRecorder
     where: WorkerPlace  # where chaos and hang handling find this rank
     report: Callable[[dict[str, Any]], None]  # every rank, together: Ray Train's view of progress
-    fetch: Callable[[Any], Any]  # the value of an object the driver put in the object store
+    fetch: Fetch  # the value of an object the driver put in the object store
     prepare_model: Callable[[Any], Any]  # the model wrapped for data parallelism (DDP)
     decode_here: bool = False  # decode every window in this process, not in Ray Data tasks
     local_world: int = 1  # training workers on this machine (Ray Train counts by node IP)
@@ -61,7 +61,7 @@ class WorkerContext:
         return all_gather(obj, self.world)
 
 
-def ray_context(ledger: Any) -> WorkerContext:
+def ray_context(ledger: Actor[WorkerLedger]) -> WorkerContext:
     """The context of a Ray Train worker (called inside the train function)."""
     import ray
     import ray.train
@@ -104,37 +104,8 @@ def _ray_machine() -> tuple[float, bool]:
     return float(get_num_cpus()), ips <= {here}
 
 
-class DirectHandle:
-    """A plain object behind the ``handle.method.remote(*args)`` calls a Ray actor handle
-    takes: each call runs at once, under one lock (an actor runs one call at a time)."""
-
-    def __init__(self, target: Any) -> None:
-        self._target, self._lock = target, threading.Lock()
-
-    def __getattr__(self, name: str) -> Any:
-        method, lock = getattr(self._target, name), self._lock
-
-        class _Remote:
-            @staticmethod
-            def remote(*args: Any) -> Any:
-                with lock:
-                    return method(*args)
-
-        return _Remote()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"target": self._target}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["target"])  # type: ignore[misc]
-
-
-def _answer(value: Any, timeout: float | None = None) -> Any:
-    return value
-
-
 def local_context(
-    ledger: Any, rank: int = 0, world: int = 1, node_per_rank: bool = False
+    ledger: Actor[WorkerLedger], rank: int = 0, world: int = 1, node_per_rank: bool = False
 ) -> WorkerContext:
     """A worker in this process: world 1, or one of ``world`` processes that joined a gloo
     process group already (see tests/support/local_run.py). ``ledger`` answers at once (a
@@ -160,7 +131,7 @@ def local_context(
         rank=rank,
         world=world,
         device=torch.device("cpu"),
-        recorder=RunRecorder(ledger, rank, _answer),
+        recorder=RunRecorder(ledger, rank, answered),
         where=WorkerPlace(
             node_id=f"node{rank}" if node_per_rank else "local",
             pid=os.getpid(),
@@ -168,7 +139,7 @@ def local_context(
         ),
         local_rank=0 if node_per_rank else rank,
         report=report,
-        fetch=lambda value: value,
+        fetch=answered,
         prepare_model=prepare,
         decode_here=True,
         teardown=end_attempt,

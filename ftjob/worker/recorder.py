@@ -8,16 +8,17 @@ on rank). Calls that record are fire and forget; calls that ask (``start_attempt
 ``claim_injected_failure``, ``notice_request``, ``heartbeat``) wait for the answer.
 
 Each call names the ledger's method as a method of :class:`~ftjob.record.WorkerLedger` (not
-as a string), so the type checker holds every call to the ledger's signature.
+as a string, :mod:`ftjob.actors`), so the type checker holds every call to the ledger's
+signature.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
+from ftjob.actors import Actor, Fetch, Method, call, tell
 from ftjob.record import (
     AttemptStart,
     Beat,
@@ -38,7 +39,6 @@ from ftjob.record import (
 
 P = ParamSpec("P")
 T = TypeVar("T")
-LedgerCall = Callable[Concatenate[WorkerLedger, P], T]
 
 
 class JobStopped(Exception):  # noqa: N818 -- what happened, not an error of the code
@@ -49,11 +49,11 @@ class JobStopped(Exception):  # noqa: N818 -- what happened, not an error of the
 
 
 class RunRecorder:
-    """``ledger``: a handle whose methods have ``.remote(*args)``; ``resolve`` turns what
-    ``.remote`` returned into the answer (``ray.get`` for an actor)."""
+    """``ledger``: the run ledger's handle; ``resolve`` turns what a call gave into the answer
+    (``ray.get`` for a Ray actor, :func:`~ftjob.actors.answered` for a direct handle)."""
 
     def __init__(
-        self, ledger: Any, rank: int, resolve: Callable[..., Any], attempt: int = -1
+        self, ledger: Actor[WorkerLedger], rank: int, resolve: Fetch, attempt: int = -1
     ) -> None:
         self.ledger = ledger
         self.rank = rank
@@ -64,14 +64,19 @@ class RunRecorder:
     def leader(self) -> bool:
         return self.rank == 0
 
-    def _tell(self, method: LedgerCall[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
-        getattr(self.ledger, method.__name__).remote(*args, **kwargs)
+    def _tell(
+        self, method: Method[WorkerLedger, P, None], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
+        tell(self.ledger, method, *args, **kwargs)
 
     def _ask(
-        self, method: LedgerCall[P, T], timeout: float | None, *args: P.args, **kwargs: P.kwargs
+        self,
+        method: Method[WorkerLedger, P, T],
+        timeout: float | None,
+        *args: P.args,
+        **kwargs: P.kwargs,
     ) -> T:
-        answer = getattr(self.ledger, method.__name__).remote(*args, **kwargs)
-        return self._resolve(answer, timeout=timeout)
+        return self._resolve(call(self.ledger, method, *args, **kwargs), timeout=timeout)
 
     # -- asked: the answer steers the worker ---------------------------------------------------
 
@@ -130,7 +135,9 @@ class RunRecorder:
 
     # -- recorded by rank 0 ------------------------------------------------------------------------
 
-    def _lead(self, method: LedgerCall[P, None], *args: P.args, **kwargs: P.kwargs) -> None:
+    def _lead(
+        self, method: Method[WorkerLedger, P, None], *args: P.args, **kwargs: P.kwargs
+    ) -> None:
         if self.leader:
             self._tell(method, *args, **kwargs)
 

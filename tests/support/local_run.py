@@ -24,6 +24,7 @@ from multiprocessing.managers import BaseManager
 from pathlib import Path
 from typing import Any
 
+from ftjob.actors import DirectHandle
 from ftjob.config import JobConfig
 from ftjob.driver.ledger import RunLedger
 from ftjob.driver.runner import Prepared, prepare, run_plan, worker_spec
@@ -33,7 +34,7 @@ from ftjob.policy.hang import WatchConfig
 from ftjob.record import Hang, RunSnapshot, Straggler
 from ftjob.reporting.summary import build_summary
 from ftjob.reporting.verdict import FitEnd, RunEnd, decide_status
-from ftjob.worker.context import DirectHandle, TornDown, local_context
+from ftjob.worker.context import TornDown, local_context
 from ftjob.worker.loop import Worker, WorkerSpec
 from tests.support.summaries import checked
 

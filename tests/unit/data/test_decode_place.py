@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from ftjob import metrics as M
+from ftjob.actors import DirectHandle
 from ftjob.data.datasets import TRAIN, DigitsDataset, ImageFolderDataset, SyntheticDataset
 from ftjob.data.decode_place import auto_places, fastest, probe, probe_line
 from ftjob.data.order import EpochPlan
@@ -17,7 +18,7 @@ from ftjob.data.streams import numpy_rows
 from ftjob.driver.ledger import RunLedger
 from ftjob.record import DecodeChoice, RunPlan
 from ftjob.worker.checkpointer import TrainState
-from ftjob.worker.context import DirectHandle, local_context
+from ftjob.worker.context import local_context
 from ftjob.worker.loop import decode_place
 from tests.support.images import photo_tree
 

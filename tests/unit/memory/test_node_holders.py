@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ftjob import metrics as M
+from ftjob.actors import DirectHandle
 from ftjob.config import MemoryConfig
 from ftjob.memory import Ring, SnapshotHolder
 from ftjob.memory.cluster import LocalHolders, RunHolders
@@ -31,7 +32,6 @@ from ftjob.worker.checkpointer import (
     snapshot_state,
     snapshot_tensors,
 )
-from ftjob.worker.context import DirectHandle
 from tests.unit.worker.test_checkpointer import make, model_and_optimizer, weights
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ftjob import metrics as M
+from ftjob.actors import DirectHandle
 from ftjob.config import MemoryConfig
 from ftjob.memory import SnapshotHolder
 from ftjob.memory.cluster import LocalHolders
@@ -31,7 +32,6 @@ from ftjob.worker.checkpointer import (
     snapshot_state,
     snapshot_tensors,
 )
-from ftjob.worker.context import DirectHandle
 
 DEVICES = [
     "cpu",

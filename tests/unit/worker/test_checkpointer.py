@@ -14,6 +14,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from ftjob import metrics as M
+from ftjob.actors import DirectHandle
 from ftjob.config import CheckpointConfig, MemoryConfig
 from ftjob.memory import Ring, Snapshot, SnapshotHolder
 from ftjob.memory.node_holders import bind_holders
@@ -21,7 +22,6 @@ from ftjob.memory.tier import MemoryTier
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.retry import RetryPolicy
 from ftjob.worker.checkpointer import Checkpointer, NoUsableCheckpoint, TrainState
-from ftjob.worker.context import DirectHandle
 from ftjob.worker.recorder import JobStopped, RunRecorder
 from tests.support.checkpoints import flip_bytes, manifest_in, remote
 from tests.support.storage import RecordingFileSystem, no_sleep_policy
