@@ -283,8 +283,9 @@ class Checkpointer:
             return None
         step, path, local_dir = chosen.step, chosen.path, chosen.local_dir
         if chosen.tier == "memory":  # its digests came with it: the same on every rank
+            assert memory is not None  # rank 0 chose from a tier every rank has
             files = memory.files(chosen)
-            record, state_of = json.loads(files[STATE_FILE]), snapshot_state(files, device)
+            record, state_of = json.loads(bytes(files[STATE_FILE])), snapshot_state(files, device)
         else:
             if self.rank != 0 or local_dir is None:
                 local_dir = os.path.join(self.local_root, self.store.dir_name(step))

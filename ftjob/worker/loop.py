@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftjob import metrics as M
+from ftjob.actors import Actor
 from ftjob.config import JobConfig, to_plain
 from ftjob.config.secrets import Redactor, guard_logging
 from ftjob.data.clock import DataClock
@@ -49,6 +50,7 @@ from ftjob.data.streams import (
     EPOCH_END,
     Batch,
     BatchFeeder,
+    DecodedStream,
     DeviceStream,
     InProcessStream,
     RayDataStream,
@@ -61,7 +63,7 @@ from ftjob.data.streams import (
 from ftjob.memory.node_holders import holders_for
 from ftjob.memory.tier import MemoryTier
 from ftjob.policy.cadence import CheckpointSchedule
-from ftjob.record import DecodeChoice, Progress
+from ftjob.record import DecodeChoice, Progress, WorkerLedger
 from ftjob.storage.faults import set_fault_stream
 from ftjob.storage.fs import RetryingFileSystem
 from ftjob.storage.lease import LeaseFence
@@ -86,7 +88,7 @@ class WorkerSpec:
     job: JobConfig
     dataset: ImageDataset
     catalogs: dict[str, Any]  # split -> pyarrow.Table (an ObjectRef of one, on Ray)
-    ledger: Any  # the run ledger's handle (a Ray actor in production)
+    ledger: Actor[WorkerLedger]  # the run ledger's handle (a Ray actor in production)
     fs: RetryingFileSystem  # the run's storage, with its retry policy (pickles)
     run_path: str  # the run's directory on ``fs``
     run_name: str
@@ -569,7 +571,8 @@ def open_streams(
         "on_skip": SkipLog(dataset, catalogs, ctx.recorder.skipped_files),
         "clock": DataClock(metrics),
     }
-    streams = {"worker": InProcessStream, "device": DeviceStream}
+    streams: dict[str, type[DecodedStream]] = {"worker": InProcessStream, "device": DeviceStream}
+    train_stream: DecodedStream
     if place in streams:
         common["threads"] = decode_threads(trainer.use_gpu, trainer.worker_cpus)
         train_stream = streams[place](dataset, catalogs[TRAIN], TRAIN, **common)
