@@ -8,8 +8,9 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Protocol
 
+from ftjob.actors import Actor, ask, tell
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.config import NODE_KINDS, WORKER_KINDS, ChaosConfig
 from ftjob.placement import run_on_node, start_pinned_actor
@@ -52,16 +53,14 @@ class NodeReaper:
         return raylet
 
 
-_reapers: list[Any] = []  # armed reapers: an actor whose handle is dropped is killed
+_reapers: list[Actor[NodeReaper]] = []  # armed reapers: an actor whose handle is dropped is killed
 
 
 def _preempt(node_id: str, notice: float) -> int:
     """Drain the node through Ray's drain API with ``notice`` seconds to its deadline (reason:
     preemption), as a cloud provider's reclaim would, and kill it at the deadline."""
-    import ray
-
     reaper = start_pinned_actor(NodeReaper, node_id=node_id)
-    raylet = int(ray.get(reaper.arm.remote(notice), timeout=60))
+    raylet = ask(reaper, NodeReaper.arm, 60, notice)
     _reapers.append(reaper)
     drain_node(node_id, notice)
     return raylet
@@ -93,34 +92,46 @@ def _node_gone(target: KillTarget, timeout: float = 60.0) -> bool:
     return False
 
 
-class _LedgerView:
-    """Synchronous view of the ledger actor for the killer."""
+class KillerLedger(Protocol):
+    """The run ledger's methods the killer actor calls (the run's
+    :class:`~ftjob.driver.ledger.RunLedger` has them)."""
 
-    def __init__(self, handle: Any) -> None:
+    def chaos_view(self) -> ChaosView: ...
+    def kill(self, record: Kill) -> None: ...
+    def chaos_skipped(self, record: ChaosSkip) -> None: ...
+    def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None: ...
+    def log(self, line: str) -> None: ...
+
+
+class _LedgerView:
+    """Synchronous view of the ledger actor for the killer (its
+    :class:`~ftjob.chaos.schedule.ChaosLedger`)."""
+
+    def __init__(self, handle: Actor[KillerLedger]) -> None:
         self.handle = handle
 
     def chaos_view(self) -> ChaosView:
-        import ray
-
-        return ray.get(self.handle.chaos_view.remote())
+        return ask(self.handle, KillerLedger.chaos_view, None)
 
     def record_kill(self, record: Kill) -> None:
-        self.handle.kill.remote(record)
+        tell(self.handle, KillerLedger.kill, record)
 
     def record_skip(self, record: ChaosSkip) -> None:
-        self.handle.chaos_skipped.remote(record)
+        tell(self.handle, KillerLedger.chaos_skipped, record)
 
     def confirm_kill(self, time_of_kill: float, confirmed: bool) -> None:
-        self.handle.confirm_kill.remote(time_of_kill, confirmed)
+        tell(self.handle, KillerLedger.confirm_kill, time_of_kill, confirmed)
 
     def report_error(self, message: str) -> None:
-        self.handle.log.remote(message)
+        tell(self.handle, KillerLedger.log, message)
 
 
 class KillerActor:
     """Ray actor wrapper: runs a ChaosKiller on a thread until the schedule ends or stop()."""
 
-    def __init__(self, chaos: ChaosConfig, ledger: Any, protected_nodes: list[str]) -> None:
+    def __init__(
+        self, chaos: ChaosConfig, ledger: Actor[KillerLedger], protected_nodes: list[str]
+    ) -> None:
         notice = chaos.notice
         self.killer = ChaosKiller(
             KillSchedule.from_config(chaos),
@@ -137,7 +148,7 @@ class KillerActor:
         self.thread = threading.Thread(target=self.killer.run, name="ftjob-chaos", daemon=True)
         self.thread.start()
 
-    def stop(self) -> list[dict[str, Any]]:
+    def stop(self) -> list[Kill]:
         self.killer.stop()
         self.thread.join(timeout=10)
         return self.killer.kills
@@ -167,6 +178,6 @@ def node_chaos_targets() -> list[str]:
     ]
 
 
-def start_killer(chaos: ChaosConfig, ledger: Any) -> Any:
+def start_killer(chaos: ChaosConfig, ledger: Actor[KillerLedger]) -> Actor[KillerActor]:
     """Start the killer actor on the driver's node (the head node of a local cluster)."""
     return start_pinned_actor(KillerActor, chaos, ledger, protected_nodes(), max_concurrency=2)

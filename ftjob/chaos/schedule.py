@@ -18,18 +18,20 @@ learns through its heartbeat that it must sleep a fraction of each step from the
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from ftjob.config import ENDS_ATTEMPT, NODE_KINDS, WORKER_KINDS, ChaosConfig
 from ftjob.record import ChaosSkip, ChaosView, Kill, KillTarget, WorkerPlace
 
 logger = logging.getLogger("ftjob.chaos.schedule")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,7 @@ class ChaosKiller:
                 confirming.join(timeout=0.5)
         return sorted(self.kills, key=lambda k: k.time)
 
-    def _wait_until(self, ready: Callable[[ChaosView], Any]) -> Any:
+    def _wait_until(self, ready: Callable[[ChaosView], T | None]) -> T | None:
         """Poll the ledger until ``ready(view)`` is not None; None if told to stop."""
         while (result := ready(self._view())) is None:
             if self.wait(self.poll_s):
@@ -185,22 +187,20 @@ class ChaosKiller:
 
     def _run(self) -> None:
         start = self._wait_until(lambda v: v.training_started)
+        if start is None:  # told to stop first
+            return
         count = len(self.at_steps) if self.at_steps else self.schedule.max_kills
-        passed = self._passed_steps() if start is not None else 0
-        for index in range(passed, count if start is not None else 0):
-            # Due, and an attempt the previous kill did not already hit is training.
-            view = self._wait_until(
-                lambda v, i=index: (
-                    v
-                    if v.training
-                    and (v.attempt or 0) > self.last_attempt
-                    and self._due(v, i, start)
-                    else None
-                )
-            )
+        for index in range(self._passed_steps(), count):
+            view = self._wait_until(functools.partial(self._ready, index=index, start=start))
             if view is None:
                 return
             self._strike(index, view)
+
+    def _ready(self, view: ChaosView, index: int, start: float) -> ChaosView | None:
+        """``view`` once kill ``index`` is due and an attempt the previous kill did not
+        already hit is training."""
+        fresh = view.training and (view.attempt or 0) > self.last_attempt
+        return view if fresh and self._due(view, index, start) else None
 
     def _passed_steps(self) -> int:
         """``at_steps`` a continued run (``resume``) had trained past when this driver started
