@@ -73,7 +73,9 @@ def _span(index: np.ndarray, weight: np.ndarray) -> tuple[int, int, np.ndarray]:
     read = index[weight != 0]
     lo = int(read.min()) if read.size else 0
     hi = int(read.max()) + 1 if read.size else 1
-    return lo, hi, index - lo
+    # A tap of weight 0 may lie outside [lo, hi): it is gathered all the same (one gather a tap
+    # for the batch), so it is kept inside the span -- past it lies the next image or nothing.
+    return lo, hi, np.clip(index - lo, 0, hi - lo - 1)
 
 
 def geometry(

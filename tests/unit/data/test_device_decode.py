@@ -23,7 +23,7 @@ from ftjob.data.clock import DataClock
 from ftjob.data.datasets import TRAIN, VAL, DataError, ImageFolderDataset
 from ftjob.data.device_decode import DeviceDecoder
 from ftjob.data.headers import read_header
-from ftjob.data.resample import val_geometry
+from ftjob.data.resample import geometry, resample, val_geometry
 from ftjob.data.streams import DeviceStream, InProcessStream, numpy_rows
 from tests.support.images import awkward_files, exif_orientation, jpeg, photo_like, photo_tree
 
@@ -248,3 +248,18 @@ def test_a_batch_made_on_the_device_is_not_touched_again_off_its_side_stream(tmp
     monkeypatch.setattr(stream, "_model_input", lambda images: calls.append(1) or real(images))
     made = batches(stream, np.arange(4), 0)
     assert len(made) == 1 and len(calls) == 1
+
+
+def test_a_crop_whose_outer_taps_weigh_nothing_is_resized_as_pil_resizes_it():
+    """Pillow's filter may give an output pixel's outermost tap no weight; that tap's index can
+    lie outside the rows and columns the crop reads (its span). It was gathered all the same:
+    past the span, into the next image of the batch, or -- for the last image of a chunk --
+    out of range (an IndexError on the CPU, a device-side assert that ends the process on a
+    GPU), so whether a batch decoded depended on what stood beside the crop in it."""
+    pixels = photo_like(4)  # 400x350
+    box = (0.0, 0.0, 288.0, 350.0)  # 288 columns to 32: a zero-weight tap at column 288
+    g = geometry(box, (32, 32), (0, 0, 32, 32), 1, False, (400, 350))
+    image = torch.from_numpy(pixels).permute(2, 0, 1).contiguous()
+    alone = resample([image], [g], "cpu")  # the last (only) image of its chunk
+    pil = Image.fromarray(pixels).resize((32, 32), Image.Resampling.BILINEAR, box=box)
+    assert np.array_equal(alone[0].permute(1, 2, 0).numpy(), np.asarray(pil))
