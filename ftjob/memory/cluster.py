@@ -29,11 +29,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ftjob.actors import call, kill, tell
 from ftjob.memory.fence import Refused
-from ftjob.memory.holder import NodeHolder
+from ftjob.memory.holder import HolderHandle, NodeHolder, SnapshotHolder
 from ftjob.storage.identity import RunIdentity
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
 
 RUN_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")  # a run name, as ftjob.config checks it
 NODE_ID = re.compile(r"[0-9A-Za-z_.-]+")
@@ -43,9 +47,9 @@ HOLDER_PREFIX = "holder."
 class HolderDirectory(Protocol):
     """Where a run's holders are: this node's (created when it has none), and the others'."""
 
-    def local(self, node_id: str) -> Any: ...
+    def local(self, node_id: str) -> HolderHandle | None: ...
 
-    def peers(self, node_id: str) -> list[tuple[str, Any]]: ...
+    def peers(self, node_id: str) -> list[tuple[str, HolderHandle]]: ...
 
 
 def holder_namespace(run: RunIdentity) -> str:
@@ -78,13 +82,14 @@ class RunHolders:
     def namespace(self) -> str:
         return holder_namespace(self.run)
 
-    def local(self, node_id: str) -> Any:
+    def local(self, node_id: str) -> HolderHandle:
         """The holder of ``node_id``, created there (pinned, detached) if it has none."""
         import ray
 
         from ftjob.placement import pinned_to
 
-        actor = ray.remote(num_cpus=0, max_restarts=0)(NodeHolder)
+        # Ray's types give the handle as a union with the class itself (for its own decorators)
+        actor: Any = ray.remote(num_cpus=0, max_restarts=0)(NodeHolder)
         return actor.options(
             name=holder_name(node_id),
             namespace=self.namespace,
@@ -93,11 +98,11 @@ class RunHolders:
             scheduling_strategy=pinned_to(node_id),
         ).remote(self.cap_bytes, self.keep, self.orphan_timeout_s)
 
-    def held(self) -> dict[str, Any]:
+    def held(self) -> dict[str, HolderHandle]:
         """Node id -> handle of every live holder of the run."""
         import ray
 
-        found = {}
+        found: dict[str, HolderHandle] = {}
         for actor in ray.util.list_named_actors(all_namespaces=True):
             name = actor["name"]
             if actor["namespace"] == self.namespace and name.startswith(HOLDER_PREFIX):
@@ -107,7 +112,7 @@ class RunHolders:
                     continue
         return found
 
-    def peers(self, node_id: str) -> list[tuple[str, Any]]:
+    def peers(self, node_id: str) -> list[tuple[str, HolderHandle]]:
         return sorted(((n, h) for n, h in self.held().items() if n != node_id), key=_first)
 
     def start(self, node_ids: list[str]) -> None:
@@ -125,10 +130,11 @@ class RunHolders:
         import ray
         import ray.exceptions
 
-        asked, outcome = {}, FenceOutcome()
+        asked: dict[str, tuple[HolderHandle, ObjectRef[Refused | None] | None]] = {}
+        outcome = FenceOutcome()
         for node, handle in self.held().items():
             try:
-                asked[node] = (handle, handle.fence.remote(generation))
+                asked[node] = (handle, call(handle, SnapshotHolder.fence, generation))
             except AttributeError:  # a holder of an older ftjob: no fence
                 asked[node] = (handle, None)
                 outcome.released[node] = "it has no fence (an older ftjob)"
@@ -140,7 +146,7 @@ class RunHolders:
             if isinstance(answer, Refused):
                 outcome.refused[node] = answer.reason
             elif node in outcome.released:
-                ray.kill(handle)
+                kill(handle)
         return outcome
 
     def configure(self, generation: int | None, timeout_s: float = 30.0) -> list[dict[str, float]]:
@@ -152,14 +158,12 @@ class RunHolders:
         import ray.exceptions
 
         asked = []
+        settings = self.cap_bytes, self.keep, self.orphan_timeout_s, generation
         for handle in self.held().values():
             try:
-                configure = handle.configure
+                asked.append(call(handle, SnapshotHolder.configure, *settings))
             except AttributeError:  # a holder of an older ftjob: it keeps its own
                 continue
-            asked.append(
-                configure.remote(self.cap_bytes, self.keep, self.orphan_timeout_s, generation)
-            )
         before = []
         for ref in asked:
             try:
@@ -174,12 +178,11 @@ class RunHolders:
         """These nodes' holders released now (one that refused a driver whose lease holds),
         and gone by name once this returns (up to ``timeout_s``): a rank's first call there
         makes a new one. The nodes whose holder is still there after that."""
-        import ray
 
         held = self.held()
         for node in nodes:
             if node in held:
-                ray.kill(held[node])
+                kill(held[node])
         deadline = time.monotonic() + timeout_s
         while (left := sorted(set(nodes) & set(self.held()))) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -189,7 +192,7 @@ class RunHolders:
         """The driver is alive: every holder of the run is kept. How many there are."""
         held = self.held()
         for handle in held.values():
-            handle.claim.remote()
+            tell(handle, SnapshotHolder.claim)
         return len(held)
 
     def release(self, generation: int | None = None) -> int:
@@ -201,7 +204,7 @@ class RunHolders:
 
         held = self.held()
         if generation is not None:
-            fences = {n: h.stats.remote() for n, h in held.items()}
+            fences = {n: call(h, SnapshotHolder.stats) for n, h in held.items()}
             for node, ref in fences.items():
                 try:
                     kept = (ray.get(ref, timeout=30.0).get("generation") or 0) > generation
@@ -210,7 +213,7 @@ class RunHolders:
                 if kept:
                     del held[node]
         for handle in held.values():
-            ray.kill(handle)
+            kill(handle)
         return len(held)
 
 
@@ -228,15 +231,15 @@ class LocalHolders:
     """A directory of holders in one process or behind a manager's proxies: ``handles``, node
     id -> handle; ``make()``, a new node's holder (None: a node without one has none)."""
 
-    handles: dict[str, Any] = field(default_factory=dict)
-    make: Callable[[], Any] | None = None
+    handles: dict[str, HolderHandle] = field(default_factory=dict)
+    make: Callable[[], HolderHandle] | None = None
 
-    def local(self, node_id: str) -> Any:
+    def local(self, node_id: str) -> HolderHandle | None:
         if node_id not in self.handles and self.make is not None:
             self.handles[node_id] = self.make()
         return self.handles.get(node_id)
 
-    def peers(self, node_id: str) -> list[tuple[str, Any]]:
+    def peers(self, node_id: str) -> list[tuple[str, HolderHandle]]:
         return sorted(((n, h) for n, h in self.handles.items() if n != node_id), key=_first)
 
     def lose(self, node_id: str) -> None:
@@ -244,7 +247,7 @@ class LocalHolders:
         self.handles.pop(node_id, None)
 
 
-def _first(pair: tuple[str, Any]) -> str:
+def _first(pair: tuple[str, HolderHandle]) -> str:
     return pair[0]
 
 

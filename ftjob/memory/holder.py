@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftjob.actors import Actor
 from ftjob.memory.fence import GenerationFence, Refused
 from ftjob.memory.format import Snapshot
 from ftjob.memory.ring import Ring, SlotEntry
@@ -418,10 +419,23 @@ class NodeHolder(SnapshotHolder):
                 return
 
 
-def start_holder(cap_mb: float, keep: int) -> Any:
+# A holder's handle (a Ray actor, or a DirectHandle in one process); its calls are checked
+# against SnapshotHolder's methods (ftjob.actors).
+HolderHandle = Actor[SnapshotHolder]
+
+
+def start_holder(cap_mb: float, keep: int) -> HolderHandle:
     """The run's holder as a Ray actor on this (the driver's) node, owned by the driver;
     pinned there, as the run ledger is: placed elsewhere, it could die with a worker node."""
     return start_pinned_actor(SnapshotHolder, int(cap_mb * 2**20), keep, True)
 
 
-__all__ = ["NodeHolder", "PutAnswer", "Refused", "RingRef", "SnapshotHolder", "start_holder"]
+__all__ = [
+    "HolderHandle",
+    "NodeHolder",
+    "PutAnswer",
+    "Refused",
+    "RingRef",
+    "SnapshotHolder",
+    "start_holder",
+]

@@ -19,8 +19,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
+from ftjob.actors import call
 from ftjob.config import MemoryConfig
 from ftjob.memory.cluster import RunHolders
+from ftjob.memory.holder import SnapshotHolder
 from ftjob.memory.traffic import RunTraffic
 from ftjob.storage.identity import RunIdentity
 
@@ -157,7 +159,8 @@ def run_traffic(holders: RunHolders, timeout_s: float = 30.0) -> RunTraffic:
     import ray
 
     handles = list(holders.held().values())
-    return RunTraffic.of(ray.get([h.traffic.remote() for h in handles], timeout=timeout_s))
+    asked = [call(h, SnapshotHolder.traffic) for h in handles]
+    return RunTraffic.of(ray.get(asked, timeout=timeout_s))
 
 
 __all__ = [

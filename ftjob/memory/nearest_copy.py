@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ftjob.actors import Fetch, call
 from ftjob.memory.fence import Refused
 from ftjob.memory.format import Snapshot
-from ftjob.memory.holder import RingRef
+from ftjob.memory.holder import HolderHandle, RingRef, SnapshotHolder
 from ftjob.memory.node_holders import NodeHolders, rank_part, written_by
 from ftjob.memory.ring import Ring
 from ftjob.record import Holder
@@ -40,9 +41,9 @@ class NearestCopy:
     def __init__(
         self,
         place: NodeHolders,
-        holder: Any,
+        holder: HolderHandle | None,
         rank: int,
-        fetch: Callable[[Any], Any],
+        fetch: Fetch,
         log: Callable[[str], None],
         attach: Callable[[dict[str, Any]], Ring | None],
     ) -> None:
@@ -52,14 +53,15 @@ class NearestCopy:
         self.fetch, self.log, self.attach = fetch, log, attach
         self.source, self.node_read = Holder.storage, place.node
 
-    def holders(self) -> list[tuple[str, Any]]:
+    def holders(self) -> list[tuple[str, HolderHandle]]:
         """This node's holder, then its peers' (none when they cannot be listed)."""
         try:
             peers = self.place.peers()
         except holder_errors() as exc:
             self.log(f"memory tier: the peer holders could not be listed ({exc})")
             peers = []
-        return [(self.place.node, self.holder), *peers]
+        here = [(self.place.node, self.holder)] if self.holder is not None else []
+        return [*here, *peers]
 
     def drop_after(self, step: int) -> bool:
         """Every holder drops its snapshots past ``step``; False when this node's did not
@@ -67,12 +69,14 @@ class NearestCopy:
         answered = True
         for _, handle in self.holders():
             try:
-                self._refused(self.fetch(handle.drop_after.remote(step, self.generation)))
+                self._refused(
+                    self.fetch(call(handle, SnapshotHolder.drop_after, step, self.generation))
+                )
             except holder_errors():
                 answered = answered and handle is not self.holder
         return answered
 
-    def _refused(self, answer: Any) -> None:
+    def _refused(self, answer: object) -> None:
         if isinstance(answer, Refused):
             self.refused = answer.reason
 
@@ -82,11 +86,13 @@ class NearestCopy:
         not verify is dropped from its holder, with a line. Newer in the run's order, storage's
         (``committed()``: (lease generation, step) of the checkpoints, newest first): a
         snapshot of the live driver's generation outranks a deposed driver's later step."""
-        held: dict[tuple[int, int], list[tuple[str, Any]]] = {}
+        held: dict[tuple[int, int], list[tuple[str, HolderHandle]]] = {}
         for node, handle in self.holders():
             try:
-                for key in self.fetch(handle.keys.remote(self.generation)):
-                    held.setdefault(tuple(key), []).append((node, handle))
+                for generation, step in self.fetch(
+                    call(handle, SnapshotHolder.keys, self.generation)
+                ):
+                    held.setdefault((generation, step), []).append((node, handle))
             except holder_errors() as exc:
                 self.log(f"memory tier: the holder of node {node[:12]} did not answer ({exc})")
         durable = committed() if held else []
@@ -117,7 +123,7 @@ class NearestCopy:
             "verify here, or is another one"
         )
 
-    def complete(self, snapshot: Snapshot | None, holder: Any) -> Snapshot | None:
+    def complete(self, snapshot: Snapshot | None, holder: HolderHandle) -> Snapshot | None:
         """``snapshot`` as the run's state: as it is when rank 0 wrote it (or it has no
         per-rank part), else with rank 0's own part of its step in place of its writer's
         (from ``holder``, to which rank 0 sent it); None when that part is not held (rank 0
@@ -125,7 +131,7 @@ class NearestCopy:
         if snapshot is None or written_by(snapshot.files) in (0, None):
             return snapshot
         try:
-            part = self.fetch(holder.part.remote(snapshot.step, self.generation))
+            part = self.fetch(call(holder, SnapshotHolder.part, snapshot.step, self.generation))
         except holder_errors():
             return None
         if part is None or part.verify() is not None:
@@ -141,18 +147,23 @@ class NearestCopy:
         peer); a copy from a peer fills this node's holder (a replaced node's, an empty one)."""
         self.node_read = node
         self.source = Holder.local if node == self.place.node else Holder.peer
-        if self.source == Holder.peer:
+        if self.source == Holder.peer and self.holder is not None:
             try:
-                self.fetch(self.holder.put.remote(snapshot, self.generation))
+                self.fetch(call(self.holder, SnapshotHolder.put, snapshot, self.generation))
             except holder_errors():
                 pass  # this node's holder is gone: the next restore reads a peer's again
 
-    def get(self, step: int, holder: Any = None) -> Snapshot | None:
+    def get(self, step: int, holder: HolderHandle | None = None) -> Snapshot | None:
         """The snapshot of ``step`` in ``holder`` (this node's by default) if it verifies (else
         dropped from the holder, said); None, quietly, where it holds none."""
         holder = self.holder if holder is None else holder
+        if holder is None:  # this node has no holder
+            return None
         try:
-            snapshot, why = self.fetch(holder.get.remote(step, self.generation)), None
+            snapshot, why = (
+                self.fetch(call(holder, SnapshotHolder.get, step, self.generation)),
+                None,
+            )
         except holder_errors():
             return None  # a peer's holder gone with its node
         if snapshot is None:
@@ -167,18 +178,18 @@ class NearestCopy:
         why = why or ("it is no longer held" if snapshot is None else snapshot.verify())
         if why is None:
             return snapshot
-        self._refused(self.fetch(holder.discard.remote(step, self.generation)))
+        self._refused(self.fetch(call(holder, SnapshotHolder.discard, step, self.generation)))
         self.log(f"memory snapshot of step {step} is not usable ({why}): skipped")
         return None
 
-    def _read_ring(self, ref: RingRef, holder: Any) -> Any:
+    def _read_ring(self, ref: RingRef, holder: HolderHandle) -> Any:
         """A snapshot in a holder's ring: read in place where this process can map the
         ring (its arrays are the ring's memory: loaded before the next snapshot is written),
         else a copy from the holder (a peer on another machine: one transfer)."""
         ring = self.attach(ref.address)
         if ring is not None:
             return ring.read(ref.step, ref.nonce)
-        return self.fetch(holder.copy.remote(ref.step, self.generation))
+        return self.fetch(call(holder, SnapshotHolder.copy, ref.step, self.generation))
 
 
 __all__ = ["NearestCopy", "holder_errors"]

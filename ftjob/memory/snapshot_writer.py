@@ -16,7 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ftjob import metrics as M
+from ftjob.actors import Fetch, call, tell
 from ftjob.memory.format import Flat, Layout, Snapshot, digest_all, pack
+from ftjob.memory.holder import HolderHandle, SnapshotHolder
 from ftjob.memory.nearest_copy import holder_errors
 from ftjob.memory.node_holders import BUFFERS_SUFFIX, PER_RANK_SUFFIX, split_per_rank
 from ftjob.memory.ring import Arena, Ring
@@ -43,15 +45,15 @@ class SnapshotWriter:
 
     def __init__(
         self,
-        holder: Any,
+        holder: HolderHandle | None,
         generation: int | None,
         rank: int,
         config: Any,  # checkpoint.memory
         copier: SnapshotCopy,
         metrics: M.MetricSet,
-        fetch: Callable[[Any], Any],
+        fetch: Fetch,
         log: Callable[[str], None],
-        holders: Callable[[], list[tuple[str, Any]]],
+        holders: Callable[[], list[tuple[str, HolderHandle]]],
     ) -> None:
         self.holder, self.generation, self.rank = holder, generation, rank
         self.cap_mb, self.keep, self.copier = config.max_mb, config.keep, copier
@@ -59,7 +61,7 @@ class SnapshotWriter:
         self.ring: Ring | bool | None = None  # None: not asked yet; False: snapshots are sent
         self._rings: dict[str, Ring | None] = {}  # this process's mappings, by address
         self.opened = False  # the last snapshot opened the holder's ring (set-up, once)
-        self.peers: list[tuple[str, Any]] = []  # rank 0: the holders its own part goes to
+        self.peers: list[tuple[str, HolderHandle]] = []  # rank 0: where its own part goes
         self._peers_at = -math.inf
 
     def write(self, step: int, staged: Staged, records: Callable[[], dict[str, Any]]) -> None:
@@ -113,8 +115,11 @@ class SnapshotWriter:
         """The holder's ring when this rank can write into it, else False (snapshots are sent):
         slots with room for the state and its skeletons, ``keep + 1`` of them."""
         slot_bytes = state_size + state_size // 8 + 2**20
+        if self.holder is None:  # this node has no holder: nothing to write into
+            return False
         try:
-            address = self.fetch(self.holder.channel.remote(slot_bytes, machine(), self.generation))
+            asked = (slot_bytes, machine(), self.generation)
+            address = self.fetch(call(self.holder, SnapshotHolder.channel, *asked))
         except holder_errors():
             return False
         ring = self.attach(address) if address else None
@@ -182,8 +187,10 @@ class SnapshotWriter:
                 return None
         snapshot = Snapshot.of(step, files)
         del states  # its arrays are views of the copy: the copy stays until the holder has it
+        if self.holder is None:
+            raise TierOff("this node has no snapshot holder")
         try:
-            answer = self.fetch(self.holder.put.remote(snapshot, self.generation))
+            answer = self.fetch(call(self.holder, SnapshotHolder.put, snapshot, self.generation))
         except holder_errors() as exc:  # the holder is gone (the run is ending): storage remains
             raise TierOff(
                 f"the snapshot holder did not answer ({type(exc).__name__}: {exc})"
@@ -215,7 +222,7 @@ class SnapshotWriter:
         part = Snapshot.of(step, pack(buffers, own))
         for _, peer in self.peers:
             try:
-                peer.put_part.remote(part, self.generation)
+                tell(peer, SnapshotHolder.put_part, part, self.generation)
             except holder_errors():
                 continue  # a peer gone with its node
 

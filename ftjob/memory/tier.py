@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ftjob import metrics as M
+from ftjob.actors import Fetch
 from ftjob.config import MemoryConfig
 from ftjob.memory.format import Buffer, Snapshot
 from ftjob.memory.nearest_copy import NearestCopy, holder_errors
@@ -69,7 +70,7 @@ class MemoryTier:
         config: MemoryConfig,
         rank: int,
         metrics: M.MetricSet,
-        fetch: Callable[[Any], Any],
+        fetch: Fetch,
         log: Callable[[str], None],
     ) -> None:
         self.holder = holder
