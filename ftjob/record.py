@@ -313,6 +313,16 @@ class Attempt(Record):
         """It ended by a notice or a planned resize, not by a failure."""
         return self.preemption is not None or self.resize is not None
 
+    @property
+    def continued_from(self) -> int | None:
+        """The step this attempt continued the run from: its restore's, 0 for a start from
+        scratch; None for one that stopped at its start (the run lost to another driver, a
+        fatal error found there) -- it restored nothing and trained nothing, so the run
+        still stands where the attempt before it left it."""
+        if self.restored is not None:
+            return self.restored.step
+        return 0 if self.first_step is not None else None
+
 
 # -- events -----------------------------------------------------------------------------------
 

@@ -16,12 +16,14 @@ from ftjob.reporting.run_summary import EpochAudit
 def _surviving_steps(snap: RunSnapshot) -> list[AuditStep]:
     """The audited steps the final model was trained on: steps an attempt trained past the
     checkpoint the next attempt restored were thrown away with that attempt (lost work)."""
-    restored = {a.index: a.restored.step if a.restored else 0 for a in snap.attempts}
-    last = max(restored) if restored else 0
+    # Where each attempt continued from; one that stopped at its start continued nothing,
+    # and the steps before it stand until an attempt that did continue.
+    restored = {a.index: s for a in snap.attempts if (s := a.continued_from) is not None}
     kept = []
     for entry in snap.audit:
         a, step = entry.attempt, entry.step
-        upper = restored.get(a + 1, float("inf")) if a < last else float("inf")
+        nxt = min((i for i in restored if i > a), default=None)
+        upper = restored[nxt] if nxt is not None else float("inf")
         if restored.get(a, 0) < step <= upper:
             kept.append(entry)
     return sorted(kept, key=lambda e: e.step)

@@ -106,6 +106,9 @@ def _recovery(
     """What recovering took, in the next attempt (``nxt``): its restart, restore, first step."""
     restored, first = nxt.restored, nxt.first_step
     restored_step = restored.step if restored else 0
+    # An attempt that stopped at its start (the run lost to another driver) recovered nothing
+    # here: what the failed one trained is the next driver's to restore, not lost.
+    continued = nxt.continued_from is not None
     download = restored.download if restored else 0.0
     load = restored.load if restored else 0.0
     skip = restored.skip if restored else 0.0
@@ -120,7 +123,7 @@ def _recovery(
         load_s=load,
         skip_s=skip,
         restoration_s=download + load + skip,
-        lost_steps=max(0, (attempt.max_step if attempt else 0) - restored_step),
+        lost_steps=max(0, (attempt.max_step if attempt else 0) - restored_step) if continued else 0,
         first_step_s=first.took if first else 0.0,
         time_to_recover_s=(first.time - t0) if first and t0 is not None else None,
         phases=_start_phases(snap, nxt.index, first),

@@ -597,3 +597,37 @@ def test_a_document_the_types_refuse_is_named_key_by_key():
         ".metrics.train/new_metric: no such key",
         ".status: 'fine' is no RunStatus",
     ]
+
+
+def test_an_attempt_that_stopped_at_its_start_neither_drops_nor_loses_the_steps_before_it():
+    """A driver that lost its run: its last attempt found the run held by another driver at its
+    start -- no restore, no step. The steps before it stand (the next driver restores them from
+    the just-in-time checkpoint or a snapshot): they are neither thrown out of the audit nor
+    counted as lost; and an attempt that died in its set-up before restoring does not cut off
+    the steps an attempt after it restored."""
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
+    train(ledger, a0, range(1, 4))
+    ledger.failure_noticed(4.0, {0: "PreemptionError: drained"})
+    ledger.begin_attempt(5.0)  # stopped at its start: the run is another driver's now
+    ledger.finish(9.0)
+    snap = ledger.snapshot()
+    assert [step for step, _ in audit_batches(snap)] == [1, 2, 3]
+    [failure] = failure_records(snap)
+    assert failure.lost_steps == 0 and not failure.recovered
+
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    ledger.first_step(a0, FirstStep(1, 1.0))
+    train(ledger, a0, range(1, 5))
+    ledger.failure_noticed(4.0, {0: "ActorDiedError: killed"})
+    ledger.begin_attempt(5.0)  # killed in its set-up, before it restored anything
+    ledger.failure_noticed(6.0, {0: "ActorDiedError: killed again"})
+    a2 = ledger.begin_attempt(7.0)
+    ledger.restored(a2, restored(3))
+    ledger.first_step(a2, FirstStep(4, 1.0))
+    train(ledger, a2, range(4, 6))
+    ledger.finish(9.0)
+    steps = [step for step, _ in audit_batches(ledger.snapshot())]
+    assert steps == [1, 2, 3, 4, 5]
