@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftjob.config import HangConfig, RestartLoopConfig, StragglerConfig
+from ftjob.policy.hang_rules import HANG, RankState, Stall, culprit, silent_after, timed_as
 from ftjob.record import (
     Attempt,
     Beat,
@@ -134,27 +135,9 @@ class SectionTimes:
         }
 
 
-@dataclass
-class RankState:
-    node_id: str
-    pid: int
-    section: str = "setup"
-    progress: float = 0.0  # ledger clock: when the rank last made progress
-    beat: float = 0.0  # ledger clock: its latest heartbeat
-    step: int = 0
-    io: int = -1  # storage requests completed, as of the latest heartbeat
-
-
-def _timed_as(rank: RankState) -> str:
-    """The section whose timeout applies. A validation before the attempt's first step -- one
-    a notice cut short, owed since the restore -- decodes its set cold (the validation cache
-    fills once training flows; on a node that just joined, its decode processes start first):
-    a stream's first window, timed as a data wait, not as the warm validations learned."""
-    return "data" if rank.section == "validation" and rank.step == 0 else rank.section
-
-
 class HangDetector:
-    """The ranks of the current attempt and their progress; one hang at most per attempt."""
+    """The ranks of the current attempt and their progress; one hang at most per attempt,
+    decided by :data:`~ftjob.policy.hang_rules.HANG` over the attempt's :class:`Stall`."""
 
     def __init__(self, policy: HangPolicy, times: SectionTimes) -> None:
         self.policy, self.times = policy, times
@@ -181,18 +164,15 @@ class HangDetector:
             state.progress = now  # a storage request completed: the section moves
         state.io = beat.io
 
-    def check(self, now: float) -> Hang | None:
-        """A hang record the first time the attempt is stalled, else None."""
-        if not self.policy.enabled or self.declared or not self.ranks:
-            return None
-        overdue = {}
-        timeouts = []
-        silent = 3 * self.policy.heartbeat_interval + 2.0
+    def stall(self, now: float) -> Stall:
+        """The attempt's ranks at ``now``, each timed by its section."""
+        silent = silent_after(self.policy.heartbeat_interval)
+        timeouts = {}
         for rank, s in self.ranks.items():
             # Every rank restores from storage; rank 0 alone writes checkpoints, the others
-            # wait for it (and are not blamed while it moves: the group rule below).
+            # wait for it (and are not blamed while it moves: the group rule).
             io = s.section == "restore" or (s.section == "checkpoint" and rank == 0)
-            timeout = self.times.timeout(_timed_as(s), io)
+            timeout = self.times.timeout(timed_as(s), io)
             if timeout is None:
                 continue
             if now - s.beat > silent:
@@ -200,30 +180,19 @@ class HangDetector:
                 # waiting for data, slow peers or storage (uploads run beside the heartbeat
                 # thread, which beats through them) -- the floor, not a learned wait, applies.
                 timeout = min(timeout, self.policy.min_timeout)
-            timeouts.append(timeout)
-            if now - s.progress > timeout:
-                overdue[rank] = timeout
-        newest = max(s.progress for s in self.ranks.values())
-        if not overdue or now - newest <= min(timeouts, default=0.0):
-            return None  # some rank still moves: the others are waiting for it
-        stopped = any(now - self.ranks[r].beat > silent for r in overdue)
-        if not stopped and any(
-            _timed_as(s) == "data" and r not in overdue for r, s in self.ranks.items()
-        ):
-            # A rank waits for its data within the time waits take: not a hang -- unless an
-            # overdue rank's heartbeats stopped: a stopped process is one, and the data split
-            # the ranks share can be what the waiting rank waits on (it feeds every rank).
+            timeouts[rank] = timeout
+        return Stall(now, self.ranks, timeouts, silent)
+
+    def check(self, now: float) -> Hang | None:
+        """A hang record the first time the attempt is stalled, else None."""
+        if not self.policy.enabled or self.declared or not self.ranks:
             return None
-
-        def suspicion(rank: int) -> tuple[bool, bool, float]:
-            s = self.ranks[rank]
-            # Stopped heartbeats first, then a rank stuck waiting for its data (the others
-            # wait for it in the all-reduce), then the one that stopped progressing first.
-            return (now - s.beat <= silent, _timed_as(s) != "data", s.progress)
-
-        rank = min(overdue, key=suspicion)
-        s = self.ranks[rank]
+        stall = self.stall(now)
+        if not HANG(stall):
+            return None
         self.declared = True
+        rank = culprit(stall)
+        s, timeout = self.ranks[rank], stall.overdue[rank]
         return Hang(
             time=now,
             attempt=self.attempt,
@@ -234,10 +203,10 @@ class HangDetector:
             step=s.step,
             stalled_since=s.progress,
             stalled_for_s=now - s.progress,
-            timeout_s=overdue[rank],
-            detection_latency_s=now - s.progress - overdue[rank],  # past the timeout
-            learned=self.policy.timeout is None and self.times.learned(_timed_as(s)),
-            heartbeats_stopped=now - s.beat > silent,
+            timeout_s=timeout,
+            detection_latency_s=now - s.progress - timeout,  # past the timeout
+            learned=self.policy.timeout is None and self.times.learned(timed_as(s)),
+            heartbeats_stopped=stall.stopped(rank),
             others={r: o.section for r, o in sorted(self.ranks.items()) if r != rank},
         )
 
