@@ -235,12 +235,13 @@ def check_sweep(composer: Composer, target: Target) -> Verdict:
     """A sweep preset is as good as its worst combination of swept values."""
     base = composer.compose(target, (), hydra=True)
     node = base.hydra.sweeper.get("params")
-    params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+    found = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+    params = {str(k): v for k, v in found.items()} if isinstance(found, dict) else {}
     if not params:
         return Verdict(
             target, ERROR, "hydra.sweeper.params: a sweep preset must list the values to sweep"
         )
-    values = sweep_values(params)  # type: ignore[arg-type]
+    values = sweep_values(params)
     combos = list(itertools.product(*values.values.values()))
     needs: list[str] = []
     for combo in combos:
@@ -252,7 +253,7 @@ def check_sweep(composer: Composer, target: Target) -> Verdict:
             return Verdict(target, ERROR, f"{detail} (with {' '.join(combo)})")
         if status == NEEDS and detail not in needs:
             needs.append(detail)
-    scope = f"{len(combos)} combination(s) of {' x '.join(str(k) for k in params)}"  # type: ignore[union-attr]
+    scope = f"{len(combos)} combination(s) of {' x '.join(params)}"
     if values.unlisted:
         scope += f"; not enumerated: {', '.join(values.unlisted)}"
     if needs:

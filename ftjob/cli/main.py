@@ -193,9 +193,8 @@ def _command_target(flags: dict[str, Any]) -> tuple[Composer, Target]:
     """The composer and the primary config a command composes (``--config-dir``/``-cn``)."""
     config_dir = flags.get("--config-dir") or flags.get("-cd")
     config_name = flags.get("--config-name") or flags.get("-cn") or PRIMARY_CONFIG
-    user_primary = bool(config_dir) and os.path.exists(
-        os.path.join(config_dir, f"{config_name}.yaml")
-    )
+    primary = os.path.join(config_dir, f"{config_name}.yaml") if config_dir else None
+    user_primary = primary is not None and os.path.exists(primary)
     target = Target("command line", config_name=config_name, user_primary=user_primary)
     return Composer(config_dir), target
 

@@ -224,11 +224,9 @@ def _starting_workers(job: JobConfig) -> tuple[int, str]:
     """How many workers the group needs to start, and the key that says so (an elastic group
     starts on as few as min_workers and waits for nothing more)."""
     t = job.trainer
-    return (
-        (t.min_workers, "trainer.min_workers")
-        if t.elastic
-        else (t.num_workers, "trainer.num_workers")
-    )
+    if t.elastic and t.min_workers is not None:  # elastic says it is set
+        return t.min_workers, "trainer.min_workers"
+    return t.num_workers, "trainer.num_workers"
 
 
 def _check_gpu_count(job: JobConfig, have: float, where: str = "the cluster has") -> None:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+from ftjob.actors import Actor, tell
 from ftjob.ray_internals import draining_nodes
 
 logger = logging.getLogger("ftjob.driver.drains")
@@ -93,10 +94,18 @@ class DrainRelay:
                 logger.warning("polling Ray for node drains failed; polling on", exc_info=True)
 
 
+class DrainWatch(Protocol):
+    """The run ledger's method the relay's hooks call (the ledger runs the relay)."""
+
+    def watch_drains(
+        self, interval: float, nodes: dict[str, list[int]], actors: dict[int, Any]
+    ) -> None: ...
+
+
 class _RelayHooks:
     """Tells the run ledger's :class:`DrainRelay` which workers run where, per worker group."""
 
-    def __init__(self, ledger: Any, interval_s: float) -> None:
+    def __init__(self, ledger: Actor[DrainWatch], interval_s: float) -> None:
         self.ledger, self.interval = ledger, interval_s
 
     def after_worker_group_start(self, worker_group: Any) -> None:
@@ -106,16 +115,16 @@ class _RelayHooks:
             rank = w.distributed_context.world_rank
             nodes.setdefault(w.metadata.node_id, []).append(rank)
             actors[rank] = w.actor
-        self.ledger.watch_drains.remote(self.interval, nodes, actors)
+        tell(self.ledger, DrainWatch.watch_drains, self.interval, nodes, actors)
 
     def before_worker_group_shutdown(self, worker_group: Any) -> None:
-        self.ledger.watch_drains.remote(self.interval, {}, {})
+        tell(self.ledger, DrainWatch.watch_drains, self.interval, {}, {})
 
     def after_worker_group_abort(self, worker_group_context: Any) -> None:
-        self.ledger.watch_drains.remote(self.interval, {}, {})
+        tell(self.ledger, DrainWatch.watch_drains, self.interval, {}, {})
 
 
-def drain_relay(ledger: Any, interval_s: float) -> Any:
+def drain_relay(ledger: Actor[DrainWatch], interval_s: float) -> Any:
     """The Ray Train callback that replaces its per-attempt PreemptionWatcher (with
     ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0``)."""
     from ftjob.ray_internals import WorkerGroupCallback

@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ftjob import actors
+from ftjob.actors import Actor, tell
 from ftjob.driver.held_record import HeldRecord
-from ftjob.driver.ledger import empty_snapshot
+from ftjob.driver.ledger import RunLedger, empty_snapshot
 from ftjob.record import Hang, RunSnapshot, StackCapture, Straggler
 from ftjob.reporting.loggers import LogFeed
 from ftjob.reporting.outputs import COMMIT_LINE, OutputsMirror
@@ -66,16 +68,14 @@ class StopSignal:
             signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
             self._installed = False
 
-    def done(self, ledger: Any, echo: Callable[[str], None]) -> bool:
+    def done(self, ledger: Actor[RunLedger], echo: Callable[[str], None]) -> bool:
         """Called every poll: True when the run should stop now."""
-        import ray
-
         if self.received is None:
             return False
-        if not ray.get(ledger.stop_requested.remote(), timeout=10):
+        if not actors.ask(ledger, RunLedger.stop_requested, 10):
             echo("SIGTERM: a preemption notice; committing a checkpoint of the current step")
-            ledger.request_stop.remote("SIGTERM", self.received)
-        latest = ray.get(ledger.latest_preemption.remote(), timeout=10)
+            tell(ledger, RunLedger.request_stop, "SIGTERM", self.received)
+        latest = actors.ask(ledger, RunLedger.latest_preemption, 10)
         checkpointed = latest is not None and latest.jit is not None
         return checkpointed or time.time() - self.received > self.wait_s
 
@@ -90,7 +90,7 @@ class Monitor:
 
     def __init__(
         self,
-        ledger: Any,
+        ledger: Actor[RunLedger],
         echo: Callable[[str], None],
         local: Any,
         keeper: LeaseKeeper,
@@ -133,13 +133,12 @@ class Monitor:
         """One round of duties. False when this driver lost its run to another driver."""
         import ray
 
-        if self.keeper.lost is not None:
-            self.echo(f"stopping: {self.keeper.lost}")
-            self.ask("lease lost", lambda: self.ledger.set_fatal.remote(self.keeper.lost))
+        ledger, lost = self.ledger, self.keeper.lost
+        if lost is not None:
+            self.echo(f"stopping: {lost}")
+            self.ask("lease lost", lambda: tell(ledger, RunLedger.set_fatal, lost))
             return False
-        polled = self.ask(
-            "progress", lambda: ray.get(self.ledger.poll.remote(self.cursor), timeout=10)
-        )
+        polled = self.ask("progress", lambda: actors.ask(ledger, RunLedger.poll, 10, self.cursor))
         lines: list[str] = []
         if polled is not None:
             lines, self.cursor = [self.clean(line) for line in polled[0]], polled[1]
@@ -153,15 +152,13 @@ class Monitor:
             self.outputs.request()  # a durable point: the mirror catches up, on its thread
         if self.feed.loggers:
             records = self.ask(
-                "loggers",
-                lambda: ray.get(self.ledger.log_feed.remote(self.feed.cursor), timeout=10),
+                "loggers", lambda: actors.ask(ledger, RunLedger.log_feed, 10, self.feed.cursor)
             )
             if records is not None:
                 self.feed.records(records)
             self.feed.events(lines, time.time())
         actions = self.ask(
-            "hang detection",
-            lambda: ray.get(self.ledger.check_watch.remote(time.time()), timeout=10),
+            "hang detection", lambda: actors.ask(ledger, RunLedger.check_watch, 10, time.time())
         )
         for action in actions or []:
             self._end_stalled(action)
@@ -169,7 +166,10 @@ class Monitor:
             answer = self.ask(
                 "node replacement",
                 lambda: ray.get(
-                    [self.ledger.snapshot_kills.remote(), self.ledger.steps_trained.remote()],
+                    [
+                        actors.call(ledger, RunLedger.snapshot_kills),
+                        actors.call(ledger, RunLedger.steps_trained),
+                    ],
                     timeout=10,
                 ),
             )
@@ -180,10 +180,8 @@ class Monitor:
 
     def pull(self, duty: str, timeout: float = 10) -> bool:
         """The ledger's record since the last pull, into the held record (and its file)."""
-        import ray
-
-        cursor = self.held.cursor
-        pulled = self.ask(duty, lambda: ray.get(self.ledger.pull.remote(cursor), timeout=timeout))
+        ledger, cursor = self.ledger, self.held.cursor
+        pulled = self.ask(duty, lambda: actors.ask(ledger, RunLedger.pull, timeout, cursor))
         if pulled is not None:
             self.held.take(pulled, time.time())
         return pulled is not None
@@ -213,4 +211,4 @@ class Monitor:
         except (ray.exceptions.RayError, TimeoutError) as exc:  # its node went meanwhile
             result = StackCapture(pid=action.pid or 0, error=f"{type(exc).__name__}: {exc}")
         if isinstance(action, Hang):
-            self.ledger.hang_handled.remote(action.time, result)
+            tell(self.ledger, RunLedger.hang_handled, action.time, result)

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.chaos.killer import node_chaos_targets
+from ftjob.actors import Actor, ask
+from ftjob.chaos.killer import KillerActor, node_chaos_targets
 from ftjob.config import RESUME_AUTO, ConfigError, JobConfig, JobError, to_plain
 from ftjob.config.compose import override_key
 from ftjob.config.secrets import Redactor
@@ -42,7 +43,7 @@ from ftjob.driver.cluster import (
     probe_cluster,
 )
 from ftjob.driver.held_record import HeldRecord
-from ftjob.driver.ledger import empty_snapshot
+from ftjob.driver.ledger import RunLedger, empty_snapshot
 from ftjob.driver.monitor import Monitor, StoppedDuringStartUp, StopSignal
 from ftjob.driver.ray_death import RayDeathWatch
 from ftjob.driver.resume import (
@@ -680,8 +681,6 @@ def _train_on_cluster(
     stopped: FitEnd | None = None  # where the driver stopped the run's training, if it did
     stop.stage = "starting the cluster"
     with cluster(job) as local, contextlib.ExitStack() as run_actors:
-        import ray
-
         stop.install()  # ray.init put its own SIGTERM handler in
         watch = run_actors.enter_context(ray_death_watch(job, local, ray_died))
         check_resources(job, echo)  # an existing cluster: waits ray.resources_timeout
@@ -712,7 +711,7 @@ def _train_on_cluster(
             echo("interrupted: stopping the run")
         finally:
             if killer is not None and watch.died is None:
-                monitor.ask("stopping chaos", lambda: ray.get(killer.stop.remote(), timeout=15))
+                monitor.ask("stopping chaos", lambda: ask(killer, KillerActor.stop, 15))
             if watch.died is None:
                 monitor.tick()
             snapshot = monitor.final_snapshot(watch.died)
@@ -788,7 +787,11 @@ def run_plan(job: JobConfig, prep: Prepared) -> RunPlan:
 
 
 def worker_spec(
-    job: JobConfig, prep: Prepared, ledger: Any, catalogs: dict[str, Any], memory: Any = None
+    job: JobConfig,
+    prep: Prepared,
+    ledger: Actor[RunLedger],
+    catalogs: dict[str, Any],
+    memory: Any = None,
 ) -> Any:
     """What every worker is handed (``catalogs``: the tables, or references to them;
     ``memory``: the memory tier's snapshot holder, when checkpoint.memory.enabled)."""
@@ -810,7 +813,9 @@ def worker_spec(
     )
 
 
-def _start_run_actors(job: JobConfig, prep: Prepared) -> tuple[Any, Any]:
+def _start_run_actors(
+    job: JobConfig, prep: Prepared
+) -> tuple[Actor[RunLedger], Actor[KillerActor] | None]:
     from ftjob.chaos.killer import start_killer
     from ftjob.driver.ledger import start_ledger
     from ftjob.policy.hang import WatchConfig
@@ -853,7 +858,7 @@ def ray_train_run(prep: Prepared) -> dict[str, str]:
     return {"name": prep.run.label, "storage_path": posixpath.join(prep.run_path, RAY_TRAIN_DIR)}
 
 
-def _fit(job: JobConfig, prep: Prepared, ledger: Any, holders: Any = None) -> object:
+def _fit(job: JobConfig, prep: Prepared, ledger: Actor[RunLedger], holders: Any = None) -> object:
     """Runs TorchTrainer.fit() (on a thread: the main thread services the local cluster)."""
     import ray
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import ray
 
+from ftjob.actors import Actor, ask, tell
+from ftjob.driver.ledger import RunLedger
 from ftjob.ray_internals import (
     ElasticScalingPolicy,
     NoopDecision,
@@ -61,7 +63,9 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, counting only reachable nodes, with a just-in-time
     checkpoint before a running group is resized (see the module docstring)."""
 
-    def __init__(self, scaling_config: Any, ledger: Any, grow_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, scaling_config: Any, ledger: Actor[RunLedger], grow_timeout_s: float = 120.0
+    ) -> None:
         super().__init__(scaling_config)
         self.ledger = ledger
         self.grow_timeout_s = grow_timeout_s
@@ -114,7 +118,7 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
             # Fewer placeable workers while the group runs: a node is dying under it, and the
             # failure it is about to cause restarts the group on what is left.
             return NoopDecision()
-        self.ledger.request_resize.remote(current, decision.num_workers, time.time())
+        tell(self.ledger, RunLedger.request_resize, current, decision.num_workers, time.time())
         self._pending = (decision.num_workers, time_monotonic())
         return NoopDecision()
 
@@ -122,13 +126,13 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
         assert self._pending is not None
         target, asked = self._pending
         try:
-            done = ray.get(self.ledger.resize_checkpointed.remote(), timeout=10)
+            done = ask(self.ledger, RunLedger.resize_checkpointed, 10)
         except ray.exceptions.RayError as exc:  # asked again at the next poll
             logger.warning("elastic: the run ledger did not answer: %s", exc)
             done = False
         if not done and time_monotonic() - asked < self.grow_timeout_s:
             # Again: a request made before this group's first step is cleared by its start.
-            self.ledger.request_resize.remote(current, target, time.time())
+            tell(self.ledger, RunLedger.request_resize, current, target, time.time())
             return NoopDecision()
         if not done:
             logger.warning(
@@ -140,12 +144,12 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
         # capacity may have gone again meanwhile; the same size still restarts the group).
         reserved = self._get_reserved_resources()
         placeable = self._count_possible_workers(reserved) if reserved is not None else target
-        self.ledger.resize_executed.remote(time.time())
+        tell(self.ledger, RunLedger.resize_executed, time.time())
         return self._get_resize_decision(max(self.scaling_config.min_workers, placeable))
 
 
 @contextlib.contextmanager
-def elastic_policy(ledger: Any, grow_timeout_s: float = 120.0) -> Iterator[None]:
+def elastic_policy(ledger: Actor[RunLedger], grow_timeout_s: float = 120.0) -> Iterator[None]:
     """While active, an elastic TorchTrainer.fit() runs :class:`FtjobElasticPolicy`."""
 
     def create(scaling_config: Any, ray_factory: Any) -> Any:

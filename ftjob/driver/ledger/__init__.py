@@ -19,6 +19,7 @@ import dataclasses
 import time
 from typing import Any
 
+from ftjob.actors import Actor, tell
 from ftjob.driver.drains import DrainRelay
 from ftjob.driver.ledger.attempts import Attempts
 from ftjob.driver.ledger.chaos import ChaosLog, chaos_view
@@ -328,7 +329,7 @@ def _conforms(ledger: RunLedger) -> WorkerLedger:
 class _FailureWatch:
     """Ray Train controller callback: tells the ledger when a worker failure is noticed."""
 
-    def __init__(self, ledger: Any) -> None:
+    def __init__(self, ledger: Actor[RunLedger]) -> None:
         self.ledger = ledger
 
     def _send_storage_stats(self, run_context: Any) -> None:
@@ -336,7 +337,7 @@ class _FailureWatch:
         handler = getattr(run_context.run_config.storage_filesystem, "handler", None)
         fs: Any = getattr(handler, "fs", None)
         if hasattr(fs, "snapshot_stats"):
-            self.ledger.storage_stats.remote("controller", fs.snapshot_stats().as_dict())
+            tell(self.ledger, RunLedger.storage_stats, "controller", fs.snapshot_stats().as_dict())
 
     def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
         self._send_storage_stats(run_context)
@@ -344,7 +345,7 @@ class _FailureWatch:
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self._send_storage_stats(run_context)
         errors = {int(rank): one_line(e) for rank, e in worker_exceptions.items()}
-        self.ledger.failure_noticed.remote(time.time(), errors)
+        tell(self.ledger, RunLedger.failure_noticed, time.time(), errors)
 
 
 def one_line(error: BaseException) -> str:
@@ -353,14 +354,14 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {shorten(text.splitlines()[-1], 300) if text else ''}"
 
 
-def failure_watch(ledger: Any) -> Any:
+def failure_watch(ledger: Actor[RunLedger]) -> Any:
     from ray.train import UserCallback
 
     cls = type("FailureWatch", (_FailureWatch, UserCallback), {})
     return cls(ledger)
 
 
-def start_ledger(plan: RunPlan, fail_at_steps: list[int], watch: WatchConfig) -> Any:
+def start_ledger(plan: RunPlan, fail_at_steps: list[int], watch: WatchConfig) -> Actor[RunLedger]:
     """Start the ledger actor on this (the driver's) node; it never moves off it."""
     from ftjob.placement import start_pinned_actor
 
