@@ -13,8 +13,9 @@ of decoding alone and of decoding with ftjob's crop, resize and flip, on one mac
                     a pipeline of the same files, decode + crop
 
 A decoder that is not installed (or fails to start) is skipped with its reason. TorchCodec's
-wheel is ~10 MB and travels with the working tree; DALI's (nvidia-dali-cuda130) is ~190 MB,
-more than a GPU machine without network can be sent: install it there first, or leave it.
+wheel is ~10 MB and can travel in the GPU check's site (benchmarks/gpu_site.sh with
+GPU_SITE_TORCHCODEC=1); DALI's (nvidia-dali-cuda130) is ~190 MB, more than the 64 MB a GPU
+machine without network can be sent with the working tree: there it is skipped, saying so.
 
     python benchmarks/gpu_decoders.py [--files 512] [--batch 128] [--repeats 3]
     python benchmarks/gpu_decoders.py --device cpu --files 16 --batch 8 --repeats 1   # dry run
@@ -190,7 +191,10 @@ def _torchcodec(tensors: list[torch.Tensor], device: torch.device) -> Any:
     try:
         import torchcodec.decoders as decoders
     except Exception as exc:  # noqa: BLE001 -- any failure to import is a reason to skip
-        return f"skipped: torchcodec not importable ({type(exc).__name__}: {exc})"
+        return (
+            f"skipped: torchcodec not importable ({type(exc).__name__}: {str(exc)[:150]}); "
+            "benchmarks/gpu_site.sh carries its wheel with GPU_SITE_TORCHCODEC=1"
+        )
     decode = getattr(decoders, "decode_jpeg", None)
     if decode is None:
         return f"skipped: torchcodec {getattr(decoders, '__name__', '')} has no decode_jpeg"
@@ -203,7 +207,11 @@ def _dali(files: list[bytes], batch: int, device: torch.device) -> Any:
     try:
         from nvidia.dali import fn, pipeline_def, types
     except Exception as exc:  # noqa: BLE001
-        return f"skipped: nvidia-dali not importable ({type(exc).__name__})"
+        return (
+            f"skipped: nvidia-dali not importable ({type(exc).__name__}); its wheel "
+            "(nvidia-dali-cuda130, ~190 MiB) is more than the 64 MiB a machine without network "
+            "is sent with the working tree"
+        )
     arrays = [np.frombuffer(f, dtype=np.uint8) for f in files]
 
     @pipeline_def(batch_size=batch, num_threads=min(8, os.cpu_count() or 1), device_id=0)

@@ -42,10 +42,12 @@ import numpy as np
 import torch
 import torchvision
 
-from ftjob.memory.format import Flat, copy_from_devices
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # ftjob from the checkout; the sibling benchmark
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from snapshot_cost import add_loop_arguments, blocking  # noqa: E402 -- a sibling benchmark
+
+from ftjob.memory.format import Flat, copy_from_devices  # noqa: E402
 
 
 def state() -> list[torch.Tensor]:
