@@ -89,3 +89,34 @@ def test_the_site_archive_is_written_where_git_ignores_it():
     )
     assert ignored.returncode == 0, ".gpu/ must be in .gitignore: the archive is carried, not kept"
     assert "tar -xJf .gpu/site.tar.xz -C /tmp/site" in SCRIPT.read_text()
+
+
+def test_the_chaos_parts_projection_is_the_summarys_own_model():
+    """gpu_job.py projects ETTR from summary.json's figures with the first-order model that
+    makes summary.json's goodput.predicted: at the run's own failures it gives that figure,
+    at a failure every 480 s what predict_ettr gives for it."""
+    import dataclasses
+
+    from ftjob.reporting.goodput import predict_ettr
+    from ftjob.reporting.run_summary import Buckets, Goodput
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_job import project
+
+    buckets = Buckets(
+        training=100.0, data_wait=10.0, checkpoint=4.0, detection=2.0, restart=15.0,
+        restore=0.5, setup=3.0, redone=1.0, startup=20.0, validation=2.0, shutdown=3.0,
+    )  # fmt: skip
+    wall = sum(buckets.seconds().values())
+    goodput = Goodput(wall_s=wall, ettr=0.6, buckets=buckets, memory_snapshot_s=2.0)
+    model = dict(checkpoints=10, failures=2, snapshots=300)
+    ran = predict_ettr(goodput, mtbf_s=60.0, max_failures=2, **model)
+    assert ran is not None
+    written = {"wall_s": wall, "buckets": buckets.seconds(), "predicted": dataclasses.asdict(ran)}
+    here = project(written, 60.0, expected=ran.expected_failures)
+    at_480 = predict_ettr(goodput, mtbf_s=480.0, max_failures=None, **model)
+    projected = project(written, 480.0)
+    assert here is not None and projected is not None and at_480 is not None
+    assert here[0] == pytest.approx(ran.ettr, rel=1e-12)
+    assert projected[0] == pytest.approx(at_480.ettr, rel=1e-12)
+    assert projected[0] < projected[1] < 1.0  # a long run amortises its start and its end
