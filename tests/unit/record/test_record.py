@@ -140,9 +140,17 @@ def test_a_just_in_time_checkpoint_without_a_notice_is_kept_not_lost():
 
 
 # The record past the ledger -- the driver's copy, summary.json and every record it is made
-# of, the verdict -- and the modules that build, write and read it.
+# of, the verdict -- and the modules that build, write and read it; and the calls that carry
+# records to and from the ledger's actor (ftjob.actors): the workers', the chaos killer's, the
+# elastic policy's and the drain relay's.
 RECORD_MODULES = (
     "ftjob.record",
+    "ftjob.driver.ledger",
+    "ftjob.worker.recorder",
+    "ftjob.chaos.killer",
+    "ftjob.chaos.schedule",
+    "ftjob.driver.scaling",
+    "ftjob.driver.drains",
     "ftjob.reporting.run_summary",
     "ftjob.reporting.summary",
     "ftjob.reporting.failures",
@@ -166,6 +174,9 @@ RECORD_MODULES = (
 # the experiment loggers (each backend's own object), a record class's field types.
 NOT_RECORDS = {
     "ftjob.record.field_types:return",
+    "ftjob.driver.ledger.RunLedger.watch_drains:actors",  # Ray Train's worker actors, by rank
+    "ftjob.driver.drains.DrainWatch.watch_drains:actors",
+    "ftjob.driver.drains.DrainRelay.watch:actors",
     "ftjob.reporting.loggers.runs_of:loggers",
     "ftjob.reporting.loggers.build_loggers:return",
     "ftjob.reporting.loggers.continued_loggers:storage",
