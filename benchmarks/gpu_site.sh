@@ -23,8 +23,9 @@
 # out unless asked for: a wheel of it is built against one torch release (its newest, 0.17, most
 # likely against a newer one than the machine's 2.11) and its core loads FFmpeg's libraries,
 # which the machine may lack; gpu_decoders.py says why where it does not import.
-# What is trimmed (nothing a run imports; tests/test_gpu_check.py and the CPU dry run of
-# gpu_check.sh check the imports against the trimmed tree): Ray's Java jars, dashboard web
+# What is trimmed (nothing a run imports: the check's env part imports every package and ftjob
+# module first, and its CPU dry run against the same trim for 3.11 -- benchmarks/README.md --
+# runs every part): Ray's Java jars, dashboard web
 # client, RLlib, Serve and its LLM pieces; pyarrow's C++ headers, Flight, the HDFS,
 # Azure, ORC, S3, GCS and Parquet-encryption bindings and its C++ tests; every package's tests/, __pycache__/, *.pyi and Cython
 # sources; the symbols of native libraries (strip --strip-unneeded keeps the dynamic ones that
