@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import hydra
@@ -13,9 +14,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ftjob.config import ConfigError, JobConfig, load_job
+from ftjob.config import ConfigError, JobConfig, JobError, load_job
 from ftjob.config.secrets import Redactor, guard_logging, redact_hydra_files, redactor_for
 from ftjob.driver.ledger import empty_snapshot
+from ftjob.driver.resume import ResumeError
 from ftjob.record import RunStatus
 from ftjob.reporting.outputs import (
     TRACEBACK_FILE,
@@ -26,6 +28,7 @@ from ftjob.reporting.outputs import (
 )
 from ftjob.reporting.summary import SUMMARY_FILE, read_summary, write_failed_summary
 from ftjob.reporting.sweep import redact_sweep_record
+from ftjob.storage.fs import StorageError
 
 if TYPE_CHECKING:
     from ftjob.driver.runner import RunResult
@@ -34,6 +37,32 @@ _failed_jobs: list[str] = []
 # A run that did not succeed: failed 1, interrupted (Ctrl-C) 130, preempted (SIGTERM) 143.
 ERROR_PREFIX = "ftjob: error: "  # the line a run that stops on an error ends with
 EXIT_CODES = {RunStatus.failed: 1, RunStatus.interrupted: 130, RunStatus.preempted: 143}
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How the command line ends a job that raised instead of returning a result: the status
+    its summary.json records, the exit code of a single run, and whether the error is the
+    user's to fix -- its one line, exit 2, no summary -- rather than a bug (summary.json and
+    the traceback in the run dir, exit 1). A sweep job is recorded and the sweep goes on."""
+
+    status: RunStatus
+    exit_code: int
+    bad_input: bool = False
+
+
+# A job that raised ends by the first row naming its exception's type.
+ENDINGS: tuple[tuple[tuple[type[BaseException], ...], Ending], ...] = (
+    ((KeyboardInterrupt,), Ending(RunStatus.interrupted, 130)),
+    ((ConfigError, JobError, StorageError, ResumeError), Ending(RunStatus.failed, 2, True)),
+    ((Exception,), Ending(RunStatus.failed, 1)),
+)
+
+
+def ending_of(exc: BaseException) -> Ending | None:
+    """The row of :data:`ENDINGS` that ends ``exc``; None: no job's to end (``SystemExit``,
+    a generator's exit), it goes on up."""
+    return next((ending for types, ending in ENDINGS if isinstance(exc, types)), None)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://ftjob.conf", config_name="config")
@@ -50,15 +79,11 @@ def _job(cfg: DictConfig) -> str:
         job = load_job(cfg)
         overrides = list(hc.overrides.task)
         result = runner.run(job, run_dir, overrides=overrides, redactor=redactor)
-    except KeyboardInterrupt:
-        _stop_on_ctrl_c(cfg, run_dir, redactor)
-    except Exception as exc:
-        bad_input = isinstance(
-            exc, (ConfigError, runner.JobError, runner.StorageError, runner.ResumeError)
-        )
-        if multirun:
-            return _record_failed_sweep_job(exc, bad_input, cfg, run_dir, redactor)
-        _stop_on_error(exc, bad_input, cfg, run_dir, redactor)
+    except BaseException as exc:
+        ending = ending_of(exc)
+        if ending is None:
+            raise
+        return end_job(exc, ending, cfg, run_dir, redactor, multirun)
     after_run(job, result, run_dir, redactor)
     if not result.ok:
         _failed_jobs.append(run_dir)
@@ -67,7 +92,24 @@ def _job(cfg: DictConfig) -> str:
     return result.status
 
 
-def _stop_on_ctrl_c(cfg: DictConfig, run_dir: str, redactor: Redactor) -> NoReturn:
+def end_job(
+    exc: BaseException,
+    ending: Ending,
+    cfg: object,
+    run_dir: str,
+    redactor: Redactor,
+    multirun: bool = False,
+) -> str:
+    """A job that raised ``exc``, ended as ``ending`` says: a single run exits (this returns
+    only for a sweep job, recorded as failed: the sweep's word for it)."""
+    if ending.status == RunStatus.interrupted:
+        _stop_on_ctrl_c(cfg, run_dir, redactor, ending.exit_code)
+    if multirun:
+        return _record_failed_sweep_job(exc, ending.bad_input, cfg, run_dir, redactor)
+    _stop_on_error(exc, ending, cfg, run_dir, redactor)
+
+
+def _stop_on_ctrl_c(cfg: object, run_dir: str, redactor: Redactor, code: int) -> NoReturn:
     """Ctrl-C that reached the Hydra task, not the runner (which keeps its own record of
     later ones): before the run started, or after it wrote its record."""
     written = os.path.join(run_dir, SUMMARY_FILE)
@@ -83,20 +125,20 @@ def _stop_on_ctrl_c(cfg: DictConfig, run_dir: str, redactor: Redactor) -> NoRetu
     interrupted = RunStatus.interrupted
     write_failed_summary(run_dir, error, cfg, empty_snapshot(), redactor, interrupted)
     print(f"ftjob: {error}", file=sys.stderr)
-    sys.exit(130)
+    sys.exit(code)
 
 
 def _stop_on_error(
-    exc: Exception, bad_input: bool, cfg: DictConfig, run_dir: str, redactor: Redactor
+    exc: BaseException, ending: Ending, cfg: object, run_dir: str, redactor: Redactor
 ) -> NoReturn:
-    """A single run that could not run: bad input exits 2 with its one line; a bug leaves its
+    """A single run that could not run: bad input exits with its one line; a bug leaves its
     record (summary.json with the error) and its traceback in the run dir, one line on the
-    console, and exits 1."""
-    if bad_input:
+    console, and exits."""
+    if ending.bad_input:
         line = f"{ERROR_PREFIX}{redactor.text(str(exc))}"
         print(line, file=sys.stderr)
         _close_mirror(run_dir, line)  # refused after its copy started (a logger's run id)
-        sys.exit(2)
+        sys.exit(ending.exit_code)
     trace = os.path.join(run_dir, TRACEBACK_FILE)
     text = redactor.text(traceback.format_exc())
     with open(trace, "w") as f:
@@ -106,7 +148,7 @@ def _stop_on_error(
     line = f"{ERROR_PREFIX}{error} (unexpected: traceback in {trace})"
     print(line, file=sys.stderr)
     _close_mirror(run_dir, f"{line}\n{text.rstrip()}")
-    sys.exit(1)
+    sys.exit(ending.exit_code)
 
 
 def after_run(job: JobConfig, result: RunResult, run_dir: str, redactor: Redactor) -> None:
@@ -140,7 +182,7 @@ def _close_mirror(run_dir: str, last_line: str | None) -> None:
 
 
 def _record_failed_sweep_job(
-    exc: Exception, bad_input: bool, cfg: DictConfig, run_dir: str, redactor: Redactor
+    exc: BaseException, bad_input: bool, cfg: object, run_dir: str, redactor: Redactor
 ) -> str:
     """A sweep goes on (Hydra would skip the sweep report if a job raised): the job is
     recorded as failed and reported with the others."""

@@ -11,10 +11,13 @@ import pytest
 
 from ftjob.cli import app
 from ftjob.cli.report import main as report
-from ftjob.config import RetryConfig, to_plain
+from ftjob.config import ConfigError, JobError, RetryConfig, to_plain
 from ftjob.config.secrets import Redactor
 from ftjob.driver import runner
+from ftjob.driver.resume import ResumeError
+from ftjob.record import RunStatus
 from ftjob.reporting.outputs import finished_run_outputs
+from ftjob.storage.fs import StorageError
 from tests.support.jobs import compose_job
 from tests.unit.driver.test_resume import finished_digits_run
 
@@ -34,7 +37,7 @@ def test_a_driver_stopped_by_a_bug_copies_its_traceback_and_last_line_to_storage
         try:  # what the Hydra task does around the runner
             runner.run(job, str(run_dir), echo=lambda line: None, redactor=redactor)
         except RuntimeError as exc:
-            app._stop_on_error(exc, False, to_plain(job), str(run_dir), redactor)
+            app.end_job(exc, app.Ending(RunStatus.failed, 1), to_plain(job), str(run_dir), redactor)
     assert stopped.value.code == 1
     outputs = storage / "crash" / "outputs"
     assert f"ftjob: outputs: file://{outputs} (a copy, traceback included)" in (
@@ -108,3 +111,63 @@ def test_a_driver_that_learns_at_its_start_that_another_holds_the_run_fails_and_
     # Its lease is not released: another driver's, as far as this one knows.
     [generation] = (storage / "deposed" / "lease").iterdir()
     assert "released" not in json.loads(generation.read_text())
+
+
+def test_a_job_that_raised_ends_by_the_first_row_of_the_table_naming_its_type():
+    interrupted, bad_input, bug = (ending for _, ending in app.ENDINGS)
+    assert app.ending_of(KeyboardInterrupt()) == interrupted
+    assert (interrupted.status, interrupted.exit_code) == (RunStatus.interrupted, 130)
+    for exc in (
+        ConfigError("trainer.num_workers", 0, "must be >= 1"),
+        JobError("the run is held by another driver"),
+        StorageError("s3://bucket: access denied"),
+        ResumeError("no run named x"),
+    ):
+        assert app.ending_of(exc) == bad_input
+    assert (bad_input.status, bad_input.exit_code, bad_input.bad_input) == (
+        RunStatus.failed,
+        2,
+        True,
+    )
+    assert app.ending_of(RuntimeError("a bug")) == bug == app.Ending(RunStatus.failed, 1)
+    assert app.ending_of(SystemExit(0)) is None  # not a job's to end: it goes on up
+
+
+def _ended(exc: BaseException, run_dir: Path, multirun: bool = False) -> object:
+    ending = app.ending_of(exc)
+    assert ending is not None
+    try:
+        raise exc  # ended as the Hydra task ends it: inside its except block
+    except BaseException as raised:
+        try:
+            return app.end_job(raised, ending, {"name": "x"}, str(run_dir), Redactor(), multirun)
+        except SystemExit as stopped:
+            return stopped.code
+
+
+def test_bad_input_exits_2_with_its_line_and_a_bug_1_with_its_record_and_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _ended(ConfigError("trainer.num_workers", 0, "must be >= 1"), tmp_path / "a") == 2
+    assert capsys.readouterr().err.startswith("ftjob: error: trainer.num_workers=0")
+    assert not (tmp_path / "a" / "summary.json").exists()  # nothing ran: the line says it all
+    (tmp_path / "b").mkdir()
+    assert _ended(RuntimeError("a bug"), tmp_path / "b") == 1
+    assert "ftjob: error: RuntimeError: a bug (unexpected: traceback in" in capsys.readouterr().err
+    assert "RuntimeError: a bug" in (tmp_path / "b" / "traceback.txt").read_text()
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert (summary["status"], summary["error"]) == ("failed", "RuntimeError: a bug")
+
+
+def test_ctrl_c_before_the_run_exits_130_and_a_sweep_job_that_raised_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(app, "_failed_jobs", [])
+    (tmp_path / "c").mkdir()
+    assert _ended(KeyboardInterrupt(), tmp_path / "c") == 130
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["status"] == "interrupted"
+    (tmp_path / "d").mkdir()
+    assert _ended(StorageError("s3://b: denied"), tmp_path / "d", multirun=True) == "failed"
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert (summary["status"], summary["error"]) == ("failed", "StorageError: s3://b: denied")
+    assert app._failed_jobs == [str(tmp_path / "d")]  # the sweep's exit code counts it
