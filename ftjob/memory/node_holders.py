@@ -21,8 +21,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ftjob.memory.cluster import LocalHolders, RunHolders
+from ftjob.memory.cluster import HolderDirectory, LocalHolders, RunHolders
 from ftjob.memory.format import Buffer, unpack
+from ftjob.memory.holder import HolderHandle
 
 PER_RANK_KEYS = ("metrics", "time")  # of a record: what its writer's rank alone has
 PER_RANK_SUFFIX = "#rank"
@@ -38,28 +39,28 @@ class NodeHolders:
     generation of its driver, which its every write to a holder carries (None: the run has no
     lease; :mod:`ftjob.memory.fence`)."""
 
-    directory: Any
+    directory: HolderDirectory | None
     node: str
     writes: bool
     generation: int | None = None
 
-    def local(self) -> Any:
+    def local(self) -> HolderHandle | None:
         return self.directory.local(self.node) if self.directory is not None else None
 
-    def peers(self) -> list[tuple[str, Any]]:
+    def peers(self) -> list[tuple[str, HolderHandle]]:
         return self.directory.peers(self.node) if self.directory is not None else []
 
 
 class _One:
     """A directory of one holder, which every rank calls its own (one machine; tests)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: HolderHandle) -> None:
         self.handle = handle
 
-    def local(self, node_id: str) -> Any:
+    def local(self, node_id: str) -> HolderHandle:
         return self.handle
 
-    def peers(self, node_id: str) -> list[tuple[str, Any]]:
+    def peers(self, node_id: str) -> list[tuple[str, HolderHandle]]:
         return []
 
 
