@@ -224,6 +224,21 @@ def test_the_size_report_names_the_largest_what_is_past_the_review_sizes_and_sta
     assert grown(found | {"m:class C": 41}, listed) == ["m:class C: 41 lines, listed 40"]
 
 
+def test_a_type_ignore_names_its_error_and_says_why():
+    """The type checker is told to look away only with the error it would report and, on the
+    same line, why it cannot see what is there (``# type: ignore[code]  # why``)."""
+    import re
+
+    said = re.compile(r"# type: ignore\[[a-z-]+(, [a-z-]+)*\]  # \S")
+    silent = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "type: ignore" in line and not said.search(line)
+    ]
+    assert not silent, f"say which error and why: {silent}"
+
+
 def test_no_import_cycle_between_ftjob_modules():
     known = modules()
     graph = {name: (imports(tree) & set(known)) - {name, "ftjob"} for name, tree in known.items()}

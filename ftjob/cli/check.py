@@ -34,7 +34,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftjob.cli.check_data import check_data
-from ftjob.config import TARGET_GROUPS, ConfigError, check_group_target, load_job, register_schema
+from ftjob.config import (
+    TARGET_GROUPS,
+    ConfigError,
+    check_group_target,
+    load_job,
+    plain_mapping,
+    register_schema,
+)
 from ftjob.config import check_target as config_check_target
 from ftjob.config.compose import CONFIG_MODULE, JOB, SWEEP, Composer, Target, sweep_values
 
@@ -193,11 +200,11 @@ def validate_node(cfg: DictConfig, key: str) -> tuple[str, str]:
     missing = fill_missing(cfg, node)
     try:
         if "_target_" in node:
-            plain = OmegaConf.to_container(node, resolve=False)
+            plain = plain_mapping(node)
             if key in TARGET_GROUPS:
-                check_group_target(plain, key)  # type: ignore[arg-type]
+                check_group_target(plain, key)
             else:
-                config_check_target(plain, key)  # type: ignore[arg-type]
+                config_check_target(plain, key)
         else:
             OmegaConf.to_object(node)  # runs the group dataclass's __post_init__ rules
     except ConfigError as exc:
@@ -234,9 +241,7 @@ def check_target(composer: Composer, target: Target) -> Verdict:
 def check_sweep(composer: Composer, target: Target) -> Verdict:
     """A sweep preset is as good as its worst combination of swept values."""
     base = composer.compose(target, (), hydra=True)
-    node = base.hydra.sweeper.get("params")
-    found = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
-    params = {str(k): v for k, v in found.items()} if isinstance(found, dict) else {}
+    params = plain_mapping(base.hydra.sweeper.get("params"))
     if not params:
         return Verdict(
             target, ERROR, "hydra.sweeper.params: a sweep preset must list the values to sweep"

@@ -50,7 +50,7 @@ class BadEntry:
 
 def _check_chunk(dataset: ImageDataset, split: str, paths: list[str]) -> list[BadEntry]:
     """In a pool process: the bad files among ``paths``."""
-    check = dataset.check_file  # type: ignore[attr-defined]
+    check = dataset.check_file  # type: ignore[attr-defined]  # check_data sends only those with one
     out = []
     for path in paths:
         reason = check(path)

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 import ftjob
 from ftjob.cli.show_config import KINDS, config_text
-from ftjob.config import ConfigError, load_job, register_schema
+from ftjob.config import ConfigError, load_job, plain_mapping, register_schema
 from ftjob.config.compose import (
     PRIMARY_CONFIG,
     Composer,
@@ -250,9 +250,7 @@ def precheck(argv: list[str]) -> DictConfig | None:
     multirun = "-m" in flags or "--multirun" in flags or cfg.hydra.mode == RunMode.MULTIRUN
     check_output_dir(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
     if multirun:
-        node = cfg.hydra.sweeper.get("params")
-        params = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else {}
-        swept = sweep_values(params, overrides)  # type: ignore[arg-type]
+        swept = sweep_values(plain_mapping(cfg.hydra.sweeper.get("params")), overrides)
         for key, values in swept.values.items():
             for value in values[1:]:  # the first value is in the combination checked above
                 _checked(composer, target, [o for o in first if override_key(o) != key] + [value])

@@ -17,7 +17,8 @@ Modules, each importing only those above it in this list:
   (``ray``), :mod:`~ftjob.config.logger`
 - :mod:`~ftjob.config.job`: JobConfig, the whole job and the rules that span groups
 - :mod:`~ftjob.config.targets`: ``_target_`` nodes imported and bound to their signatures
-- :mod:`~ftjob.config.load`: load_job (composed config -> JobConfig), to_plain, register_schema
+- :mod:`~ftjob.config.load`: load_job (composed config -> JobConfig), to_plain, plain_mapping,
+  register_schema
 
 This module re-exports the names the rest of the package uses.
 """
@@ -50,7 +51,7 @@ from ftjob.config.failure import (
 )
 from ftjob.config.job import RESUME_AUTO, JobConfig, resume_value
 from ftjob.config.legacy import RENAMED_FAILURE_KEYS, say_deprecated
-from ftjob.config.load import load_job, register_schema, to_plain
+from ftjob.config.load import load_job, plain_mapping, register_schema, to_plain
 from ftjob.config.logger import LOGGER_BACKENDS, LoggerConfig, WandbMode
 from ftjob.config.names import RUN_NAME, validate_run_name
 from ftjob.config.rules import ConfigError, JobError, refuse_non_finite
@@ -110,6 +111,7 @@ __all__ = [
     "register_schema",
     "resume_value",
     "say_deprecated",
+    "plain_mapping",
     "to_plain",
     "validate_run_name",
 ]

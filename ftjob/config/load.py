@@ -110,6 +110,13 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
+def plain_mapping(node: object) -> dict[str, Any]:
+    """An OmegaConf mapping (a group's node, a sweeper's ``params``) as a plain dict of str
+    keys, interpolations unresolved; ``{}`` for anything else (None, a list, a value)."""
+    plain = OmegaConf.to_container(node, resolve=False) if isinstance(node, DictConfig) else None
+    return {str(k): v for k, v in plain.items()} if isinstance(plain, dict) else {}
+
+
 def register_schema() -> None:
     """Register the schema so conf/config.yaml can extend it (defaults: - ftjob_schema)."""
     from hydra.core.config_store import ConfigStore

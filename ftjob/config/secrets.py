@@ -452,5 +452,5 @@ def guard_logging(redactor: Redactor) -> None:
         _GUARD.filter(record)
         return record
 
-    guarded.ftjob_guard = True  # type: ignore[attr-defined]
+    guarded.ftjob_guard = True  # type: ignore[attr-defined]  # a mark on the function object
     logging.setLogRecordFactory(guarded)

@@ -191,7 +191,10 @@ class DeviceDecoder:
         decoded = self._decode_rows(p, on_device)
         kept = [k for k in on_device if decoded.get(k) is not None]
         with self._timed(M.DATA_AUGMENT):
-            made = resample([decoded[k] for k in kept], [p.geoms[k] for k in kept], self.device)  # type: ignore[misc]
+            geoms = [
+                g for k in kept if (g := p.geoms[k]) is not None
+            ]  # each row on the device has one
+            made = resample([decoded[k] for k in kept], geoms, self.device)
             if made is not None:
                 images[self._at(kept, start)] = made
         cpu = [k for k in rows if k in p.cpu and not p.skipped[k]]

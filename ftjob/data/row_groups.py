@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
@@ -106,7 +107,7 @@ def group_images(
     out = {}
     for key in wanted:
         held, rows = held_as(key)
-        out[key] = cache.get(held, rows, lambda key=key: read(*key))  # type: ignore[misc]
+        out[key] = cache.get(held, rows, functools.partial(read, *key))
     return out
 
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ftjob import metrics as M
 from ftjob.config.compose import parse_overrides, sweep_values
+from ftjob.config.load import plain_mapping
 from ftjob.config.secrets import Redactor, redact_yaml
 from ftjob.reporting.goodput import write_goodput_plot
 from ftjob.reporting.summary import SUMMARY_FILE
@@ -214,9 +215,9 @@ def declared_sweep_keys(sweep_dir: str) -> list[str]:
 
     try:
         hydra_cfg = OmegaConf.load(path).hydra
-        params = OmegaConf.to_container(hydra_cfg.sweeper.get("params") or {}, resolve=False)
+        params = plain_mapping(hydra_cfg.sweeper.get("params"))
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
-        values = sweep_values(params, [str(o) for o in task])  # type: ignore[arg-type, union-attr]
+        values = sweep_values(params, [str(o) for o in task] if isinstance(task, list) else [])
     except Exception as exc:  # an unusual sweeper: fall back to the keys that vary
         logger.debug("cannot read the swept keys from %s: %s", path, exc)
         return []

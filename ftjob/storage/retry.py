@@ -148,7 +148,7 @@ class RetryPolicy:
         return {"config": self.config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["config"])  # type: ignore[misc]
+        RetryPolicy.__init__(self, state["config"])
 
     def call(
         self,

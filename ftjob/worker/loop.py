@@ -174,7 +174,7 @@ class Worker:
         self.notices = self.restored = self.val_set = self.feeder = None
         self.first_step_done = False
         self._wait_start = time.perf_counter()
-        self.beat = self.checkpointer = self.validator = None  # type: ignore[assignment]
+        self.beat = self.checkpointer = self.validator = None  # type: ignore[assignment]  # set in _start
 
     # -- the attempt, top to bottom --------------------------------------------------------
 

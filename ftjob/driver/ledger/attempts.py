@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from ftjob.record import (
     Attempt,
@@ -36,8 +37,8 @@ class Attempts:
     def __getitem__(self, index: int) -> Attempt:
         return self.records[index]
 
-    def _update(self, index: int, **changes: object) -> Attempt:
-        self.records[index] = dataclasses.replace(self.records[index], **changes)  # type: ignore[arg-type]
+    def _update(self, index: int, **changes: Any) -> Attempt:  # Attempt's fields: replace checks
+        self.records[index] = dataclasses.replace(self.records[index], **changes)
         return self.records[index]
 
     def begin(self, now: float, world: int | None) -> int:
