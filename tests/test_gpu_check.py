@@ -84,10 +84,8 @@ def test_every_benchmark_named_exists_and_takes_the_flags_it_is_given():
 def test_the_site_archive_is_written_where_git_ignores_it():
     site = (REPO / "benchmarks" / "gpu_site.sh").read_text()
     assert "OUT_TAR=${GPU_SITE_OUT:-.gpu/site.tar.xz}" in site
-    ignored = subprocess.run(
-        ["git", "check-ignore", "-q", ".gpu/site.tar.xz"], cwd=REPO, check=False
-    )
-    assert ignored.returncode == 0, ".gpu/ must be in .gitignore: the archive is carried, not kept"
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert ".gpu/" in ignored, ".gpu/ must be in .gitignore: the archive is carried, not kept"
     assert "tar -xJf .gpu/site.tar.xz -C /tmp/site" in SCRIPT.read_text()
 
 
