@@ -108,7 +108,7 @@ def run(overrides: list[str], seed: int, extra: list[str]) -> dict[str, Any]:
         result = runner.run(job, run_dir, echo=lambda line: None)
     if not result.ok:
         raise RuntimeError(f"run failed: {result.error}")
-    return result.summary
+    return result.summary.document()  # the summary.json form
 
 
 def run_raytrain(seed: int) -> list[dict[str, Any]]:

@@ -473,7 +473,8 @@ def ftjob(w: Workload, decode_in: str = "auto") -> Rate:
         result = runner.run(job, run_dir, echo=lambda line: None)
     if not result.ok:
         raise RuntimeError(f"ftjob run failed: {result.error}")
-    timing, metrics = result.summary["timing"], result.summary["metrics"]
+    summary = result.summary.document()  # the summary.json form
+    timing, metrics = summary["timing"], summary["metrics"]
     rows = metrics["train/rows_processed"]
     first, end = timing["first_step"], timing["finished"]
     return _rate(rows - w.global_batch, rows, began, first, end, timing["workers_started"])
