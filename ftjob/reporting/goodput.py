@@ -93,6 +93,21 @@ def _redone(failure: FailureRecord, per_step: float) -> float:
     return lost if window is None else min(lost, finite(window))
 
 
+def _count_once(buckets: dict[str, float], wall_s: float) -> None:
+    """Buckets that overlap give the overlap back, so that none is negative and all sum to the
+    wall clock. What can overlap: steps a dying attempt trained after its failure's origin
+    that a memory snapshot kept -- the restore brings their timers back, so they are training,
+    and they lie in detection's window (origin to noticed) too. They count once, as training:
+    the overlap comes out of detection first, then out of setup."""
+    overlap = sum(buckets.values()) - wall_s
+    for name in ("detection", "setup"):
+        if overlap <= 0:
+            return
+        taken = min(overlap, buckets[name])
+        buckets[name] -= taken
+        overlap -= taken
+
+
 def goodput(
     *,
     wall_s: float,
@@ -139,6 +154,7 @@ def goodput(
         "resize": _planned_resizes(resizes),
         "shutdown": max(0.0, end - finished) if finished else 0.0,
     }
+    _count_once(buckets, wall_s)
     buckets["other"] = wall_s - sum(buckets.values())
     return Goodput(
         wall_s=wall_s,

@@ -3,6 +3,7 @@ first-order model of ETTR against the checkpoint interval, and the auto interval
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -355,3 +356,33 @@ def test_an_attempt_that_died_starting_up_leaves_start_up_before_its_failure():
     assert b.startup == pytest.approx(15.0)  # to the kill; then its recovery's buckets
     assert (b.detection, b.restart, b.setup) == pytest.approx((1.0, 3.0, 4.0))
     assert summary.timing.first_step == 24.0
+
+
+def test_steps_a_killed_node_trained_that_a_memory_snapshot_kept_are_counted_once():
+    # 1 s a step. Steps 1-7 (12-19 s); the node is killed at 19 s, its workers live on to
+    # train steps 8-9 (19-21 s) and a memory snapshot keeps them; noticed at 21.5 s. The
+    # restart (24 s) restores step 9 and trains step 10 (24-25 s); the driver ends at 29 s.
+    # Nothing is redone, and steps 8-9 are training (the snapshot's timers hold them) -- not
+    # detection too, which left other at -2 s.
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(10.0)
+    ledger.first_step(a0, FirstStep(1, 13.0, 1.0))
+    train(ledger, a0, range(1, 8), audit=False)
+    ledger.kill(Kill(19.0, "node", KillTarget("n1", ranks=(1,)), a0))
+    train(ledger, a0, range(8, 10), audit=False)
+    ledger.confirm_kill(19.0, True)
+    ledger.failure_noticed(21.5, {1: "ActorDiedError"})
+    a1 = ledger.begin_attempt(24.0)
+    ledger.restored(a1, dataclasses.replace(restored(9), download=0.0, load=0.0, skip=0.0))
+    ledger.first_step(a1, FirstStep(10, 25.0, 1.0))
+    train(ledger, a1, range(10, 11), audit=False)
+    timers = {M.TRAIN_STEP: 10.0, M.TRAIN_STEPS_COMPLETED: 10}
+    progress = Progress(10, 0, 1, 10, loss=1.0, throughput=1.0, lr=0.01)
+    ledger.progress_update(a1, progress, timers)
+    ledger.finish(25.0)
+    g = accounted(ledger, wall_s=29.0).goodput
+    assert_every_second_once(g, 29.0)
+    b = g.buckets
+    assert (b.startup, b.training, b.restart, b.shutdown, b.redone) == (12.0, 10.0, 2.5, 4.0, 0.0)
+    assert b.detection == pytest.approx(0.5)  # 2.5 s, less the 2 s trained in them
+    assert b.other == pytest.approx(0.0, abs=1e-9)
