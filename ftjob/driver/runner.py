@@ -627,7 +627,9 @@ def settle_latest(
     continues from the one it restored (``restored_step``)."""
     try:
         newest = next(iter(store.committed_steps()), -1)  # the run's order: what restores
-    except StorageError as exc:
+    except Exception as exc:  # retries spent re-raise the client's own error: not only ours
+        if not is_storage_error(exc):
+            raise
         echo(f"warning: could not list the checkpoints after the stop ({exc})")
         return record
     known = store.step_of(record.latest) if record.latest else None

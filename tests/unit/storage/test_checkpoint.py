@@ -952,3 +952,33 @@ def test_a_stopped_runs_summary_names_the_checkpoint_committed_while_it_stopped(
     resumed = settle_latest(CheckpointsSection(), store, lines.append, restored_step=30)
     assert resumed == CheckpointsSection(latest=store.path_for(30), committed=0)
     assert len(lines) == 2
+
+
+def test_a_failed_runs_summary_survives_storage_that_is_down_at_its_end(
+    storage: tuple[AbstractFileSystem, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retries spent re-raise the client's own error (here a ConnectionError, as an outage
+    gives): the summary keeps what the record holds and says why it could not look; a bug
+    (not a storage error) still surfaces."""
+    from ftjob.driver.runner import settle_latest
+    from ftjob.reporting.run_summary import CheckpointsSection
+
+    store = committed_store(storage, tmp_path, [10, 20])
+    record = CheckpointsSection(latest=store.path_for(20), committed=2)
+    lines: list[str] = []
+
+    def outage() -> list[int]:
+        raise ConnectionError("Connection refused")
+
+    monkeypatch.setattr(store, "committed_steps", outage)
+    assert settle_latest(record, store, lines.append) == record
+    assert lines == [
+        "warning: could not list the checkpoints after the stop (Connection refused)"
+    ]
+
+    def bug() -> list[int]:
+        raise KeyError("step")
+
+    monkeypatch.setattr(store, "committed_steps", bug)
+    with pytest.raises(KeyError):
+        settle_latest(record, store, lines.append)
