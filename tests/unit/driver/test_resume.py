@@ -4,6 +4,7 @@ run may change (no Ray: a committed checkpoint written by hand)."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -350,6 +351,35 @@ def test_a_finished_run_rerun_with_resume_auto_succeeds_without_training(
     command, _ = resume_command(["+experiment=digits_ft", "resume=auto", "name=done"], prep)
     assert command.startswith("python -m ftjob +experiment=digits_ft name=done resume=true ")
     assert "resume=auto" not in command
+
+
+def test_resume_auto_decides_again_when_the_driver_it_waited_out_committed_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """resume=auto found no committed checkpoint ("starting it"), then waited out the lease of
+    a frozen driver whose workers still trained and committed step 44: the run continues from
+    that checkpoint, checked as any continued run -- never a fresh start whose workers would
+    restore it unchecked."""
+    committed = finished_digits_run(tmp_path / "was", "resume=auto", "trainer.epochs=3")
+    storage = tmp_path / "storage"
+    rerun = replace(committed, checkpoint=replace(committed.checkpoint, storage_path=str(storage)))
+    taken = RunLease.acquire
+    waited: list[int] = []
+
+    def wait_out(lease: RunLease) -> str | None:
+        if not waited:  # the first take: the frozen driver's workers commit while it waits
+            shutil.copytree(tmp_path / "was" / "storage" / "done", storage / "done", dirs_exist_ok=True)
+        waited.append(1)
+        return taken(lease)
+
+    monkeypatch.setattr(RunLease, "acquire", wait_out)
+    prep = prepare(rerun, str(tmp_path / "run"))
+    where = prep.fs.unstrip_protocol(prep.run_path)
+    assert len(waited) == 2 and prep.continues and prep.finished is None
+    assert prep.notes[0] == (
+        f"resume=auto: run 'done' has a committed checkpoint at step 44 in {where}: continuing it"
+    )
+    prep.lease.release()
 
 
 # -- what a resume may change: refused, or honoured and said (docs/fault-tolerance.md) ---------
