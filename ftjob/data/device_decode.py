@@ -264,10 +264,13 @@ class DeviceDecoder:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         try:
-            return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=self.device))
+            with _no_fill():
+                return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=self.device))
         except torch.OutOfMemoryError:
             raise
-        except RuntimeError:
+        except RuntimeError as exc:
+            if device_failed(exc):  # not the files': never a fallback that changes pixels
+                raise
             if len(blobs) == 1:
                 return [None]
             half = len(blobs) // 2
@@ -275,6 +278,49 @@ class DeviceDecoder:
 
     def _timed(self, key: str) -> Any:
         return StageTimer(self.clock, key, self.stream if self.cuda else None)
+
+
+# torchvision re-raises every failure of the batched GPU decoder as one RuntimeError ("Error
+# while decoding JPEG images: ..."): these say the device failed, not the files. Taken for a
+# bad file, they would send whole batches to the CPU decoder, slower and with other pixels,
+# as memory pressure happens to fall -- in exact mode a killed run would train on others.
+DEVICE_FAILURES = (
+    "out of memory",
+    "ALLOCATOR_FAILURE",
+    "EXECUTION_FAILED",
+    "INTERNAL_ERROR",
+    "ARCH_MISMATCH",
+    "CUDA error",
+    "Failed to synchronize",
+)
+
+
+def device_failed(exc: BaseException) -> bool:
+    """Did the decoder's device fail (its memory, a kernel), rather than the batch's files?"""
+    text = str(exc)
+    return any(marker.lower() in text.lower() for marker in DEVICE_FAILURES)
+
+
+_FILL = "fill_uninitialized_memory"  # a property of the module's object; torch's stubs omit it
+
+
+class _no_fill:
+    """Off for the batched decode: deterministic mode fills every new tensor
+    (``torch.utils.deterministic.fill_uninitialized_memory``), which torchvision's GPU decoder
+    queues on the caller's stream for its outputs while nvJPEG writes them on a stream of its
+    own -- a fill that ran late would overwrite decoded pixels. The decoder writes every byte
+    of its outputs: there is nothing uninitialised to fill."""
+
+    def __enter__(self) -> None:
+        import torch.utils.deterministic as deterministic
+
+        self.was = getattr(deterministic, _FILL)
+        setattr(deterministic, _FILL, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.utils.deterministic as deterministic
+
+        setattr(deterministic, _FILL, self.was)
 
 
 class StageTimer:

@@ -413,6 +413,11 @@ class DeviceStream(InProcessStream):
         # the feeder and the next epoch's starting thread both make batches on it.
         device = torch.device(self.device)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # One batch at a time on it: the next epoch's first batch is made on a helper thread
+        # while the feeder makes this epoch's last. Two threads' work interleaved on one
+        # stream lets the caching allocator give one a block the other's queued kernels still
+        # use (nvJPEG writes on a stream of its own, ordered against neither).
+        self._side_lock = threading.Lock()
 
     def _stream(self) -> Any:
         return self._side
@@ -434,13 +439,24 @@ class DeviceStream(InProcessStream):
     def _decode(self, blocks: list[pa.Table], decode: Any) -> Any:
         if isinstance(decode, DeviceDecoder):
             rows = [numpy_rows(block) for block in blocks]
-            return DeviceWindow(
-                self._each(rows, lambda each: list(each(decode.prepare, rows))), decode.batch
-            )
+            prepared = self._each(rows, lambda each: list(each(decode.prepare, rows)))
+            return DeviceWindow(prepared, self._one_at_a_time(decode.batch))
         if makes_on_device(self.dataset):
             rows = [numpy_rows(block) for block in blocks]
-            return DeviceWindow(rows, self._synthetic(decode.epoch))
+            return DeviceWindow(rows, self._one_at_a_time(self._synthetic(decode.epoch)))
         return super()._decode(blocks, decode)
+
+    def _one_at_a_time(
+        self, make: Callable[[Any, int, int], Any]
+    ) -> Callable[[Any, int, int], Any]:
+        """``make`` holding the side stream: its work there is finished when it returns (its
+        stages wait for it), so the next thread's batch never overlaps it."""
+
+        def made(part: Any, start: int, end: int) -> Any:
+            with self._side_lock:
+                return make(part, start, end)
+
+        return made
 
     def _synthetic(self, epoch: int) -> Callable[[dict[str, np.ndarray], int, int], dict[str, Any]]:
         """Batches made on the device by the dataset itself (on the side stream)."""

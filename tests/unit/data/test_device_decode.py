@@ -263,3 +263,75 @@ def test_a_crop_whose_outer_taps_weigh_nothing_is_resized_as_pil_resizes_it():
     alone = resample([image], [g], "cpu")  # the last (only) image of its chunk
     pil = Image.fromarray(pixels).resize((32, 32), Image.Resampling.BILINEAR, box=box)
     assert np.array_equal(alone[0].permute(1, 2, 0).numpy(), np.asarray(pil))
+
+
+def test_batches_of_two_threads_never_share_the_side_stream_at_once(tmp_path, monkeypatch):
+    """The next epoch's first batch is made on a helper thread while the feeder makes this
+    epoch's last: on one side stream, one batch at a time (interleaved, the allocator could
+    hand one thread a block the other's queued decode still writes)."""
+    import threading
+    import time
+
+    ds = dataset(photo_tree(tmp_path, classes=1, train_per_class=8, val_per_class=1))
+    ds.image_size, ds.resize_size = 32, 36
+    stream = DeviceStream(ds, ds.catalog(TRAIN), TRAIN, seed=0, device=torch.device("cpu"))
+    inside, most = [0], [0]
+    real = DeviceDecoder.batch
+
+    def slow(self, p, start, end):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        try:
+            return real(self, p, start, end)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(DeviceDecoder, "batch", slow)
+    made: dict[int, list] = {}
+    threads = [
+        threading.Thread(target=lambda e=e: made.setdefault(e, batches(stream, np.arange(8), e)))
+        for e in (0, 1)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [len(made[e]) for e in (0, 1)] == [2, 2] and most[0] == 1
+
+
+def test_a_device_failure_in_the_batched_decode_is_raised_not_taken_for_bad_files(
+    tmp_path, monkeypatch
+):
+    """torchvision re-raises nvJPEG's failures as one RuntimeError: one that says the device
+    failed (its memory, a kernel) must stop the batch, not send its files to the CPU decoder
+    (other pixels, chosen by memory pressure); one that says the files are bad halves the
+    batch as before. And the decode runs without deterministic mode's fill of new tensors."""
+    import torch.utils.deterministic as deterministic
+    import torchvision.io
+
+    ds = dataset(photo_tree(tmp_path, classes=1, train_per_class=4, val_per_class=1))
+    decoder = DeviceDecoder(ds, TRAIN, 0, 0, "cpu", DataClock())
+    prepared = decoder.prepare(numpy_rows(ds.catalog(TRAIN)))
+    real, fills = torchvision.io.decode_jpeg, []
+
+    def failing(message):
+        def decode(blobs, **kwargs):
+            fills.append(deterministic.fill_uninitialized_memory)
+            if message:
+                raise RuntimeError(f"Error while decoding JPEG images: {message}")
+            return real(blobs, **kwargs)
+
+        return decode
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", failing("NVJPEG_STATUS_ALLOCATOR_FAILURE"))
+    with pytest.raises(RuntimeError, match="ALLOCATOR_FAILURE"):
+        decoder.batch(prepared, 0, 4)
+    assert decoder.clock.get(M.DATA_FALLBACK + "refused") == 0
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", failing("NVJPEG_STATUS_BAD_JPEG"))
+    decoder.batch(prepared, 0, 4)  # each file refused alone: the PIL path takes all four
+    assert decoder.clock.get(M.DATA_FALLBACK + "refused") == 4
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", failing(""))
+    deterministic.fill_uninitialized_memory = True
+    decoder.batch(prepared, 0, 4)
+    assert fills[-1] is False and deterministic.fill_uninitialized_memory is True
