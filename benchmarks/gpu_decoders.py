@@ -247,8 +247,9 @@ def deterministic(args: argparse.Namespace, root: str) -> str:
     )
     diff = np.abs(made[0].permute(0, 2, 3, 1).numpy().astype(int) - pil.astype(int))
     return (
-        f"ftjob-device on {device.type}: the same bytes twice -> {'the same' if same else 'DIFFERENT'} "
-        f"pixels; against the PIL path mean {diff.mean():.3f}, max {diff.max()} levels"
+        f"ftjob-device on {device.type}: the same bytes twice -> {'the same' if same else 'other'} "
+        f"pixels ({'PASS' if same else 'FAIL'}: deterministic); against the PIL path mean "
+        f"{diff.mean():.3f}, max {diff.max()} levels"
     )
 
 
