@@ -245,7 +245,11 @@ def _take_run(
         lease_note = lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
-    remember_catalog(fs, run_path, train_catalog)  # at the run's first start
+    try:
+        remember_catalog(fs, run_path, train_catalog)  # at the run's first start
+    except BaseException:
+        lease.release()  # not left for the next driver to wait out
+        raise
     notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(fs)}"]
     return lease, notes + ([lease_note] if lease_note else []), identity
 

@@ -382,6 +382,27 @@ def test_resume_auto_decides_again_when_the_driver_it_waited_out_committed_meanw
     prep.lease.release()
 
 
+def test_a_driver_that_fails_right_after_taking_the_lease_gives_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from ftjob.driver import runner
+
+    job = compose_job(
+        "+experiment=digits_ft", "name=held", f"checkpoint.storage_path={tmp_path / 's'}"
+    )
+
+    def full_disk(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "remember_catalog", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        prepare(job, str(tmp_path / "run"))
+    monkeypatch.undo()
+    prep = prepare(job, str(tmp_path / "again"))  # taken at once: nothing to wait out
+    assert prep.lease.generation == 2
+    prep.lease.release()
+
+
 # -- what a resume may change: refused, or honoured and said (docs/fault-tolerance.md) ---------
 
 ROWS_64 = {"train_rows": 64, "train_sha256": "x", "num_classes": 10}
