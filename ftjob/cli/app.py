@@ -169,7 +169,14 @@ def _copy_finished_run(job: JobConfig, name: str, run_dir: str, redactor: Redact
     storage = job.checkpoint
     assert storage.storage_path is not None
     finished_run_outputs(
-        storage.storage_path, storage.storage_options, storage.retry, name, run_dir, redactor, say
+        storage.storage_path,
+        storage.storage_options,
+        storage.retry,
+        name,
+        run_dir,
+        redactor,
+        say,
+        storage.lease_timeout,
     )
 
 

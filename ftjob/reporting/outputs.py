@@ -314,18 +314,25 @@ def finished_run_outputs(
     run_dir: str,
     redactor: Redactor,
     say: Callable[[str], None],
+    lease_timeout: float = 60.0,
 ) -> None:
     """``resume=auto`` of a run that is finished: the run's outputs in its storage are those of
     the driver that finished it, kept when they say it succeeded; where that driver left none
     (it died after its last checkpoint, before its final copy) or an outcome it did not see to
     the end, this driver's run dir (its summary: succeeded, ``already_finished``) is copied
-    there. ``say`` prints a line and appends it to the console log."""
+    there -- unless a live driver holds the run's lease (one training it on with more epochs):
+    those outputs are its own. ``say`` prints a line and appends it to the console log."""
     from ftjob.storage.fs import build_filesystem
+    from ftjob.storage.lease import RunLease
 
     url = posixpath.join(storage_path.rstrip("/"), name, OUTPUTS_DIR)
     fs, target = build_filesystem(url, options, retry)
     mirror = OutputsMirror(fs, target, run_dir, redactor)
     if mirror.inside:  # the finished run's outputs are this run dir's (storage lies inside it)
+        return
+    holder = RunLease(fs, posixpath.dirname(target), lease_timeout, run_name=name).holder()
+    if holder is not None:
+        say(f"outputs: {mirror.url} left to {holder}, the driver that holds run {name!r} now")
         return
     if _succeeded_there(fs, target):
         say(f"outputs: {mirror.url} (the run's own, from the driver that finished it: kept)")

@@ -300,6 +300,18 @@ class RunLease:
             f"(checkpoint.lease_timeout={self.timeout:g} s) and still while watched {watch:.0f} s"
         )
 
+    def holder(self) -> str | None:
+        """Who holds the run now, said without waiting or taking it: the newest generation's
+        owner while it is unreleased, not a gone process of this machine, and renewed within
+        the timeout on the store's clock; None when the run is free (or its holder silent)."""
+        top = generations(self.fs, self.directory)
+        held = read_generation(self.fs, self.directory, top[0]) if top else None
+        if held is None or held.get("released") or holder_gone(held, self.machine):
+            return None
+        if self._age(top[0]) >= self.timeout:
+            return None
+        return str(held.get("owner", "unknown"))
+
     def fence(self) -> LeaseFence:
         """The check the workers run before every checkpoint commit and prune."""
         if self.generation is None:

@@ -84,6 +84,25 @@ def test_resume_auto_of_a_finished_run_copies_its_outputs_only_where_none_say_it
         f"outputs: file://{outputs} (the run's own, from the driver that finished it: kept)"
     ]
     assert json.loads((outputs / "summary.json").read_text())["metrics"] == {"a": 1}
+    # A live driver trains the run on (more epochs): its outputs, not yet "succeeded", are
+    # its own -- the rerun of the old command copies nothing over them.
+    (outputs / "summary.json").write_text(json.dumps({"status": "running"}))
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ftjob.storage.lease import RunLease
+
+    live = RunLease(LocalFileSystem(), str(storage / "done"), 60.0, owner="elsewhere:1")
+    live.acquire()
+    lines.clear()
+    finished_run_outputs(str(storage), {}, retry, "done", again, Redactor(), lines.append, 60.0)
+    assert lines == [
+        f"outputs: file://{outputs} left to elsewhere:1, the driver that holds run 'done' now"
+    ]
+    assert json.loads((outputs / "summary.json").read_text()) == {"status": "running"}
+    live.release()  # given back: the next rerun completes the outputs again
+    lines.clear()
+    finished_run_outputs(str(storage), {}, retry, "done", again, Redactor(), lines.append, 60.0)
+    assert "a copy of this run dir" in lines[0]
 
 
 def test_a_driver_that_learns_at_its_start_that_another_holds_the_run_fails_and_writes_nothing_final(
