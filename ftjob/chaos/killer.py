@@ -21,9 +21,54 @@ from ftjob.record import ChaosSkip, ChaosView, Kill, KillTarget
 def _kill_on_node(kind: str, pid: int | None) -> int:
     """Runs on the target node. A Ray worker's parent process is its node's raylet; a hang is
     a training worker stopped with SIGSTOP, which nothing here resumes."""
-    victim = int(pid or 0) if kind in WORKER_KINDS else os.getppid()
+    if kind not in WORKER_KINDS:
+        take_node_down(os.getppid())  # this task is one of the node's: it ends here
+        return -1
+    victim = int(pid or 0)
     os.kill(victim, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
     return victim
+
+
+def take_node_down(raylet: int) -> None:
+    """SIGKILL a node's raylet and every process it started -- its workers, their helpers,
+    this task last -- as a node that dies takes them all. The raylet alone leaves its workers
+    running where the node is a simulated one (``ray.cluster_utils.Cluster``: nodes share one
+    machine): orphans that keep their memory, and, stuck in a collective with the dead ranks,
+    a zombie each of the run they trained."""
+    me = os.getpid()
+    for child in _descendants(raylet):
+        if child != me:
+            _kill(child)
+    _kill(raylet)
+    _kill(me)
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes under ``root`` (from /proc: Linux), children before their parents' kill
+    could orphan them."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:  # pid (comm) state ppid ...
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _ray_kill(kind: str, target: KillTarget, notice: float = 0.0) -> int:
@@ -47,7 +92,7 @@ class NodeReaper:
 
         def fire() -> None:
             time.sleep(delay)
-            os.kill(raylet, signal.SIGKILL)
+            take_node_down(raylet)
 
         threading.Thread(target=fire, name="ftjob-reaper", daemon=True).start()
         return raylet

@@ -9,8 +9,8 @@ kill causes one real failure rather than hitting workers that are already gone.
 
 Targets are only nodes or processes that host training workers: a node kill never hits the head
 node or the driver's node; a worker kill hits a training worker process wherever it runs. A node
-kill SIGKILLs the node's raylet (the parent of every Ray worker on it), which takes the whole
-node down; a worker kill SIGKILLs one training worker process; a hang SIGSTOPs one (nothing
+kill SIGKILLs the node's raylet and every process under it (its Ray workers), as a node that
+dies takes them all; a worker kill SIGKILLs one training worker process; a hang SIGSTOPs one (nothing
 resumes it: hang detection must find it). Each runs as a zero-CPU task pinned to the target
 node, so they work on real multi-node clusters too. ``slow`` sends no signal: the chosen rank
 learns through its heartbeat that it must sleep a fraction of each step from then on.

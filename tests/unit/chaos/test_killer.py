@@ -1,0 +1,56 @@
+"""A simulated node's death (chaos node kills and preemptions): its raylet and every process
+under it die, as with a real node -- not the raylet alone, which left its workers running on
+the shared machine (orphans holding their memory; zombies of the run in a collective)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+# A stand-in raylet: two workers, one with a helper process of its own.
+TREE = """
+import subprocess, sys, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+worker = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); "
+          "print('up', flush=True); time.sleep(600)", *sleeper]
+kids = [subprocess.Popen(worker, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+for kid in kids:
+    kid.stdout.readline()
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_node_taken_down_leaves_none_of_its_processes():
+    from ftjob.chaos.killer import _descendants
+
+    raylet = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in raylet.stdout.readline().split()]
+        under = _descendants(raylet.pid)
+        assert set(workers) < set(under) and len(under) == 4  # two workers, two helpers
+        killer = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from ftjob.chaos.killer import *; take_node_down({raylet.pid})",
+            ],
+            timeout=60,
+        )
+        assert killer.returncode == -9  # the killing task was the node's too: it ends itself
+        assert raylet.wait(timeout=30) == -9
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in under) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in under if alive(pid)]
+    finally:
+        raylet.kill()
