@@ -162,7 +162,7 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     dataset = build_dataset(job.dataset)
     catalogs = audited_catalogs(dataset)  # a split of nothing, one class: refused here
     catalogs[TRAIN], removed = started_catalog(
-        probe_fs, run_path, catalogs[TRAIN], resumption.continues
+        probe_fs, run_path, catalogs[TRAIN], resumption.continues, dataset.max_bad_fraction
     )
     data = catalog_fingerprint(catalogs[TRAIN], dataset.num_classes)
     stated, finished = _continue_checks(job, store, url, data, public, resumption.continues)

@@ -20,6 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ftjob.config import JobError
+from ftjob.data.bad_files import MAX_BAD_FRACTION, bad_limit
 from ftjob.data.datasets import GONE
 
 CATALOG_FILE = "data/train_catalog.parquet"  # under the run's directory
@@ -52,12 +54,14 @@ def remember_catalog(fs: Any, run_path: str, table: pa.Table) -> None:
 
 
 def started_catalog(
-    fs: Any, run_path: str, table: pa.Table, resume: bool
+    fs: Any, run_path: str, table: pa.Table, resume: bool, max_gone: float = MAX_BAD_FRACTION
 ) -> tuple[pa.Table, list[str]]:
     """The train catalog to train on (``table``: as listed now), and what to state. On
     ``resume``, when files the run started with are gone (and nothing was added or
     relabelled): the run's first catalog, those rows marked ``gone``; otherwise ``table``
-    (the resume check then compares it with the checkpoint's)."""
+    (the resume check then compares it with the checkpoint's). More gone than ``max_gone``
+    of the catalog (``dataset.max_bad_fraction``: a half-synced copy, a wrong mount) is
+    refused: the run would go on, and succeed, on what is left."""
     target = posixpath.join(run_path, CATALOG_FILE)
     if (
         not resume
@@ -89,6 +93,12 @@ def started_catalog(
     )
     removed = [p for p, g in zip(before, gone, strict=True) if g]
     shown = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
+    if len(removed) > bad_limit(len(before), max_gone):
+        raise JobError(
+            f"dataset.max_bad_fraction={max_gone:g}: {len(removed)} of the {len(before)} train "
+            f"files the run started with are gone from {root} ({shown}); put them back, or "
+            "raise dataset.max_bad_fraction to continue the run without them"
+        )
     return rebuilt, [
         f"train data: {len(removed)} file(s) removed since the run started ({shown}): each "
         "keeps its place in the data order and is skipped, so the order and exact-once hold"

@@ -368,7 +368,9 @@ def test_resume_auto_decides_again_when_the_driver_it_waited_out_committed_meanw
 
     def wait_out(lease: RunLease) -> str | None:
         if not waited:  # the first take: the frozen driver's workers commit while it waits
-            shutil.copytree(tmp_path / "was" / "storage" / "done", storage / "done", dirs_exist_ok=True)
+            shutil.copytree(
+                tmp_path / "was" / "storage" / "done", storage / "done", dirs_exist_ok=True
+            )
         waited.append(1)
         return taken(lease)
 
