@@ -595,7 +595,8 @@ def outputs_mirror(job: JobConfig, prep: Prepared, run_dir: str) -> OutputsMirro
     end."""
     url = posixpath.join(prep.fs.unstrip_protocol(prep.run_path), OUTPUTS_DIR)
     fs, target = build_filesystem(url, job.checkpoint.storage_options, job.checkpoint.retry)
-    mirror = OutputsMirror(fs, target, run_dir, prep.redactor).start()
+    fence = prep.lease.fence() if prep.lease.generation is not None else None
+    mirror = OutputsMirror(fs, target, run_dir, prep.redactor, fence).start()
     mirror.request()
     return mirror
 

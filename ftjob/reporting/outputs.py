@@ -143,8 +143,20 @@ class OutputsMirror:
     ``tensorboard --logdir`` on the run dir showed each run twice, a glob for W&B's offline
     runs found two of one run."""
 
-    def __init__(self, fs: Any, target: str, run_dir: str, redactor: Redactor) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        target: str,
+        run_dir: str,
+        redactor: Redactor,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         self.fs, self.target, self.run_dir, self.redactor = fs, target, run_dir, redactor
+        # The run's lease fence (raises LeaseLost once another driver took the run), checked
+        # before every sync: a driver thawed after a takeover copies nothing over the live
+        # driver's outputs.
+        self.fence = fence
+        self.deposed: str | None = None  # why the mirror stopped copying: the run is another's
         self.local = "file" in _protocols(innermost(fs))
         self.inside = self.local and _within(target, run_dir)
         self.sent: dict[str, tuple[int, int]] = {}  # path -> (mtime_ns, size) last copied
@@ -196,6 +208,8 @@ class OutputsMirror:
         if self.inside:
             return 0
         with self._lock:
+            if not self._still_ours():
+                return 0
             if not self._looked:
                 self._looked = True
                 self._keep_earlier()
@@ -215,6 +229,28 @@ class OutputsMirror:
                 self.failed.pop(rel, None)
                 copied += 1
             return copied
+
+    def _still_ours(self) -> bool:
+        """Does the run's lease still say this driver holds the run (no fence: always)?"""
+        from ftjob.storage.errors import is_storage_error
+        from ftjob.storage.lease import LeaseLost
+
+        if self.deposed is not None:
+            return False
+        if self.fence is None:
+            return True
+        try:
+            self.fence()
+        except LeaseLost as exc:
+            self.deposed = str(exc)
+            return False
+        except Exception as exc:
+            if not is_storage_error(exc):
+                raise
+            self.failed["lease"] = f"the lease could not be read: {type(exc).__name__}: {exc}"
+            return False
+        self.failed.pop("lease", None)
+        return True
 
     def _keep_earlier(self) -> None:
         """Another driver's copy is here (the run continued after that driver stopped or

@@ -278,3 +278,28 @@ def test_links_in_the_run_dir_are_never_followed_out_of_it_and_said_once(tmp_pat
     (run_dir / "console.log").symlink_to(outside / "private.txt")
     with pytest.raises(OSError):
         mirror._copy("console.log", str(run_dir / "console.log"))
+
+
+def test_a_deposed_drivers_mirror_copies_nothing_over_the_live_drivers_outputs(tmp_path):
+    """A driver frozen past its lease and thawed after another took the run over: its mirror
+    checks the lease before every copy, and copies nothing once the run is another's."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ftjob.storage.lease import RunLease
+
+    run = tmp_path / "storage" / "run"
+    fs, target = build_filesystem(str(run / OUTPUTS_DIR), {}, FAST_RETRY)
+    first = RunLease(LocalFileSystem(), str(run), 60.0, owner="first:1")
+    first.acquire()
+    zombie_dir = tmp_path / "zombie"
+    zombie_dir.mkdir()
+    (zombie_dir / "console.log").write_text("the first driver\n")
+    mirror = OutputsMirror(fs, target, str(zombie_dir), Redactor(), first.fence())
+    assert mirror.sync() == 1
+    first.release()  # as a takeover after its timeout would leave it: the run is another's
+    RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
+    (run / OUTPUTS_DIR / "console.log").write_text("the live driver\n")
+    (zombie_dir / "console.log").write_text("the first driver, thawed\n")
+    assert mirror.sync() == 0 and mirror.close() is None
+    assert (run / OUTPUTS_DIR / "console.log").read_text() == "the live driver\n"
+    assert mirror.deposed is not None and "second:2" in mirror.deposed

@@ -972,9 +972,7 @@ def test_a_failed_runs_summary_survives_storage_that_is_down_at_its_end(
 
     monkeypatch.setattr(store, "committed_steps", outage)
     assert settle_latest(record, store, lines.append) == record
-    assert lines == [
-        "warning: could not list the checkpoints after the stop (Connection refused)"
-    ]
+    assert lines == ["warning: could not list the checkpoints after the stop (Connection refused)"]
 
     def bug() -> list[int]:
         raise KeyError("step")
