@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Protocol
@@ -84,18 +86,31 @@ def _ray_kill(kind: str, target: KillTarget, notice: float = 0.0) -> int:
 
 
 class NodeReaper:
-    """An actor on the node to preempt: armed, it kills its node (its raylet) at the deadline.
-    Armed before the drain, since a draining node takes no new work."""
+    """An actor on the node to preempt: armed, it starts the process that kills its node (its
+    raylet and all under it) at the deadline. Armed before the drain, since a draining node
+    takes no new work. That process is a session of its own: the node goes at its deadline
+    whatever happens to the driver that preempted it, as a cloud's reclaim does -- a thread of
+    the actor died with a driver killed inside the notice, and left the node draining for
+    good (it took no work again: a run sized to the cluster waited for it forever)."""
 
     def arm(self, delay: float) -> int:
         raylet = os.getppid()
-
-        def fire() -> None:
-            time.sleep(delay)
-            take_node_down(raylet)
-
-        threading.Thread(target=fire, name="ftjob-reaper", daemon=True).start()
+        subprocess.Popen(
+            [sys.executable, "-c", _REAP, str(delay), str(raylet)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return raylet
+
+
+_REAP = (
+    "import sys, time\n"
+    "from ftjob.chaos.killer import take_node_down\n"
+    "time.sleep(float(sys.argv[1]))\n"
+    "take_node_down(int(sys.argv[2]))\n"
+)
 
 
 _reapers: list[Actor[NodeReaper]] = []  # armed reapers: an actor whose handle is dropped is killed

@@ -54,3 +54,23 @@ def test_a_node_taken_down_leaves_none_of_its_processes():
         assert not [pid for pid in under if alive(pid)]
     finally:
         raylet.kill()
+
+
+# A stand-in raylet whose one worker arms a reaper, then dies at once (as the reaper actor
+# does with a driver killed within the notice).
+ARMED = """
+import subprocess, sys, time
+arm = "from ftjob.chaos.killer import NodeReaper; NodeReaper().arm(1.0)"
+subprocess.run([sys.executable, "-c", arm], check=True)
+print("armed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_preempted_node_goes_at_its_deadline_though_what_armed_it_is_gone():
+    raylet = subprocess.Popen([sys.executable, "-c", ARMED], stdout=subprocess.PIPE, text=True)
+    try:
+        assert raylet.stdout.readline() == "armed\n"  # the arming process has ended
+        assert raylet.wait(timeout=60) == -9
+    finally:
+        raylet.kill()
