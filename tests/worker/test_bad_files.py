@@ -12,8 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ftjob.config.rules import JobError
 from ftjob.data.datasets import GONE_REASON, TRAIN
 from ftjob.data.order import epoch_order
+from ftjob.driver.runner import prepare
 from ftjob.reporting.run_summary import RunSummary
 from ftjob.reporting.summary import format_summary
 from tests.support.images import bad_tree, write_images
@@ -79,14 +81,18 @@ def test_skipped_files_keep_exact_once_across_a_restart_and_a_resume_after_their
     assert "  data: 2 bad file(s) skipped (dataset.bad_files=skip" in printed
     assert f"    {bad['truncated']} (OSError: image file is truncated)" in printed
 
-    # The bad files are removed; the run resumes on one worker (8 a step: the same global
-    # batch), with the default dataset.bad_files=fail: the removed files keep their places
-    # in the data order and are skipped without being read.
+    # The bad files are removed. 2 of 48 gone is past the default dataset.max_bad_fraction
+    # (0.01): refused before anything starts, naming the files and the key.
     for path in bad.values():
         path.unlink()
+    again = ("resume=true", "trainer.batch_size=8", "trainer.num_workers=1")
+    with pytest.raises(JobError, match=r"dataset.max_bad_fraction=0.01: 2 of the 48 train files"):
+        prepare(job(data, *common, *again), str(tmp_path / "refused"))
+    # Within the run's own bound, it resumes on one worker (8 a step: the same global batch),
+    # with the default dataset.bad_files=fail: the removed files keep their places in the
+    # data order and are skipped without being read.
     resumed = run_locally(
-        job(data, *common, "resume=true", "trainer.batch_size=8", "trainer.num_workers=1"),
-        tmp_path / "b",
+        job(data, *common, *again, "dataset.max_bad_fraction=0.05"), tmp_path / "b"
     )
     s = resumed.summary
     assert s["status"] == "succeeded", (s["error"], resumed.errors)
