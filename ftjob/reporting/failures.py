@@ -7,7 +7,7 @@ import dataclasses
 from typing import NamedTuple
 
 from ftjob import metrics as M
-from ftjob.record import Attempt, FirstStep, Holder, Notice, Restore, RunSnapshot, Tier
+from ftjob.record import Attempt, Failure, FirstStep, Holder, Notice, Restore, RunSnapshot, Tier
 from ftjob.reporting.resizes import ended_by_resize
 from ftjob.reporting.run_summary import (
     PREEMPTION,
@@ -58,27 +58,25 @@ def _start_phases(snap: RunSnapshot, attempt: int, first: FirstStep | None) -> d
 def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
     """One record per failure: where it came from and how long each part of recovery took.
 
-    Failure ``k`` ends the ``k``-th attempt not ended by a planned (elastic) resize; the next
-    attempt is its recovery. Times: detection (origin -> Ray Train noticed), restart (noticed
-    -> new worker group in the train function), download/load/skip (restore), time_to_recover
-    (origin -> first trained step). The origin: the chaos kill or injected failure behind it,
-    else the moment noticed."""
+    Each attempt followed by another, unless a planned (elastic) resize ended it, ended by a
+    failure; the next attempt is its recovery. The failure Ray Train noticed in an attempt's
+    time (from its start to the next one's) is its failure: a preempted attempt can have none
+    (its node went as announced), and notices beyond the first in one attempt's time, or
+    before the first attempt, are failures of worker groups that died before they started an
+    attempt. Times: detection (origin -> Ray Train noticed), restart (noticed -> new worker
+    group in the train function), download/load/skip (restore), time_to_recover (origin ->
+    first trained step). The origin: the chaos kill or injected failure behind it, else the
+    moment noticed."""
     attempts = snap.attempts
     by_time = sorted(snap.failures, key=lambda f: f.noticed)
-    noticed = [f.noticed for f in by_time]
-    errors = [f.errors for f in by_time]
     events, planned = _recovery_events(snap), ended_by_resize(snap)
-    failed = [a.index for a in attempts[:-1] if a.index not in planned]
     records = []
-    for k in range(max(len(failed), len(noticed))):
-        # Past the attempts followed by another: the last one, which died.
-        i = failed[k] if k < len(failed) else len(attempts) - 1 + (k - len(failed))
+    for i, notice, errors in _ended(snap, by_time, planned):
         # (No attempt at all when every worker died before it could start one.)
         attempt = attempts[i] if 0 <= i < len(attempts) else None
         nxt = attempts[i + 1] if 0 <= i + 1 < len(attempts) else None
-        notice = noticed[k] if k < len(noticed) else (nxt.started if nxt else None)
         lo = attempt.started if attempt else 0.0
-        hi = notice if notice is not None else float("inf")
+        hi = notice if notice is not None else (nxt.started if nxt else float("inf"))
         cause = [e for e in events if lo <= e.time <= hi]
         origin = cause[-1] if cause else None
         t0 = origin.time if origin else notice
@@ -87,7 +85,7 @@ def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
             time=t0,
             kind=origin.kind if origin else "error",
             detail=origin.detail if origin else None,
-            error=next(iter(errors[k].values()), None) if k < len(errors) else None,
+            error=next(iter(errors.values()), None),
             detection_s=(notice - t0) if notice is not None and t0 is not None else None,
         )
         if nxt is not None:
@@ -98,6 +96,35 @@ def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
             record = _as_preemption(record, attempt.preemption, nxt)
         records.append(record)
     return tuple(records)
+
+
+def _ended(
+    snap: RunSnapshot, by_time: list[Failure], planned: set[int]
+) -> list[tuple[int, float | None, dict[int, str]]]:
+    """(attempt position, when Ray Train noticed its failure, the failed ranks' errors) for
+    each failure; positions past the attempts (or -1, before the first) are worker groups
+    that died before they started one. An attempt that ended with none noticed: a preemption
+    (its node went at the deadline), else the next attempt's start."""
+    attempts = snap.attempts
+    ended: list[tuple[int, float | None, dict[int, str]]] = []
+    extra = len(attempts)
+    for f in by_time:
+        if not attempts or f.noticed < attempts[0].started:
+            ended.append((-1, f.noticed, f.errors))
+    for i, a in enumerate(attempts):
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        hi = nxt.started if nxt is not None else float("inf")
+        mine = [f for f in by_time if a.started <= f.noticed < hi]
+        if nxt is not None and a.index in planned:
+            continue
+        if mine:
+            ended.append((i, mine[0].noticed, mine[0].errors))
+        elif nxt is not None:
+            ended.append((i, None if a.preemption is not None else nxt.started, {}))
+        for f in mine[1:]:
+            ended.append((extra, f.noticed, f.errors))
+            extra += 1
+    return ended
 
 
 def _recovery(

@@ -76,6 +76,49 @@ def test_failure_records_measure_each_part_of_recovery():
     assert f.lost_steps == 2  # trained to step 4, restored step 2
 
 
+def test_a_preempted_attempt_with_no_failure_noticed_leaves_the_next_failures_their_own():
+    # A drained node's workers end at its deadline and Ray Train restarts the group without
+    # noticing a failure; the worker kill after it is still the failure of its own attempt
+    # (where pairing failures with attempts by their order gave the kill a time to recover
+    # measured from the next failure's origin: negative, its detail another kill's).
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(10.0)
+    ledger.first_step(a0, FirstStep(1, 12.0))
+    train(ledger, a0, range(1, 3))
+    preempt = Kill(14.0, "preempt", KillTarget("n1", ranks=(0,)), a0, notice=14.0, deadline=19.0)
+    ledger.kill(preempt)
+    ledger.confirm_kill(14.0, True)
+    ledger.preemption_notice(a0, Notice(NoticeSource.drain, 14.5, 2, deadline=19.0, ranks=(0,)))
+    a1 = ledger.begin_attempt(22.0)
+    ledger.restored(a1, restored(2))
+    ledger.first_step(a1, FirstStep(3, 25.0))
+    train(ledger, a1, range(3, 4))
+    ledger.kill(Kill(30.0, "worker", KillTarget("n2", rank=0, pid=7), a1))
+    ledger.failure_noticed(31.0, {0: "ActorDiedError: worker died"})
+    a2 = ledger.begin_attempt(35.0)
+    ledger.restored(a2, restored(3))
+    ledger.first_step(a2, FirstStep(4, 38.0))
+    train(ledger, a2, range(4, 5))
+    ledger.kill(Kill(40.0, "node", KillTarget("n3", ranks=(0,)), a2))
+    ledger.confirm_kill(40.0, True)
+    ledger.failure_noticed(41.5, {0: "ActorDiedError: node died"})
+    a3 = ledger.begin_attempt(45.0)
+    ledger.restored(a3, restored(4))
+    ledger.first_step(a3, FirstStep(5, 47.0))
+    train(ledger, a3, range(5, 6))
+    ledger.finish(50.0)
+    preempted, killed, lost = failure_records(ledger.snapshot())
+    assert [f.attempt for f in (preempted, killed, lost)] == [1, 2, 3]
+    assert preempted.kind == "preemption" and preempted.time == 19.0
+    assert preempted.detection_s == 0.0 and preempted.time_to_recover_s == pytest.approx(6.0)
+    assert killed.kind == "worker_kill" and killed.error == "ActorDiedError: worker died"
+    assert killed.detection_s == pytest.approx(1.0) and killed.time_to_recover_s == pytest.approx(
+        8.0
+    )
+    assert lost.kind == "node_kill" and lost.time_to_recover_s == pytest.approx(7.0)
+    assert all(f.recovered for f in (preempted, killed, lost))
+
+
 def test_budget_exhausted_failure_is_not_recovered():
     ledger = make_ledger()
     ledger.begin_attempt(0.0)
