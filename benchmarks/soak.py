@@ -517,7 +517,7 @@ def report(
     times = [t for row in table.values() for t in row["ttr"]]
     checks[
         f"every recovery's time, origin to first step, is positive (shortest {min(times, default=0):.1f} s)"
-    ] = all(t > 0 for t in times)
+    ] = bool(times) and all(t > 0 for t in times)
     killed = sum(1 for d in drivers if d.summary() is None)
     thawed = sum(1 for d in drivers[:-1] if d.summary() is not None)
     injected = sum(row["injected"] for row in table.values()) + killed + thawed

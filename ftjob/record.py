@@ -396,10 +396,13 @@ class CheckpointRecord(Record):
 
 @dataclass(frozen=True)
 class Failure(Record):
-    """Ray Train noticed worker failures: when, and each failed rank's error."""
+    """Ray Train noticed worker failures: when, each failed rank's error, and the attempt
+    that was running then (the ledger's latest begun: its own order of messages, no clock; a
+    second notice in one attempt is a restarted group that died before it began one)."""
 
     noticed: float
     errors: dict[int, str]
+    attempt: int | None = optional()
 
 
 @dataclass(frozen=True)

@@ -59,22 +59,24 @@ def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
     """One record per failure: where it came from and how long each part of recovery took.
 
     Each attempt followed by another, unless a planned (elastic) resize ended it, ended by a
-    failure; the next attempt is its recovery. The failure Ray Train noticed in an attempt's
-    time (from its start to the next one's) is its failure: a preempted attempt can have none
-    (its node went as announced), and notices beyond the first in one attempt's time, or
-    before the first attempt, are failures of worker groups that died before they started an
-    attempt. Times: detection (origin -> Ray Train noticed), restart (noticed -> new worker
-    group in the train function), download/load/skip (restore), time_to_recover (origin ->
-    first trained step). The origin: the chaos kill or injected failure behind it, else the
-    moment noticed."""
+    failure; the next attempt is its recovery. Its failure is the first Ray Train noticed
+    while it ran: a preempted attempt can have none (its node went as announced). A further
+    notice in the same attempt is a restarted group that died before it began one (its own
+    record, numbered as that attempt's failure, its time inside that failure's recovery).
+    Times: detection (origin -> Ray Train noticed), restart (noticed -> new worker group in
+    the train function), download/load/skip (restore), time_to_recover (origin -> first
+    trained step). The origin: the chaos kill or injected failure behind it, else the moment
+    noticed."""
     attempts = snap.attempts
-    by_time = sorted(snap.failures, key=lambda f: f.noticed)
     events, planned = _recovery_events(snap), ended_by_resize(snap)
     records = []
-    for i, notice, errors in _ended(snap, by_time, planned):
+    for i, notice, errors, after in _ended(snap, planned):
         # (No attempt at all when every worker died before it could start one.)
         attempt = attempts[i] if 0 <= i < len(attempts) else None
-        nxt = attempts[i + 1] if 0 <= i + 1 < len(attempts) else None
+        nxt = attempts[i + 1] if i + 1 < len(attempts) else None
+        if after is not None and notice is not None:
+            records.append(_failed_restart(i, notice, errors, after, events, nxt))
+            continue
         lo = attempt.started if attempt else 0.0
         hi = notice if notice is not None else (nxt.started if nxt else float("inf"))
         cause = [e for e in events if lo <= e.time <= hi]
@@ -98,33 +100,63 @@ def failure_records(snap: RunSnapshot) -> tuple[FailureRecord, ...]:
     return tuple(records)
 
 
-def _ended(
-    snap: RunSnapshot, by_time: list[Failure], planned: set[int]
-) -> list[tuple[int, float | None, dict[int, str]]]:
-    """(attempt position, when Ray Train noticed its failure, the failed ranks' errors) for
-    each failure; positions past the attempts (or -1, before the first) are worker groups
-    that died before they started one. An attempt that ended with none noticed: a preemption
-    (its node went at the deadline), else the next attempt's start."""
+Ended = tuple[int, float | None, dict[int, str], float | None]
+
+
+def _ended(snap: RunSnapshot, planned: set[int]) -> list[Ended]:
+    """(attempt position -- -1: before the first --, when Ray Train noticed the failure,
+    the failed ranks' errors, the notice before it in the same attempt or None) for each
+    failure, in order. An attempt that ended with none noticed: a preemption (its node went
+    at the deadline), else the next attempt's start."""
     attempts = snap.attempts
-    ended: list[tuple[int, float | None, dict[int, str]]] = []
-    extra = len(attempts)
-    for f in by_time:
-        if not attempts or f.noticed < attempts[0].started:
-            ended.append((-1, f.noticed, f.errors))
-    for i, a in enumerate(attempts):
+    running: dict[int, list[Failure]] = {}
+    for f in sorted(snap.failures, key=lambda f: f.noticed):
+        running.setdefault(_running(f, attempts), []).append(f)
+    ended: list[Ended] = []
+    for i in range(-1, len(attempts)):
+        mine = running.get(i, [])
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
-        hi = nxt.started if nxt is not None else float("inf")
-        mine = [f for f in by_time if a.started <= f.noticed < hi]
-        if nxt is not None and a.index in planned:
-            continue
-        if mine:
-            ended.append((i, mine[0].noticed, mine[0].errors))
-        elif nxt is not None:
-            ended.append((i, None if a.preemption is not None else nxt.started, {}))
-        for f in mine[1:]:
-            ended.append((extra, f.noticed, f.errors))
-            extra += 1
+        if not mine and i >= 0 and nxt is not None and attempts[i].index not in planned:
+            gone = attempts[i].preemption is not None
+            ended.append((i, None if gone else nxt.started, {}, None))
+        for k, f in enumerate(mine):
+            ended.append((i, f.noticed, f.errors, mine[k - 1].noticed if k else None))
     return ended
+
+
+def _running(f: Failure, attempts: tuple[Attempt, ...]) -> int:
+    """The position of the attempt that ran when ``f`` was noticed: the ledger's own record
+    of it; for a record kept before it had one, the last attempt started before."""
+    if f.attempt is not None and 0 <= f.attempt < len(attempts):
+        return f.attempt
+    started = [i for i, a in enumerate(attempts) if a.started <= f.noticed]
+    return started[-1] if started else -1
+
+
+def _failed_restart(
+    i: int,
+    notice: float,
+    errors: dict[int, str],
+    after: float,
+    events: list[RecoveryEvent],
+    nxt: Attempt | None,
+) -> FailureRecord:
+    """A restarted group that died before it began an attempt (noticed at ``notice``, the
+    notice before it at ``after``): its origin a chaos event between the two, else the
+    notice; no recovery of its own -- its time is in the recovery of the failure before it,
+    which the next attempt (``nxt``) ends."""
+    cause = [e for e in events if after < e.time <= notice]
+    origin = cause[-1] if cause else None
+    t0 = origin.time if origin else notice
+    return FailureRecord(
+        attempt=i + 1,
+        time=t0,
+        kind=origin.kind if origin else "error",
+        detail=origin.detail if origin else None,
+        error=next(iter(errors.values()), None),
+        detection_s=notice - t0,
+        recovered=nxt is not None and nxt.first_step is not None,
+    )
 
 
 def _recovery(

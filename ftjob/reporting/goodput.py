@@ -75,6 +75,8 @@ def _recovery(failures: Iterable[FailureRecord]) -> float:
     total = 0.0
     for f in failures:
         r = f.recovery
+        if r is None and f.recovered:
+            continue  # a restart that failed: its time is in the recovery of the one before
         parts = finite(f.detection_s)
         parts += finite(r.restart_s) + _restore(r) if r is not None else 0.0
         if r is None or not f.recovered or r.time_to_recover_s is None:

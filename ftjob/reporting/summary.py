@@ -289,6 +289,8 @@ def _event_lines(summary: RunSummary) -> list[str]:
 
 def _failure_line(f: FailureRecord) -> str:
     r = f.recovery
+    if r is None and f.recovered:
+        return f"  failure {f.attempt}: {f.kind} as the group started again, recovered with it"
     if r is None or r.time_to_recover_s is None:
         return f"  failure {f.attempt}: {f.kind}, not recovered"
     return (

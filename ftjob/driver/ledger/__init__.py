@@ -144,7 +144,7 @@ class RunLedger:
         quiet = self.finished or self.fatal or self.requests.stop
         if latest is None or latest.planned_end or quiet:
             return []
-        if self.failures and self.failures[-1].noticed >= latest.started:
+        if self.failures and self.failures[-1].attempt == latest.index:
             return []  # Ray Train is restarting the group: its workers are gone, not hung
         actions, lines = self.watch.check(now)
         self.lines.extend(lines)
@@ -166,7 +166,9 @@ class RunLedger:
         self.storage[source] = stats
 
     def failure_noticed(self, now: float, errors: dict[int, str]) -> None:
-        self.failures.append(Failure(noticed=now, errors=errors))
+        latest = self.attempts.latest
+        attempt = latest.index if latest is not None else None
+        self.failures.append(Failure(noticed=now, errors=errors, attempt=attempt))
         first = next(iter(errors.values()), "")
         self.log(f"failure noticed ({len(errors)} worker(s)): {shorten(first, 200)}")
 

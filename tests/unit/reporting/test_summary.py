@@ -119,6 +119,46 @@ def test_a_preempted_attempt_with_no_failure_noticed_leaves_the_next_failures_th
     assert all(f.recovered for f in (preempted, killed, lost))
 
 
+def test_a_restart_that_died_starting_is_its_own_failure_inside_the_recovery_before_it():
+    # A worker kill; Ray Train's restarted group dies before it begins an attempt (a second
+    # notice while the same attempt is the latest: the ledger's order, not clocks, pairs a
+    # notice with its attempt); the next group recovers.
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(10.0)
+    ledger.first_step(a0, FirstStep(1, 16.0))
+    train(ledger, a0, range(1, 3))
+    ledger.kill(Kill(12.0, "worker", KillTarget("n1", rank=0, pid=7), a0))
+    ledger.failure_noticed(13.0, {0: "ActorDiedError: worker died"})
+    ledger.failure_noticed(17.0, {1: "ActorDiedError: died starting"})
+    a1 = ledger.begin_attempt(24.0)
+    ledger.restored(a1, restored(2))
+    ledger.first_step(a1, FirstStep(3, 27.0, 0.5))
+    train(ledger, a1, range(3, 4))
+    ledger.kill(Kill(26.5, "node", KillTarget("n2", ranks=(0,)), a1))
+    ledger.confirm_kill(26.5, True)
+    ledger.failure_noticed(27.5, {0: "ActorDiedError: node died"})
+    a2 = ledger.begin_attempt(33.0)
+    ledger.restored(a2, restored(3))
+    ledger.first_step(a2, FirstStep(4, 36.0, 0.5))
+    train(ledger, a2, range(4, 6))
+    ledger.finish(40.0)
+    snap = ledger.snapshot()
+    killed, restart, node = failure_records(snap)
+    assert (killed.attempt, restart.attempt, node.attempt) == (1, 1, 2)
+    assert killed.kind == "worker_kill" and killed.detection_s == pytest.approx(1.0)
+    assert killed.time_to_recover_s == pytest.approx(15.0)  # 12 -> the first step at 27
+    assert restart.kind == "error" and restart.error == "ActorDiedError: died starting"
+    assert restart.time == 17.0 and restart.recovery is None and restart.recovered
+    assert node.kind == "node_kill" and node.time_to_recover_s == pytest.approx(9.5)
+    summary = build_summary(
+        snap, name="r", status=RunStatus.succeeded, error=None, wall_time_s=26.0, config={}
+    )
+    lines = format_summary(summary).splitlines()
+    assert "  failure 1: error as the group started again, recovered with it" in lines
+    assert sum(line.startswith("  failure ") for line in lines) == 3
+    assert all(f.time_to_recover_s is None or f.time_to_recover_s > 0 for f in (killed, node))
+
+
 def test_budget_exhausted_failure_is_not_recovered():
     ledger = make_ledger()
     ledger.begin_attempt(0.0)
