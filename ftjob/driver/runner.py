@@ -174,12 +174,19 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     notes = [resumption.said] if resumption.said and finished is None else []
     # Last: nothing fails after it. A finished run writes nothing: it takes no lease.
     lease, taken, identity = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], not finished)
-    if job.resume == RESUME_AUTO and not resumption.continues and store.committed_steps():
-        # The driver whose lease this one waited out committed meanwhile (its workers outlive
-        # a frozen driver): "starting it" no longer holds. Give the lease up and decide again
-        # -- now on the committed checkpoint, with every check a continued run gets.
-        lease.release()
-        return prepare(job, run_dir, redactor)
+    if job.resume == RESUME_AUTO and not resumption.continues:
+        try:
+            committed = store.committed_steps()
+        except BaseException:
+            lease.release()  # storage down: not left for the next driver to wait out
+            raise
+        if committed:
+            # The driver whose lease this one waited out committed meanwhile (its workers
+            # outlive a frozen driver): "starting it" no longer holds. Give the lease up and
+            # decide again -- now on the committed checkpoint, with every check a continued
+            # run gets (that pass continues or refuses: it never comes back here).
+            lease.release()
+            return prepare(job, run_dir, redactor)
     notes += [*taken, *(f"resume: {line}" for line in stated + removed)]
     notes += [*dataset.catalog_notes(), *filter(None, [job.trainer.exact_note])]  # hidden files..
     return Prepared(

@@ -7,6 +7,7 @@ import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -25,6 +26,7 @@ from ftjob.driver.resume import (
     finished_line,
 )
 from ftjob.driver.runner import prepare, resume_command
+from ftjob.storage.catalog import CheckpointCatalog
 from ftjob.storage.checkpoint import CheckpointStore
 from ftjob.storage.lease import RunLease
 from tests.support.images import make_image_tree
@@ -400,8 +402,25 @@ def test_a_driver_that_fails_right_after_taking_the_lease_gives_it_back(
     with pytest.raises(OSError, match="No space left"):
         prepare(job, str(tmp_path / "run"))
     monkeypatch.undo()
+    # resume=auto lists the checkpoints again once it holds the lease: storage down there.
+    take, held = runner._take_run, []
+
+    def taking(*args: Any) -> Any:
+        held.append(1)
+        return take(*args)
+
+    def down_once_held(store: CheckpointCatalog) -> list[int]:
+        if held:
+            raise ConnectionError("storage down")
+        return []
+
+    monkeypatch.setattr(runner, "_take_run", taking)
+    monkeypatch.setattr(CheckpointCatalog, "committed_steps", down_once_held)
+    with pytest.raises(ConnectionError, match="storage down"):
+        prepare(replace(job, resume="auto"), str(tmp_path / "auto"))
+    monkeypatch.undo()
     prep = prepare(job, str(tmp_path / "again"))  # taken at once: nothing to wait out
-    assert prep.lease.generation == 2
+    assert held and prep.lease.generation == 3
     prep.lease.release()
 
 
