@@ -13,6 +13,8 @@ import time
 from typing import Protocol
 
 from ftjob.actors import Actor, ask, tell
+from ftjob.chaos import reap
+from ftjob.chaos.reap import take_node_down
 from ftjob.chaos.schedule import ChaosKiller, KillSchedule
 from ftjob.config import NODE_KINDS, WORKER_KINDS, ChaosConfig
 from ftjob.placement import run_on_node, start_pinned_actor
@@ -29,48 +31,6 @@ def _kill_on_node(kind: str, pid: int | None) -> int:
     victim = int(pid or 0)
     os.kill(victim, signal.SIGSTOP if kind == "hang" else signal.SIGKILL)
     return victim
-
-
-def take_node_down(raylet: int) -> None:
-    """SIGKILL a node's raylet and every process it started -- its workers, their helpers,
-    this task last -- as a node that dies takes them all. The raylet alone leaves its workers
-    running where the node is a simulated one (``ray.cluster_utils.Cluster``: nodes share one
-    machine): orphans that keep their memory, and, stuck in a collective with the dead ranks,
-    a zombie each of the run they trained."""
-    me = os.getpid()
-    for child in _descendants(raylet):
-        if child != me:
-            _kill(child)
-    _kill(raylet)
-    _kill(me)
-
-
-def _descendants(root: int) -> list[int]:
-    """The processes under ``root`` (from /proc: Linux), children before their parents' kill
-    could orphan them."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:  # pid (comm) state ppid ...
-                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _ray_kill(kind: str, target: KillTarget, notice: float = 0.0) -> int:
@@ -94,23 +54,16 @@ class NodeReaper:
     good (it took no work again: a run sized to the cluster waited for it forever)."""
 
     def arm(self, delay: float) -> int:
+        """Start the reaper (``ftjob/chaos/reap.py``, the standard library only: it starts in
+        a moment, and its errors go to this actor's log); the raylet's pid."""
         raylet = os.getppid()
         subprocess.Popen(
-            [sys.executable, "-c", _REAP, str(delay), str(raylet)],
+            [sys.executable, "-I", "-S", reap.__file__, repr(time.time() + delay), str(raylet)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
         return raylet
-
-
-_REAP = (
-    "import sys, time\n"
-    "from ftjob.chaos.killer import take_node_down\n"
-    "time.sleep(float(sys.argv[1]))\n"
-    "take_node_down(int(sys.argv[2]))\n"
-)
 
 
 _reapers: list[Actor[NodeReaper]] = []  # armed reapers: an actor whose handle is dropped is killed

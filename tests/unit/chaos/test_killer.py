@@ -4,6 +4,8 @@ the shared machine (orphans holding their memory; zombies of the run in a collec
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_node_taken_down_leaves_none_of_its_processes():
-    from ftjob.chaos.killer import _descendants
+    from ftjob.chaos.reap import _descendants
 
     raylet = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
     try:
@@ -39,14 +41,10 @@ def test_a_node_taken_down_leaves_none_of_its_processes():
         under = _descendants(raylet.pid)
         assert set(workers) < set(under) and len(under) == 4  # two workers, two helpers
         killer = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"from ftjob.chaos.killer import *; take_node_down({raylet.pid})",
-            ],
+            [sys.executable, "-c", f"from ftjob.chaos.reap import *; take_node_down({raylet.pid})"],
             timeout=60,
         )
-        assert killer.returncode == -9  # the killing task was the node's too: it ends itself
+        assert killer.returncode == 0  # not one of the node's processes: it lives on
         assert raylet.wait(timeout=30) == -9
         deadline = time.monotonic() + 30
         while any(alive(pid) for pid in under) and time.monotonic() < deadline:
@@ -54,6 +52,16 @@ def test_a_node_taken_down_leaves_none_of_its_processes():
         assert not [pid for pid in under if alive(pid)]
     finally:
         raylet.kill()
+        end_all(under if "under" in locals() else [])
+
+
+def end_all(pids: list[int]) -> None:
+    """The test's own processes, if it failed before they were killed."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # A stand-in raylet whose one worker arms a reaper, then dies at once (as the reaper actor
@@ -74,3 +82,47 @@ def test_a_preempted_node_goes_at_its_deadline_though_what_armed_it_is_gone():
         assert raylet.wait(timeout=60) == -9
     finally:
         raylet.kill()
+
+
+def test_a_reaper_whose_raylet_ended_before_the_deadline_takes_nothing_down():
+    # Its pid may be another process's by the deadline (the cluster shut down, a chaos node
+    # kill came first): the reaper holds the raylet's pidfd and ends with it.
+    from ftjob.chaos import reap
+
+    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    reaper = subprocess.Popen(
+        [sys.executable, "-I", "-S", reap.__file__, repr(time.time() + 300), str(raylet.pid)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not holds_pidfd(reaper.pid, raylet.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raylet.kill()
+        raylet.wait(timeout=30)
+        _, said = reaper.communicate(timeout=60)  # long before its deadline
+        assert reaper.returncode == 0
+        assert (
+            said
+            == f"ftjob reaper: raylet {raylet.pid} ended before its deadline: nothing taken down\n"
+        )
+    finally:
+        raylet.kill()
+        reaper.kill()
+
+
+def holds_pidfd(holder: int, pid: int) -> bool:
+    """``holder`` has a pidfd of ``pid`` open (/proc's fdinfo says ``Pid:``)."""
+    try:
+        names = os.listdir(f"/proc/{holder}/fdinfo")
+    except FileNotFoundError:
+        return False
+    for name in names:
+        try:
+            with open(f"/proc/{holder}/fdinfo/{name}") as info:
+                if f"Pid:\t{pid}\n" in info.read():
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
