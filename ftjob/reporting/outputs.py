@@ -30,6 +30,7 @@ from typing import Any
 from ftjob.config.secrets import Redactor
 from ftjob.reporting.run_record import RECORD_FILE
 from ftjob.reporting.summary import SUMMARY_FILE
+from ftjob.storage.errors import is_storage_error
 from ftjob.storage.wrapper import innermost
 from ftjob.text import shorten
 
@@ -366,9 +367,19 @@ def finished_run_outputs(
     mirror = OutputsMirror(fs, target, run_dir, redactor)
     if mirror.inside:  # the finished run's outputs are this run dir's (storage lies inside it)
         return
-    holder = RunLease(fs, posixpath.dirname(target), lease_timeout, run_name=name).holder()
+    try:
+        holder = RunLease(fs, posixpath.dirname(target), lease_timeout, run_name=name).holder()
+    except Exception as exc:
+        if not is_storage_error(exc):
+            raise
+        say(f"outputs: {mirror.url} left as they are: the run's lease could not be read ({exc})")
+        return
     if holder is not None:
-        say(f"outputs: {mirror.url} left to {holder}, the driver that holds run {name!r} now")
+        say(
+            f"outputs: {mirror.url} left to {holder}, the driver that holds run {name!r} now "
+            f"(its lease renewed within checkpoint.lease_timeout={lease_timeout:g} s); if that "
+            "driver is gone, run this command again after that time to copy this run dir there"
+        )
         return
     if _succeeded_there(fs, target):
         say(f"outputs: {mirror.url} (the run's own, from the driver that finished it: kept)")

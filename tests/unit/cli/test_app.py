@@ -96,7 +96,24 @@ def test_resume_auto_of_a_finished_run_copies_its_outputs_only_where_none_say_it
     lines.clear()
     finished_run_outputs(str(storage), {}, retry, "done", again, Redactor(), lines.append, 60.0)
     assert lines == [
-        f"outputs: file://{outputs} left to elsewhere:1, the driver that holds run 'done' now"
+        f"outputs: file://{outputs} left to elsewhere:1, the driver that holds run 'done' now "
+        "(its lease renewed within checkpoint.lease_timeout=60 s); if that driver is gone, run "
+        "this command again after that time to copy this run dir there"
+    ]
+    assert json.loads((outputs / "summary.json").read_text()) == {"status": "running"}
+    # Storage that fails the lease's read: the outputs are left as they are, said, no error.
+    from ftjob.storage import lease as lease_module
+
+    def down(*args: object) -> list[int]:
+        raise ConnectionError("storage down")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(lease_module, "generations", down)
+        lines.clear()
+        finished_run_outputs(str(storage), {}, retry, "done", again, Redactor(), lines.append)
+    assert lines == [
+        f"outputs: file://{outputs} left as they are: the run's lease could not be read "
+        "(storage down)"
     ]
     assert json.loads((outputs / "summary.json").read_text()) == {"status": "running"}
     live.release()  # given back: the next rerun completes the outputs again
