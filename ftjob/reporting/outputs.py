@@ -154,8 +154,8 @@ class OutputsMirror:
     ) -> None:
         self.fs, self.target, self.run_dir, self.redactor = fs, target, run_dir, redactor
         # The run's lease fence (raises LeaseLost once another driver took the run), checked
-        # before every sync: a driver thawed after a takeover copies nothing over the live
-        # driver's outputs.
+        # before every sync and every file it copies: a driver thawed after a takeover copies
+        # nothing over the live driver's outputs.
         self.fence = fence
         self.deposed: str | None = None  # why the mirror stopped copying: the run is another's
         self.local = "file" in _protocols(innermost(fs))
@@ -222,6 +222,8 @@ class OutputsMirror:
                     seen = (stat.st_mtime_ns, stat.st_size)
                     if self.sent.get(rel) == seen:
                         continue
+                    if not self._still_ours():  # before each copy: a takeover mid-sync
+                        return copied
                     self._copy(rel, local)
                 except (OSError, RuntimeError) as exc:  # StorageError: retries spent
                     self.failed[rel] = f"{type(exc).__name__}: {exc}"
@@ -305,6 +307,8 @@ class OutputsMirror:
         if final:
             self.sync()
         said = []
+        if self.deposed is not None:
+            said.append(f"outputs: nothing more copied to {self.url}: {self.deposed}")
         if self.links:
             named = ", ".join(sorted(self.links)[:3]) + (", ..." if len(self.links) > 3 else "")
             said.append(

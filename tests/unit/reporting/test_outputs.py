@@ -300,6 +300,35 @@ def test_a_deposed_drivers_mirror_copies_nothing_over_the_live_drivers_outputs(t
     RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
     (run / OUTPUTS_DIR / "console.log").write_text("the live driver\n")
     (zombie_dir / "console.log").write_text("the first driver, thawed\n")
-    assert mirror.sync() == 0 and mirror.close() is None
+    assert mirror.sync() == 0
+    assert mirror.deposed is not None and "second:2" in mirror.deposed
+    assert mirror.close() == f"outputs: nothing more copied to {mirror.url}: {mirror.deposed}"
     assert (run / OUTPUTS_DIR / "console.log").read_text() == "the live driver\n"
+
+
+def test_a_takeover_during_a_sync_stops_it_before_the_next_file(tmp_path):
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ftjob.storage.lease import RunLease
+
+    run = tmp_path / "storage" / "run"
+    fs, target = build_filesystem(str(run / OUTPUTS_DIR), {}, FAST_RETRY)
+    first = RunLease(LocalFileSystem(), str(run), 60.0, owner="first:1")
+    first.acquire()
+    run_dir = tmp_path / "zombie"
+    run_dir.mkdir()
+    for name in ("console.log", "summary.json"):
+        (run_dir / name).write_text(name)
+    checks: list[int] = []
+
+    def fence() -> None:
+        checks.append(1)
+        if len(checks) == 3:  # the sync's own check, the first file's: then the takeover
+            first.release()
+            RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
+        first.fence()()
+
+    mirror = OutputsMirror(fs, target, str(run_dir), Redactor(), fence)
+    assert mirror.sync() == 1 and len(checks) == 3
+    assert len(list((run / OUTPUTS_DIR).iterdir())) == 1  # one of the two: the first listed
     assert mirror.deposed is not None and "second:2" in mirror.deposed
