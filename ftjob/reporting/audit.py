@@ -15,15 +15,18 @@ from ftjob.reporting.run_summary import EpochAudit
 
 def _surviving_steps(snap: RunSnapshot) -> list[AuditStep]:
     """The audited steps the final model was trained on: steps an attempt trained past the
-    checkpoint the next attempt restored were thrown away with that attempt (lost work)."""
+    checkpoint the next attempt restored were thrown away with that attempt (lost work). A
+    slice is sent as its step starts: the last attempt's step that never completed (the
+    run ended inside it) is not the model's either."""
     # Where each attempt continued from; one that stopped at its start continued nothing,
     # and the steps before it stand until an attempt that did continue.
     restored = {a.index: s for a in snap.attempts if (s := a.continued_from) is not None}
+    trained = {a.index: a.max_step for a in snap.attempts}
     kept = []
     for entry in snap.audit:
         a, step = entry.attempt, entry.step
         nxt = min((i for i in restored if i > a), default=None)
-        upper = restored[nxt] if nxt is not None else float("inf")
+        upper = restored[nxt] if nxt is not None else trained.get(a, 0)
         if restored.get(a, 0) < step <= upper:
             kept.append(entry)
     return sorted(kept, key=lambda e: e.step)

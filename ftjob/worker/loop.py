@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,15 +311,20 @@ class Worker:
         new_epoch = first or self.state.position == 0
         self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
         self.beat.step_started(waited)
+        audited = (
+            self.record.audit_step(
+                self.state.step + 1, epoch, batch.ids.tolist(), batch.skipped_ids()
+            )
+            if t.audit_samples
+            else None
+        )
         with self.metrics.timer(M.TRAIN_STEP):
-            self.losses.add(self._train_step(batch), B)
+            self.losses.add(self._train_step(batch, audited), B)
         self.state.step += 1
         self.beat.step_done(self.state.step)
         self.state.position += B
         self.metrics.add(M.TRAIN_ROWS_PROCESSED, B)
         self.metrics.set(M.TRAIN_STEPS_COMPLETED, self.state.step)
-        if t.audit_samples:
-            self.record.audit_step(self.state.step, epoch, batch.ids.tolist(), batch.skipped_ids())
         self.record.step_done(self.state.step)
         if first:  # with its own cost (batch wait + step): not set-up
             self.first_step_done = True
@@ -372,13 +378,18 @@ class Worker:
 
     # -- parts of a step ---------------------------------------------------------------------
 
-    def _train_step(self, batch: Batch) -> torch.Tensor:
+    def _train_step(self, batch: Batch, audited: Callable[[], None] | None) -> torch.Tensor:
         torch.manual_seed(_step_seed(self.trainer.seed, self.state.step, self.rank))
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-        # chaos=slow sleeps between forward and backward: local time, not the others' wait
-        loss = self.backward(self.state.step, self.model, batch, self._loss, self.beat.straggle)
+
+        def before_backward() -> None:
+            if audited is not None:  # the ledger holds this rank's slice before the all-reduce
+                audited()
+            self.beat.straggle()  # chaos=slow: local time, not the others' wait
+
+        loss = self.backward(self.state.step, self.model, batch, self._loss, before_backward)
         self.memory.settle()  # a snapshot still copying what the optimizer changes ends first
         self.optimizer.step()
         return loss

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from ftjob.actors import Actor, Fetch, Method, call, tell
@@ -39,6 +40,7 @@ from ftjob.record import (
 
 P = ParamSpec("P")
 T = TypeVar("T")
+AUDIT_TIMEOUT_S = 60.0  # a ledger that has not taken a step's slice by then is gone
 
 
 class JobStopped(Exception):  # noqa: N818 -- what happened, not an error of the code
@@ -116,9 +118,17 @@ class RunRecorder:
         place = dataclasses.replace(where, time=time.time())
         self._tell(WorkerLedger.register_worker, self.attempt, self.rank, place)
 
-    def audit_step(self, step: int, epoch: int, ids: list[int], skipped: list[int]) -> None:
-        """This rank's slice of a step: every sample of it, and those skipped (bad files)."""
-        self._tell(WorkerLedger.audit_step, self.attempt, step, epoch, ids, skipped)
+    def audit_step(
+        self, step: int, epoch: int, ids: list[int], skipped: list[int]
+    ) -> Callable[[], None]:
+        """This rank's slice of a step: every sample of it, and those skipped (bad files),
+        sent as the step starts. The answer: a wait, called before the step's gradients are
+        all-reduced, until the ledger holds the slice -- so a step that any rank completed
+        (and could snapshot) has every rank's slice on record. A slice sent after the step
+        was lost with a rank killed between the all-reduce and its report, while the step
+        survived in the other ranks' snapshot: a hole in the audit of a step trained once."""
+        ref = call(self.ledger, WorkerLedger.audit_step, self.attempt, step, epoch, ids, skipped)
+        return lambda: self._resolve(ref, timeout=AUDIT_TIMEOUT_S)
 
     def skipped_files(self, files: list[SkippedFile]) -> dict[str, int]:
         """Files this rank skipped (dataset.bad_files=skip): split, id, path, reason; the

@@ -71,6 +71,37 @@ def test_failures_restore_mid_epoch_and_every_sample_is_trained_once(tmp_path: P
     assert t["started"] <= t["workers_started"] < t["first_step"] < t["finished"]
 
 
+def test_the_ledger_holds_each_steps_slice_before_the_steps_gradients_are_summed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A slice sent after its step was lost with a rank killed between the step's all-reduce
+    # and its report, while the step survived in the other rank's memory snapshot: the audit
+    # then missed half a step the final model was trained on (a run judged failed for it).
+    from ftjob.driver.ledger import RunLedger
+    from ftjob.worker.heartbeat import Heartbeat
+
+    audited: list[int] = []
+    at_backward: list[int] = []
+    record, straggle = RunLedger.audit_step, Heartbeat.straggle
+
+    def audit_step(self: RunLedger, attempt: int, step: int, *rest: Any) -> None:
+        audited.append(step)
+        record(self, attempt, step, *rest)
+
+    def before_backward(self: Heartbeat) -> None:
+        at_backward.append(audited[-1] if audited else 0)
+        straggle(self)
+
+    monkeypatch.setattr(RunLedger, "audit_step", audit_step)
+    monkeypatch.setattr(Heartbeat, "straggle", before_backward)
+    run = run_digits(
+        tmp_path, "trainer.epochs=1", "trainer.num_workers=1", "trainer.audit_samples=true"
+    )
+    assert run.summary["status"] == "succeeded", run.errors
+    steps = run.summary["metrics"][M.TRAIN_STEPS_COMPLETED]
+    assert steps >= 22 and at_backward == list(range(1, int(steps) + 1)) and audited == at_backward
+
+
 def final_weights(run: Any) -> dict[str, torch.Tensor]:
     model = checkpoint_file(run.summary["checkpoints"]["latest"], "model.pt")
     return torch.load(io.BytesIO(model), weights_only=True)

@@ -242,6 +242,16 @@ def test_audit_catches_a_replayed_batch():
     assert a.duplicates == 8 and a.missing == 0 and not a.exactly_once
 
 
+def test_a_slice_of_a_step_the_run_ended_inside_is_not_the_models():
+    # Slices are sent as their step starts: the run stopped inside step 4 (no step_done).
+    ledger = make_ledger()
+    a0 = ledger.begin_attempt(0.0)
+    train(ledger, a0, range(1, 4))
+    ledger.audit_step(a0, 4, 0, PLAN.shard(0, 24, 0, 1)[:8].tolist(), [])
+    [a] = audit_report(ledger.snapshot())
+    assert a.trained == 24 and a.unique == 24 and a.duplicates == 0
+
+
 # -- the verdict: a pure function of the ledger snapshot and how fit() ended ----------------
 
 
