@@ -49,6 +49,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# ftjob from this tree, as the drivers (started in its root) and their workers import it: the
+# report must read their records with their code, not an installed copy's.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
 PROGRESS = re.compile(r" step (\d+)/(\d+) ")
 # The console's chaos lines (ftjob.chaos.schedule.describe_chaos), by kind.
 CHAOS_LINES = {
@@ -114,6 +119,7 @@ class Driver(DriverLog):
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=ROOT,
             start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
