@@ -311,15 +311,10 @@ class Worker:
         new_epoch = first or self.state.position == 0
         self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
         self.beat.step_started(waited)
-        audited = (
-            self.record.audit_step(
-                self.state.step + 1, epoch, batch.ids.tolist(), batch.skipped_ids()
-            )
-            if t.audit_samples
-            else None
-        )
+        step, ids = self.state.step + 1, batch.ids.tolist()
+        audited = t.audit_samples and self.record.audit_step(step, epoch, ids, batch.skipped_ids())
         with self.metrics.timer(M.TRAIN_STEP):
-            self.losses.add(self._train_step(batch, audited), B)
+            self.losses.add(self._train_step(batch, audited or None), B)
         self.state.step += 1
         self.beat.step_done(self.state.step)
         self.state.position += B
@@ -383,13 +378,8 @@ class Worker:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr(self.state.step)
         self.optimizer.zero_grad(set_to_none=True)
-
-        def before_backward() -> None:
-            if audited is not None:  # the ledger holds this rank's slice before the all-reduce
-                audited()
-            self.beat.straggle()  # chaos=slow: local time, not the others' wait
-
-        loss = self.backward(self.state.step, self.model, batch, self._loss, before_backward)
+        hook = _before_backward(audited, self.beat.straggle)
+        loss = self.backward(self.state.step, self.model, batch, self._loss, hook)
         self.memory.settle()  # a snapshot still copying what the optimizer changes ends first
         self.optimizer.step()
         return loss
@@ -458,6 +448,21 @@ class Worker:
 
 
 # -- the pieces, pure or nearly ---------------------------------------------------------------
+
+
+def _before_backward(
+    audited: Callable[[], None] | None, straggle: Callable[[], None]
+) -> Callable[[], None]:
+    """What runs between a step's first forward pass and its backward: the wait until the
+    ledger holds this rank's audit slice (before the gradients' all-reduce), then chaos=slow's
+    sleep (this rank's local time, not the others' wait)."""
+
+    def hook() -> None:
+        if audited is not None:
+            audited()
+        straggle()
+
+    return hook
 
 
 def decode_place(
