@@ -508,7 +508,15 @@ def report(
     checks[
         f"every committed checkpoint verifies ({len(committed)} committed, {len(bad)} do not)"
     ] = bool(committed) and not bad
-    corrupt = [q for q in quarantined if "left behind" not in str(q.get("reason", ""))]
+    # Set aside and not damaged: a deposed driver's commit left behind, an upload a kill cut
+    # short (never committed: no manifest). Damaged: a committed checkpoint that went bad.
+    corrupt = [
+        q
+        for q in quarantined
+        if q.get("committed", True) and "left behind" not in str(q.get("reason", ""))
+    ]
+    for q in quarantined:
+        print(f"[soak] set aside: step {q.get('step')}: {q.get('reason')}")
     checks[
         f"nothing quarantined as damaged ({len(quarantined)} set aside, {len(corrupt)} damaged)"
     ] = not corrupt

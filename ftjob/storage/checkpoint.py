@@ -444,16 +444,23 @@ class CheckpointStore(CheckpointCatalog):
     def quarantine_root(self) -> str:
         return posixpath.join(posixpath.dirname(self.root), QUARANTINE_DIR)
 
-    def quarantine(self, step: int, reason: str) -> str:
-        """Move the directory of ``step`` aside, with a note of why: a checkpoint that does not
-        verify is evidence, never deleted. Fenced. Returns where it went."""
+    def quarantine(self, step: int, reason: str, committed: bool = True) -> str:
+        """Move the directory of ``step`` aside, with a note of why and whether it had been
+        committed (a checkpoint that went bad; else an upload that never completed): what
+        does not verify is evidence, never deleted. Fenced. Returns where it went."""
         self.fence()
         destination = posixpath.join(
             self.quarantine_root,
             f"{self.dir_name(step)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}",
         )
         move_tree(self.fs, self.path_for(step), destination)
-        note = {"step": step, "reason": reason, "time": time.time(), "from": self.path_for(step)}
+        note = {
+            "step": step,
+            "reason": reason,
+            "committed": committed,
+            "time": time.time(),
+            "from": self.path_for(step),
+        }
         self.fs.pipe_file(posixpath.join(destination, QUARANTINE_NOTE), json.dumps(note).encode())
         return destination
 
@@ -470,7 +477,9 @@ class CheckpointStore(CheckpointCatalog):
             try:
                 age = None if bad["committed"] else written_ago(self.fs, bad["path"], self.root)
                 if age is None or age >= self.settle_s:
-                    bad["quarantined_to"] = self.quarantine(bad["step"], bad["reason"])
+                    bad["quarantined_to"] = self.quarantine(
+                        bad["step"], bad["reason"], bad["committed"]
+                    )
                     continue
                 bad["left"] = (
                     f"its newest file is {max(age, 0):.0f} s old, under {self.settle_s:g} s "

@@ -244,6 +244,12 @@ def test_an_upload_killed_midway_is_never_restored(
     result = store.restore_latest(str(tmp_path / "restore"))
     assert result is not None and result.step == 10  # ...and never used
     assert result.skipped[0]["reason"] == "no manifest: the upload never completed"
+    # Set aside (nothing in flight), its note says it was never committed: not a checkpoint
+    # that went bad.
+    settled = CheckpointStore(store.fs, posixpath.dirname(store.root), settle_s=0.0)
+    settled.set_aside(result.skipped)
+    note = posixpath.join(result.skipped[0]["quarantined_to"], QUARANTINE_NOTE)
+    assert json.loads(settled.fs.cat_file(note))["committed"] is False
 
 
 def test_restore_does_not_mistake_an_unreachable_store_for_a_corrupt_checkpoint(
@@ -279,7 +285,7 @@ def test_quarantine_moves_a_damaged_checkpoint_aside_with_a_note(
     assert store.steps() == [10]  # no longer a candidate...
     assert model_in(store, moved)  # ...and not deleted
     note = json.loads(store.fs.cat_file(posixpath.join(moved, QUARANTINE_NOTE)))
-    assert note["step"] == 20 and "manifest says" in note["reason"]
+    assert note["step"] == 20 and "manifest says" in note["reason"] and note["committed"]
     assert posixpath.dirname(moved) == store.quarantine_root
 
 
