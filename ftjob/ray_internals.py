@@ -57,12 +57,18 @@ if TYPE_CHECKING:
         ResizeDecision,
         ScalingDecision,
     )
+    from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+        TrainAutoscalingCoordinatorClient,
+    )
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
     from ray.train.v2._internal.util import time_monotonic
 
 # name -> the module it is imported from, when first asked for (see the module docstring).
 _LAZY = {
     "ElasticScalingPolicy": "ray.train.v2._internal.execution.scaling_policy.elastic",
+    "TrainAutoscalingCoordinatorClient": (
+        "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client"
+    ),
     "ScalingDecision": "ray.train.v2._internal.execution.scaling_policy",
     "NoopDecision": "ray.train.v2._internal.execution.scaling_policy",
     "ResizeDecision": "ray.train.v2._internal.execution.scaling_policy",
@@ -158,6 +164,7 @@ __all__ = [
     "NoopDecision",
     "ResizeDecision",
     "ScalingDecision",
+    "TrainAutoscalingCoordinatorClient",
     "WorkerGroupCallback",
     "drain_node_for_preemption",
     "draining_nodes",

@@ -932,5 +932,6 @@ def _fit(job: JobConfig, prep: Prepared, ledger: Actor[RunLedger], holders: Any 
             callbacks=[failure_watch(ledger), drain_relay(ledger, f.preemption_poll_interval)],
         ),
     )
-    with elastic_policy(ledger) if t.elastic else contextlib.nullcontext():
+    claim = f"ftjob-{prep.run.label}"  # the run's, whichever driver trains it
+    with elastic_policy(ledger, claim) if t.elastic else contextlib.nullcontext():
         return trainer.fit()

@@ -10,6 +10,13 @@ changes. ftjob runs it with two changes:
   policy reads a fresh view at each decision and leaves out every node whose raylet does not
   accept a connection -- so after a node loss the group continues at once on the nodes that
   remain.
+- **One claim on the cluster per run, not per driver.** Ray Train claims the group's
+  resources in Ray's shared autoscaling coordinator under an id of its own run (a new one for
+  every driver), renewed every 20 s and dropped at its controller's clean shutdown, or 180 s
+  after its last renewal; claims are served oldest first. A driver killed or frozen left its
+  claim ahead of the next driver's for up to 3 minutes: that driver saw no capacity to grow
+  (a soak's drivers after a SIGKILL ran on 1 of 2 workers throughout). ftjob claims under the
+  run's identity: the next driver's claim takes the dead one's place.
 - **A planned resize loses no step.** When a running group could grow (a node came back), the
   policy does not tear it down at once: it asks the workers, through the run ledger, to commit
   a checkpoint of their current step (the preemption path: every rank agrees at the next step,
@@ -37,6 +44,7 @@ from ftjob.ray_internals import (
     NoopDecision,
     ResizeDecision,
     ScalingDecision,
+    TrainAutoscalingCoordinatorClient,
     scaling_policy_factory,
     time_monotonic,
 )
@@ -64,13 +72,25 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
     checkpoint before a running group is resized (see the module docstring)."""
 
     def __init__(
-        self, scaling_config: Any, ledger: Actor[RunLedger], grow_timeout_s: float = 120.0
+        self,
+        scaling_config: Any,
+        ledger: Actor[RunLedger],
+        requester_id: str,
+        grow_timeout_s: float = 120.0,
     ) -> None:
         super().__init__(scaling_config)
         self.ledger = ledger
+        self.requester_id = requester_id  # the run's claim in the autoscaling coordinator
         self.grow_timeout_s = grow_timeout_s
         self._pending: tuple[int, float] | None = None  # (target, asked at): its checkpoint
         self._running = False
+
+    def after_controller_start(self, train_run_context: Any) -> None:
+        """Ray Train's registration with the autoscaling coordinator, under the run's id (see
+        the module docstring) where Ray's is its Ray Train run's."""
+        self._requester_id = self.requester_id
+        self._coordinator_client = TrainAutoscalingCoordinatorClient(self._requester_id)
+        self._send_resource_request()
 
     def _get_reserved_resources(self) -> Any:
         now = time_monotonic()
@@ -149,12 +169,15 @@ class FtjobElasticPolicy(ElasticScalingPolicy):
 
 
 @contextlib.contextmanager
-def elastic_policy(ledger: Actor[RunLedger], grow_timeout_s: float = 120.0) -> Iterator[None]:
-    """While active, an elastic TorchTrainer.fit() runs :class:`FtjobElasticPolicy`."""
+def elastic_policy(
+    ledger: Actor[RunLedger], requester_id: str, grow_timeout_s: float = 120.0
+) -> Iterator[None]:
+    """While active, an elastic TorchTrainer.fit() runs :class:`FtjobElasticPolicy`, its
+    claim on the cluster under ``requester_id`` (one per run: its identity)."""
 
     def create(scaling_config: Any, ray_factory: Any) -> Any:
         if scaling_config.elasticity_enabled:
-            return FtjobElasticPolicy(scaling_config, ledger, grow_timeout_s)
+            return FtjobElasticPolicy(scaling_config, ledger, requester_id, grow_timeout_s)
         return ray_factory(scaling_config)
 
     with scaling_policy_factory(create):

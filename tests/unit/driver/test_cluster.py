@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import socket
+from typing import Any
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
@@ -127,5 +128,34 @@ def test_decode_tasks_are_asked_for_only_where_batches_decode_in_ray_data() -> N
         # What auto decides on: this process's CPUs, and a cluster of this one machine.
         cores, one_machine = _ray_machine()
         assert cores >= 1 and one_machine
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.ray
+def test_an_elastic_runs_claim_on_the_cluster_is_the_runs_so_a_dead_drivers_gives_way() -> None:
+    """Ray Train claims an elastic group's resources in Ray's shared autoscaling coordinator,
+    served oldest first; a driver killed outright never withdraws its claim (it lapses 180 s
+    after its last renewal). Under one id per Ray Train run the next driver of the run was
+    left no capacity to grow; under the run's identity its claim takes the dead one's place."""
+    import ray
+    from ray.train import ScalingConfig
+
+    from ftjob.driver.scaling import FtjobElasticPolicy
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        config = ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1})
+        ledger: Any = None  # not asked: no group runs
+
+        def started(requester_id: str) -> int:
+            """A driver's policy, registered: how many workers it sees room for."""
+            policy = FtjobElasticPolicy(config, ledger, requester_id)
+            policy.after_controller_start(None)
+            return int(policy._count_possible_workers(policy._get_reserved_resources()))
+
+        assert started("ftjob-run@00000000000000aa") == 2  # then killed: never withdrawn
+        assert started("ftjob-other@00000000000000bb") == 0  # another claim: served after it
+        assert started("ftjob-run@00000000000000aa") == 2  # the same run's next driver
     finally:
         ray.shutdown()
