@@ -175,11 +175,8 @@ def prepare(job: JobConfig, run_dir: str, redactor: Redactor | None = None) -> P
     # Last: nothing fails after it. A finished run writes nothing: it takes no lease.
     lease, taken, identity = _take_run(job, name, probe_fs, run_path, catalogs[TRAIN], not finished)
     if job.resume == RESUME_AUTO and not resumption.continues:
-        try:
+        with _given_back_if_raised(lease):  # storage down
             committed = store.committed_steps()
-        except BaseException:
-            lease.release()  # storage down: not left for the next driver to wait out
-            raise
         if committed:
             # The driver whose lease this one waited out committed meanwhile (its workers
             # outlive a frozen driver): "starting it" no longer holds. Give the lease up and
@@ -230,6 +227,17 @@ def _continue_checks(
         return [], done
 
 
+@contextlib.contextmanager
+def _given_back_if_raised(lease: RunLease) -> Iterator[None]:
+    """A driver that fails right after taking the run's lease (a full disk, storage down, a
+    Ctrl-C) gives it back, not leaving it for the next driver to wait out; the error goes on."""
+    try:
+        yield
+    except BaseException:
+        lease.release()
+        raise
+
+
 def _take_run(
     job: JobConfig, name: str, fs: Any, run_path: str, train_catalog: Any, take: bool = True
 ) -> tuple[RunLease, list[str], RunIdentity | None]:
@@ -252,11 +260,8 @@ def _take_run(
         lease_note = lease.acquire()
     except LeaseHeld as exc:
         raise JobError(str(exc)) from None
-    try:
+    with _given_back_if_raised(lease):
         remember_catalog(fs, run_path, train_catalog)  # at the run's first start
-    except BaseException:
-        lease.release()  # not left for the next driver to wait out
-        raise
     notes = [f"run lease: one driver per run, by {exclusive_create_guarantee(fs)}"]
     return lease, notes + ([lease_note] if lease_note else []), identity
 

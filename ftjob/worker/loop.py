@@ -311,10 +311,9 @@ class Worker:
         new_epoch = first or self.state.position == 0
         self.metrics.add(M.TRAIN_ITER_FIRST_BATCH if new_epoch else M.TRAIN_ITER_BATCH, waited)
         self.beat.step_started(waited)
-        step, ids = self.state.step + 1, batch.ids.tolist()
-        audited = t.audit_samples and self.record.audit_step(step, epoch, ids, batch.skipped_ids())
+        audited = _audit(self.record, t.audit_samples, self.state.step + 1, epoch, batch)
         with self.metrics.timer(M.TRAIN_STEP):
-            self.losses.add(self._train_step(batch, audited or None), B)
+            self.losses.add(self._train_step(batch, audited), B)
         self.state.step += 1
         self.beat.step_done(self.state.step)
         self.state.position += B
@@ -448,6 +447,17 @@ class Worker:
 
 
 # -- the pieces, pure or nearly ---------------------------------------------------------------
+
+
+def _audit(
+    record: RunRecorder, on: bool, step: int, epoch: int, batch: Batch
+) -> Callable[[], None] | None:
+    """With ``trainer.audit_samples`` (``on``), this rank's slice of ``step`` sent to the
+    audit as the step starts: the wait until the ledger holds it
+    (:meth:`RunRecorder.audit_step`); None without."""
+    if not on:
+        return None
+    return record.audit_step(step, epoch, batch.ids.tolist(), batch.skipped_ids())
 
 
 def _before_backward(

@@ -8,8 +8,10 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 from omegaconf import OmegaConf
 
 from ftjob.cli.report import earlier_copies, logger_hints
@@ -24,6 +26,7 @@ from ftjob.reporting.run_summary import RunSummary
 from ftjob.reporting.summary import build_summary, write_summary
 from ftjob.reporting.sweep import mirror_sweep_report
 from ftjob.storage.fs import build_filesystem
+from ftjob.storage.lease import RunLease
 from tests.support.s3 import FAST_RETRY, fresh_s3fs, s3_keys  # noqa: F401 -- fresh_s3fs: autouse
 
 pytestmark = pytest.mark.s3
@@ -280,24 +283,32 @@ def test_links_in_the_run_dir_are_never_followed_out_of_it_and_said_once(tmp_pat
         mirror._copy("console.log", str(run_dir / "console.log"))
 
 
-def test_a_deposed_drivers_mirror_copies_nothing_over_the_live_drivers_outputs(tmp_path):
-    """A driver frozen past its lease and thawed after another took the run over: its mirror
-    checks the lease before every copy, and copies nothing once the run is another's."""
-    from fsspec.implementations.local import LocalFileSystem
-
-    from ftjob.storage.lease import RunLease
-
+def leased_run(tmp_path: Path) -> tuple[Path, Any, str, RunLease, Path]:
+    """A run in local storage whose lease a first driver holds: (the run's directory, the
+    outputs' filesystem and folder, the first driver's lease, its run dir)."""
     run = tmp_path / "storage" / "run"
     fs, target = build_filesystem(str(run / OUTPUTS_DIR), {}, FAST_RETRY)
     first = RunLease(LocalFileSystem(), str(run), 60.0, owner="first:1")
     first.acquire()
-    zombie_dir = tmp_path / "zombie"
-    zombie_dir.mkdir()
+    run_dir = tmp_path / "zombie"
+    run_dir.mkdir()
+    return run, fs, target, first, run_dir
+
+
+def taken_over(first: RunLease, run: Path) -> None:
+    """The run taken over by a second driver, as after the first one's timeout."""
+    first.release()
+    RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
+
+
+def test_a_deposed_drivers_mirror_copies_nothing_over_the_live_drivers_outputs(tmp_path):
+    """A driver frozen past its lease and thawed after another took the run over: its mirror
+    checks the lease before every copy, and copies nothing once the run is another's."""
+    run, fs, target, first, zombie_dir = leased_run(tmp_path)
     (zombie_dir / "console.log").write_text("the first driver\n")
     mirror = OutputsMirror(fs, target, str(zombie_dir), Redactor(), first.fence())
     assert mirror.sync() == 1
-    first.release()  # as a takeover after its timeout would leave it: the run is another's
-    RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
+    taken_over(first, run)
     (run / OUTPUTS_DIR / "console.log").write_text("the live driver\n")
     (zombie_dir / "console.log").write_text("the first driver, thawed\n")
     assert mirror.sync() == 0
@@ -307,16 +318,7 @@ def test_a_deposed_drivers_mirror_copies_nothing_over_the_live_drivers_outputs(t
 
 
 def test_a_takeover_during_a_sync_stops_it_before_the_next_file(tmp_path):
-    from fsspec.implementations.local import LocalFileSystem
-
-    from ftjob.storage.lease import RunLease
-
-    run = tmp_path / "storage" / "run"
-    fs, target = build_filesystem(str(run / OUTPUTS_DIR), {}, FAST_RETRY)
-    first = RunLease(LocalFileSystem(), str(run), 60.0, owner="first:1")
-    first.acquire()
-    run_dir = tmp_path / "zombie"
-    run_dir.mkdir()
+    run, fs, target, first, run_dir = leased_run(tmp_path)
     for name in ("console.log", "summary.json"):
         (run_dir / name).write_text(name)
     checks: list[int] = []
@@ -324,8 +326,7 @@ def test_a_takeover_during_a_sync_stops_it_before_the_next_file(tmp_path):
     def fence() -> None:
         checks.append(1)
         if len(checks) == 3:  # the sync's own check, the first file's: then the takeover
-            first.release()
-            RunLease(LocalFileSystem(), str(run), 60.0, owner="second:2").acquire()
+            taken_over(first, run)
         first.fence()()
 
     mirror = OutputsMirror(fs, target, str(run_dir), Redactor(), fence)

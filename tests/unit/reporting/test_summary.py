@@ -8,6 +8,7 @@ import json
 import pytest
 
 from ftjob import metrics as M
+from ftjob.driver.ledger import RunLedger
 from ftjob.policy.hang import SECTIONS
 from ftjob.record import (
     Attempt,
@@ -76,6 +77,16 @@ def test_failure_records_measure_each_part_of_recovery():
     assert f.lost_steps == 2  # trained to step 4, restored step 2
 
 
+def continued(ledger: RunLedger, started: float, step: int, first: FirstStep, until: int) -> int:
+    """An attempt that restored ``step`` at ``started``, its first step ``first``, trained up
+    to ``until`` (exclusive); its index."""
+    a = ledger.begin_attempt(started)
+    ledger.restored(a, restored(step))
+    ledger.first_step(a, first)
+    train(ledger, a, range(step + 1, until))
+    return a
+
+
 def test_a_preempted_attempt_with_no_failure_noticed_leaves_the_next_failures_their_own():
     # A drained node's workers end at its deadline and Ray Train restarts the group without
     # noticing a failure; the worker kill after it is still the failure of its own attempt
@@ -89,23 +100,14 @@ def test_a_preempted_attempt_with_no_failure_noticed_leaves_the_next_failures_th
     ledger.kill(preempt)
     ledger.confirm_kill(14.0, True)
     ledger.preemption_notice(a0, Notice(NoticeSource.drain, 14.5, 2, deadline=19.0, ranks=(0,)))
-    a1 = ledger.begin_attempt(22.0)
-    ledger.restored(a1, restored(2))
-    ledger.first_step(a1, FirstStep(3, 25.0))
-    train(ledger, a1, range(3, 4))
+    a1 = continued(ledger, 22.0, 2, FirstStep(3, 25.0), 4)
     ledger.kill(Kill(30.0, "worker", KillTarget("n2", rank=0, pid=7), a1))
     ledger.failure_noticed(31.0, {0: "ActorDiedError: worker died"})
-    a2 = ledger.begin_attempt(35.0)
-    ledger.restored(a2, restored(3))
-    ledger.first_step(a2, FirstStep(4, 38.0))
-    train(ledger, a2, range(4, 5))
+    a2 = continued(ledger, 35.0, 3, FirstStep(4, 38.0), 5)
     ledger.kill(Kill(40.0, "node", KillTarget("n3", ranks=(0,)), a2))
     ledger.confirm_kill(40.0, True)
     ledger.failure_noticed(41.5, {0: "ActorDiedError: node died"})
-    a3 = ledger.begin_attempt(45.0)
-    ledger.restored(a3, restored(4))
-    ledger.first_step(a3, FirstStep(5, 47.0))
-    train(ledger, a3, range(5, 6))
+    continued(ledger, 45.0, 4, FirstStep(5, 47.0), 6)
     ledger.finish(50.0)
     preempted, killed, lost = failure_records(ledger.snapshot())
     assert [f.attempt for f in (preempted, killed, lost)] == [1, 2, 3]
@@ -130,17 +132,11 @@ def test_a_restart_that_died_starting_is_its_own_failure_inside_the_recovery_bef
     ledger.kill(Kill(12.0, "worker", KillTarget("n1", rank=0, pid=7), a0))
     ledger.failure_noticed(13.0, {0: "ActorDiedError: worker died"})
     ledger.failure_noticed(17.0, {1: "ActorDiedError: died starting"})
-    a1 = ledger.begin_attempt(24.0)
-    ledger.restored(a1, restored(2))
-    ledger.first_step(a1, FirstStep(3, 27.0, 0.5))
-    train(ledger, a1, range(3, 4))
+    a1 = continued(ledger, 24.0, 2, FirstStep(3, 27.0, 0.5), 4)
     ledger.kill(Kill(26.5, "node", KillTarget("n2", ranks=(0,)), a1))
     ledger.confirm_kill(26.5, True)
     ledger.failure_noticed(27.5, {0: "ActorDiedError: node died"})
-    a2 = ledger.begin_attempt(33.0)
-    ledger.restored(a2, restored(3))
-    ledger.first_step(a2, FirstStep(4, 36.0, 0.5))
-    train(ledger, a2, range(4, 6))
+    continued(ledger, 33.0, 3, FirstStep(4, 36.0, 0.5), 6)
     ledger.finish(40.0)
     snap = ledger.snapshot()
     killed, restart, node = failure_records(snap)
